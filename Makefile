@@ -1,0 +1,79 @@
+# ar-slicing: `make install`, then `make all` (the demo) or `make test`.
+# Stage targets name the files they produce, so `make` reruns only what is stale; every stage
+# also skips work whose outputs are already complete (pass OVERWRITE=1 to redo it).
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+ARSLICE := $(VENV)/bin/arslice
+CONFIG ?= pipeline/configs/demo.toml
+# The run directory named by the config (`run_dir = "..."`).
+RUN := $(shell sed -n 's/^run_dir *= *"\([^"]*\)".*/\1/p' $(CONFIG) 2>/dev/null)
+RUNFLAGS := $(if $(OVERWRITE),--overwrite,)
+STAGE = $(ARSLICE) run --config $(CONFIG) $(RUNFLAGS) --stage
+
+.PHONY: install test test-slow test-gpu lint format bench bench-gpu all tokenizer tokenize counts tags train eval report readme-demo clean-run
+
+install:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[dev,ray]"
+
+test:
+	$(PY) -m pytest -m "not slow and not gpu" -q
+
+test-slow:
+	$(PY) -m pytest -m "slow and not gpu" -q
+
+test-gpu:
+	$(PY) -m pytest -m gpu -q
+
+lint:
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format:
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench:
+	@set -e; for f in benchmarks/bench_*.py; do echo "== $$f"; $(PY) $$f; done
+
+bench-gpu:
+	@set -e; for f in benchmarks/gpu_*.py; do echo "== $$f"; $(PY) $$f; done
+
+# ---- the pipeline, one target per stage -------------------------------------------------------
+all: report
+
+tokenizer: $(RUN)/tokenizer.json
+$(RUN)/tokenizer.json: $(CONFIG)
+	$(STAGE) tokenizer
+
+tokenize: $(RUN)/tokens/train/meta.json $(RUN)/tokens/val/meta.json
+$(RUN)/tokens/train/meta.json $(RUN)/tokens/val/meta.json &: $(RUN)/tokenizer.json
+	$(STAGE) tokenize
+
+counts: $(RUN)/counts/meta.json
+$(RUN)/counts/meta.json: $(RUN)/tokens/train/meta.json
+	$(STAGE) count
+
+tags: $(RUN)/tags/meta.json
+$(RUN)/tags/meta.json: $(RUN)/tokens/val/meta.json $(RUN)/counts/meta.json
+	$(STAGE) tag
+
+train: $(RUN)/models/meta.json
+$(RUN)/models/meta.json: $(RUN)/tokens/train/meta.json
+	$(STAGE) train
+
+eval: $(RUN)/losses/meta.json
+$(RUN)/losses/meta.json: $(RUN)/tags/meta.json $(RUN)/models/meta.json
+	$(STAGE) eval
+
+report: $(RUN)/report/report.html
+$(RUN)/report/report.html: $(RUN)/tags/meta.json $(RUN)/losses/meta.json
+	$(STAGE) report
+
+clean-run:
+	rm -rf $(RUN)

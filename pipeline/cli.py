@@ -1,0 +1,110 @@
+"""`arslice`: one console script dispatching subcommands from a table.
+
+Subcommand modules are imported only when chosen, so `arslice --help` and the data stages start
+without loading torch or transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from ar_slicing import __version__
+from ar_slicing.errors import ArSliceError
+
+# name -> (module defining COMMAND, one-line summary shown by `arslice --help`)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train-tokenizer": ("pipeline.train_tokenizer", "train a byte-level BPE tokenizer on text sources"),
+    "tokenize": ("pipeline.tokenize", "text sources or pre-tokenized data -> token store"),
+    "count": ("pipeline.count", "exact training bigram counts of token stores"),
+    "tag": ("pipeline.tag", "evaluation windows, in-context repeats and AR hits"),
+    "train": ("pipeline.train", "train a small model of one architecture on a token store"),
+    "eval": ("pipeline.eval", "per-token losses of one model over the tagged windows"),
+    "report": ("pipeline.report", "results.duckdb, Table 1, Figure 1 and the HTML report"),
+    "query": ("pipeline.query", "run one SQL question from queries/ against a run"),
+    "verify": ("pipeline.verify", "check a run's invariants"),
+    "run": ("pipeline.run", "run stages of a pipeline config file (what `make` calls)"),
+}
+
+EPILOG = """examples:
+  arslice tokenize --source val.jsonl.zst --tokenizer gpt2 --out runs/pile/tokens/val
+  arslice count --tokens runs/pile/tokens/train --out runs/pile/counts
+  arslice tag --tokens runs/pile/tokens/val --counts runs/pile/counts --out runs/pile/tags
+  arslice eval --model hf:EleutherAI/pythia-160m --tags runs/pile/tags --out runs/pile/losses/pythia-160m
+  arslice report --run runs/pile
+  arslice query slice_perplexity --run runs/pile
+
+Each subcommand has its own --help with examples, and --dry-run to print its resolved config."""
+
+
+def top_level_help() -> str:
+    width = max(len(n) for n in COMMANDS)
+    lines = [
+        f"usage: arslice COMMAND [options]   (ar-slicing {__version__})",
+        "",
+        "Associative-recall slicing of language-model perplexity.",
+        "",
+        "commands:",
+    ]
+    lines += [f"  {name.ljust(width)}  {summary}" for name, (_, summary) in COMMANDS.items()]
+    return "\n".join(lines) + "\n\n" + EPILOG
+
+
+def build_parser(name: str):
+    """The argparse parser of subcommand `name`, and its Command."""
+    from pipeline.config import add_config_arguments
+
+    module_name, summary = COMMANDS[name]
+    command = importlib.import_module(module_name).COMMAND
+    parser = argparse.ArgumentParser(
+        prog=f"arslice {name}",
+        description=command.description or summary,
+        epilog="examples:\n" + command.examples.strip("\n") if command.examples else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_arguments(parser, command.config_cls)
+    parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level"
+    )
+    return parser, command
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipeline.config import config_from_namespace, print_config
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(top_level_help())
+        return 0
+    if argv[0] == "--version":
+        print(f"ar-slicing {__version__}")
+        return 0
+    name = argv[0]
+    if name not in COMMANDS:
+        print(f"arslice: unknown command {name!r}\n\n{top_level_help()}", file=sys.stderr)
+        return 2
+    parser, command = build_parser(name)
+    ns = parser.parse_args(argv[1:])
+    logging.basicConfig(
+        level=getattr(logging, ns.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        cfg = config_from_namespace(command.config_cls, ns)
+        if ns.dry_run:
+            print_config(cfg)
+            return 0
+        command.run(cfg)
+    except ArSliceError as e:
+        print(f"arslice {name}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"arslice {name}: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Stage configs as frozen dataclasses, and the argparse flags generated from them.
+
+Each stage module defines::
+
+    @dataclass(frozen=True)
+    class TagConfig:
+        tokens: str = field(metadata={"help": "validation token store directory"})
+        window: int = field(default=2048, metadata={"help": "window length L"})
+
+    COMMAND = Command(TagConfig, run_tag, summary="...", examples="arslice tag --tokens ...")
+
+Field name `x_y` becomes flag `--x-y`; a field without a default is a required flag; `list[...]`
+fields take one or more values; `bool` fields are switches (`--flag` / `--no-flag`); metadata may
+carry `choices`, `flag` (a different flag name) and `positional: True`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass
+from typing import Any
+
+from ar_slicing.errors import ArSliceError
+
+
+@dataclass(frozen=True)
+class Command:
+    """One `arslice` subcommand: a config dataclass and the pure function that runs it."""
+
+    config_cls: type
+    run: Callable[[Any], Any]
+    summary: str
+    examples: str = ""
+    description: str = ""
+
+
+def _field_type(cls: type, f: dataclasses.Field) -> Any:
+    hints = typing.get_type_hints(cls)
+    return hints[f.name]
+
+
+def _unwrap_optional(tp: Any) -> Any:
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        non_none = [a for a in args if a is not type(None)]
+        if len(non_none) == 1:
+            return non_none[0]
+    return tp
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add one flag per field of the dataclass `cls`."""
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("cli") is False:
+            continue
+        tp = _unwrap_optional(_field_type(cls, f))
+        origin = typing.get_origin(tp)
+        help_text = f.metadata.get("help", "")
+        kwargs: dict[str, Any] = {"help": help_text, "dest": f.name}
+        has_default = f.default is not MISSING or f.default_factory is not MISSING
+        default = (
+            f.default if f.default is not MISSING else f.default_factory()
+            if f.default_factory is not MISSING else None
+        )
+        if "choices" in f.metadata:
+            kwargs["choices"] = f.metadata["choices"]
+        name = "--" + f.metadata.get("flag", f.name.replace("_", "-"))
+        if tp is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+            kwargs["default"] = bool(default)
+        elif origin in (list, tuple):
+            (item,) = typing.get_args(tp)[:1]
+            kwargs["nargs"] = "+"
+            kwargs["type"] = item
+        else:
+            kwargs["type"] = tp if tp in (int, float, str) else str
+        if has_default and tp is not bool:
+            kwargs["default"] = default
+            if help_text and default not in (None, [], ()):
+                kwargs["help"] = f"{help_text} (default: {default})"
+        elif not has_default:
+            kwargs["required"] = True
+        if f.metadata.get("positional"):
+            kwargs.pop("dest")
+            kwargs.pop("required", None)
+            parser.add_argument(f.name, **kwargs)
+        else:
+            parser.add_argument(name, **kwargs)
+
+
+def config_from_namespace(cls: type, ns: argparse.Namespace) -> Any:
+    values = {}
+    for f in dataclasses.fields(cls):
+        if hasattr(ns, f.name):
+            v = getattr(ns, f.name)
+            if isinstance(v, list) and typing.get_origin(_unwrap_optional(_field_type(cls, f))) is tuple:
+                v = tuple(v)
+            values[f.name] = v
+    return cls(**values)
+
+
+def config_from_mapping(cls: type, mapping: Mapping[str, Any], context: str = "config") -> Any:
+    """Build `cls` from a TOML table, refusing unknown keys with a message naming them."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(mapping) - names)
+    if unknown:
+        raise ArSliceError(
+            f"{context}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(names))}"
+        )
+    values = dict(mapping)
+    for f in dataclasses.fields(cls):
+        tp = _unwrap_optional(_field_type(cls, f))
+        if f.name in values and typing.get_origin(tp) is tuple:
+            values[f.name] = tuple(values[f.name])
+    try:
+        return cls(**values)
+    except TypeError as e:
+        raise ArSliceError(f"{context}: {e}") from None
+
+
+def config_to_dict(cfg: Any) -> dict:
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+
+
+def print_config(cfg: Any, file=sys.stdout) -> None:
+    """`--dry-run` output: the resolved config as JSON."""
+    print(json.dumps({type(cfg).__name__: config_to_dict(cfg)}, indent=2, default=str), file=file)
