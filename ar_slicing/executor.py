@@ -14,7 +14,9 @@ from typing import Any
 
 
 def default_workers() -> int:
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    return max(
+        1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
 
 
 class LocalExecutor:
@@ -25,7 +27,9 @@ class LocalExecutor:
     def __init__(self, workers: int | None = None):
         self.workers = workers or default_workers()
 
-    def map_unordered(self, fn: Callable[[Any], Any], tasks: Iterable[Any]) -> Iterator[tuple[Any, Any]]:
+    def map_unordered(
+        self, fn: Callable[[Any], Any], tasks: Iterable[Any]
+    ) -> Iterator[tuple[Any, Any]]:
         """Yield (task, fn(task)) as tasks finish. Keeps at most 2×workers tasks in flight."""
         tasks = iter(tasks)
         if self.workers <= 1:

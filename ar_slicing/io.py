@@ -70,7 +70,9 @@ def read_json(path: str | os.PathLike) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise BadInput(f"{path}: not found (was the stage that writes it run to completion?)") from None
+        raise BadInput(
+            f"{path}: not found (was the stage that writes it run to completion?)"
+        ) from None
     except json.JSONDecodeError as e:
         raise BadInput(f"{path}: not valid JSON ({e}); delete it and rerun the stage") from None
 

@@ -118,7 +118,9 @@ class TokenStore:
         """The whole stream as a read-only memmap."""
         if self.n_tokens == 0:
             return np.zeros(0, dtype=self.dtype)
-        return np.memmap(self.path / TOKENS_NAME, dtype=self.dtype, mode="r", shape=(self.n_tokens,))
+        return np.memmap(
+            self.path / TOKENS_NAME, dtype=self.dtype, mode="r", shape=(self.n_tokens,)
+        )
 
     @cached_property
     def docs(self):
@@ -200,7 +202,9 @@ def write_token_store(
             "offset": pa.array(offsets),
             "n_tokens": pa.array(lengths.astype(np.int32)),
             "source": pa.array([source] * len(documents), pa.string()),
-            "subset": pa.array(list(subsets) if subsets is not None else [None] * len(documents), pa.string()),
+            "subset": pa.array(
+                list(subsets) if subsets is not None else [None] * len(documents), pa.string()
+            ),
         },
         schema=docs_schema(),
     )

@@ -16,7 +16,10 @@ from ar_slicing.errors import ArSliceError
 
 # name -> (module defining COMMAND, one-line summary shown by `arslice --help`)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train-tokenizer": ("pipeline.train_tokenizer", "train a byte-level BPE tokenizer on text sources"),
+    "train-tokenizer": (
+        "pipeline.train_tokenizer",
+        "train a byte-level BPE tokenizer on text sources",
+    ),
     "tokenize": ("pipeline.tokenize", "text sources or pre-tokenized data -> token store"),
     "count": ("pipeline.count", "exact training bigram counts of token stores"),
     "tag": ("pipeline.tag", "evaluation windows, in-context repeats and AR hits"),
@@ -67,7 +70,10 @@ def build_parser(name: str):
     add_config_arguments(parser, command.config_cls)
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     parser.add_argument(
-        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level"
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging level",
     )
     return parser, command
 
@@ -89,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser, command = build_parser(name)
     ns = parser.parse_args(argv[1:])
     logging.basicConfig(
-        level=getattr(logging, ns.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=getattr(logging, ns.log_level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
         cfg = config_from_namespace(command.config_cls, ns)

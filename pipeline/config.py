@@ -64,8 +64,11 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         kwargs: dict[str, Any] = {"help": help_text, "dest": f.name}
         has_default = f.default is not MISSING or f.default_factory is not MISSING
         default = (
-            f.default if f.default is not MISSING else f.default_factory()
-            if f.default_factory is not MISSING else None
+            f.default
+            if f.default is not MISSING
+            else f.default_factory()
+            if f.default_factory is not MISSING
+            else None
         )
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
@@ -98,7 +101,10 @@ def config_from_namespace(cls: type, ns: argparse.Namespace) -> Any:
     for f in dataclasses.fields(cls):
         if hasattr(ns, f.name):
             v = getattr(ns, f.name)
-            if isinstance(v, list) and typing.get_origin(_unwrap_optional(_field_type(cls, f))) is tuple:
+            if (
+                isinstance(v, list)
+                and typing.get_origin(_unwrap_optional(_field_type(cls, f))) is tuple
+            ):
                 v = tuple(v)
             values[f.name] = v
     return cls(**values)

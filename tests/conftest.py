@@ -71,10 +71,17 @@ def make_store(tmp_path):
 
     counter = {"n": 0}
 
-    def make(documents, *, vocab_size=1000, eos_id=0, fingerprint="f" * 64, subsets=None, name=None):
+    def make(
+        documents, *, vocab_size=1000, eos_id=0, fingerprint="f" * 64, subsets=None, name=None
+    ):
         counter["n"] += 1
         out = tmp_path / (name or f"store{counter['n']}")
-        info = {"name": "test", "fingerprint": fingerprint, "vocab_size": vocab_size, "eos_id": eos_id}
+        info = {
+            "name": "test",
+            "fingerprint": fingerprint,
+            "vocab_size": vocab_size,
+            "eos_id": eos_id,
+        }
         return write_token_store(out, documents, tokenizer_info=info, subsets=subsets)
 
     return make
