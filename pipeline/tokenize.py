@@ -1,0 +1,690 @@
+"""`arslice tokenize`: text sources (or pre-tokenized data) -> a token store (DESIGN.md).
+
+Text sources are read in order by `ar_slicing.readers` and cut into shards of consecutive
+documents (at most `shard_docs` documents or `shard_mb` MB of text, so the cut points depend only
+on the input). Worker processes encode each shard with the tokenizer's batched encoder and write
+its tokens (EOS after every document) and document table to `<out>/.parts/` atomically; the docs
+part, written second, marks the shard done. A final assembly concatenates the parts in shard
+order into `tokens.bin` and `docs.parquet`, writes `tokenizer.json`, `meta.json` last, and removes
+the parts. So the store's bytes do not depend on the worker count, and a killed run resumes at
+shard granularity (it re-reads the sources but encodes only the shards not yet done).
+
+Pre-tokenized sources (Megatron/GPT-NeoX `.bin` + `.idx`, raw uint16/uint32 files) are copied
+into a store as they are, without appending anything (`eos_appended: false`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ar_slicing.errors import ArSliceError, BadInput
+from ar_slicing.io import (
+    atomic_path,
+    build_meta,
+    prepare_out_dir,
+    read_json,
+    write_bytes_atomic,
+    write_json_atomic,
+    write_meta,
+)
+from ar_slicing.readers import BAD_RECORD_POLICIES, ReadStats, is_pretokenized, iter_documents
+from ar_slicing.store import DOCS_NAME, TOKENIZER_NAME, TOKENS_NAME, docs_schema, dtype_for_vocab
+from pipeline.config import Command, config_to_dict
+
+log = logging.getLogger(__name__)
+
+PARTS_DIR = ".parts"
+PLAN_NAME = "plan.json"
+SOURCE_FORMATS = ("raw-uint16", "raw-uint32", "megatron")
+
+
+@dataclass(frozen=True)
+class TokenizeConfig:
+    source: list[str] = field(
+        metadata={
+            "help": "text sources (.jsonl[.gz|.zst], .parquet, .txt, directories, hf://...) "
+            "or pre-tokenized files (X.bin with X.idx beside it, raw token files)"
+        }
+    )
+    out: str = field(metadata={"help": "token store directory to write"})
+    tokenizer: str | None = field(
+        default=None,
+        metadata={
+            "help": "tokenizer.json, transformers tokenizer directory or hub name (optional "
+            "for pre-tokenized imports given --vocab-size and --eos-id)"
+        },
+    )
+    workers: int = field(default=0, metadata={"help": "encoding processes (0 = all cores)"})
+    text_field: str = field(
+        default="text", metadata={"help": "JSON field / Parquet column holding the text"}
+    )
+    on_bad_record: str = field(
+        default="error",
+        metadata={
+            "help": "a malformed record stops the run (error) or is counted and skipped (skip)",
+            "choices": list(BAD_RECORD_POLICIES),
+        },
+    )
+    source_format: str | None = field(
+        default=None,
+        metadata={
+            "help": "format of pre-tokenized sources (default: X.bin with X.idx is megatron)",
+            "choices": list(SOURCE_FORMATS),
+        },
+    )
+    glob: str = field(
+        default="**/*.txt", metadata={"help": "file pattern inside directory sources"}
+    )
+    split_fraction: float | None = field(
+        default=None,
+        metadata={
+            "help": "keep a deterministic part of the documents: a document is 'val' when "
+            "sha256 of its path relative to the source root maps below this fraction"
+        },
+    )
+    split_part: str | None = field(
+        default=None,
+        metadata={"help": "which part to keep with --split-fraction", "choices": ["train", "val"]},
+    )
+    max_docs: int | None = field(default=None, metadata={"help": "stop after this many documents"})
+    eos_token: str | None = field(
+        default=None,
+        metadata={
+            "help": "the token appended after each document (default: <|endoftext|> or the like)"
+        },
+    )
+    vocab_size: int | None = field(
+        default=None,
+        metadata={"help": "vocabulary size of a pre-tokenized import made without --tokenizer"},
+    )
+    eos_id: int | None = field(
+        default=None,
+        metadata={"help": "end-of-document id of a pre-tokenized import made without --tokenizer"},
+    )
+    shard_docs: int = field(default=10_000, metadata={"help": "most documents per shard"})
+    shard_mb: float = field(default=4.0, metadata={"help": "most MB of text per shard"})
+    overwrite: bool = field(default=False, metadata={"help": "redo a complete store"})
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    """One shard of documents to encode: plain values only, so any executor can ship it."""
+
+    index: int
+    texts: list[str]
+    sources: list[str]
+    subsets: list[str | None]
+    tokenizer_path: str
+    parts_dir: str
+    dtype: str
+    eos_id: int
+    threads: int  # encoder threads inside the worker
+
+
+def part_paths(parts_dir: str | Path, index: int) -> tuple[Path, Path]:
+    parts_dir = Path(parts_dir)
+    return parts_dir / f"{index:07d}.tokens", parts_dir / f"{index:07d}.docs.parquet"
+
+
+def part_schema():
+    import pyarrow as pa
+
+    return pa.schema([("n_tokens", pa.int32()), ("source", pa.string()), ("subset", pa.string())])
+
+
+_TOKENIZERS: dict[str, object] = {}
+
+
+def _worker_tokenizer(path: str, threads: int):
+    if path not in _TOKENIZERS:
+        if threads <= 1:
+            # One encoder thread per process: the processes already use every core.
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        from tokenizers import Tokenizer
+
+        _TOKENIZERS[path] = Tokenizer.from_file(path)
+    return _TOKENIZERS[path]
+
+
+def encode_shard(task: ShardTask) -> dict:
+    """Encode one shard and write its tokens part, then its docs part (the completion marker)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tok = _worker_tokenizer(task.tokenizer_path, task.threads)
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # no offsets: faster
+    encodings = encode(task.texts, add_special_tokens=False)
+    dtype = np.dtype(task.dtype)
+    eos = np.array([task.eos_id], dtype=dtype)
+    pieces, lengths = [], np.empty(len(encodings), dtype=np.int32)
+    for i, enc in enumerate(encodings):
+        ids = np.array(enc.ids, dtype=dtype)
+        lengths[i] = ids.size
+        pieces.append(ids)
+        pieces.append(eos)
+    stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
+    tokens_path, docs_path = part_paths(task.parts_dir, task.index)
+    with atomic_path(tokens_path) as tmp:
+        stream.tofile(tmp)
+    table = pa.table(
+        {
+            "n_tokens": pa.array(lengths, pa.int32()),
+            "source": pa.array(task.sources, pa.string()),
+            "subset": pa.array(task.subsets, pa.string()),
+        },
+        schema=part_schema(),
+    )
+    with atomic_path(docs_path) as tmp:
+        pq.write_table(table, tmp)
+    return {"docs": len(task.texts), "tokens": int(stream.size)}
+
+
+def _done_shard_counts(parts_dir: Path, index: int, itemsize: int) -> dict | None:
+    """{docs, tokens} of a shard finished by an earlier run, or None if it is not done."""
+    import pyarrow.parquet as pq
+
+    tokens_path, docs_path = part_paths(parts_dir, index)
+    if not (docs_path.is_file() and tokens_path.is_file()):
+        return None
+    return {
+        "docs": pq.ParquetFile(docs_path).metadata.num_rows,
+        "tokens": tokens_path.stat().st_size // itemsize,
+    }
+
+
+def _source_identity(spec: str) -> dict:
+    """What identifies a source's content for the resume plan (path, size, mtime)."""
+    p = Path(spec)
+    if p.is_file():
+        st = p.stat()
+        return {"source": str(p.resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+    if p.is_dir():
+        return {"source": str(p.resolve())}
+    return {"source": spec}
+
+
+def _prepare_parts(parts_dir: Path, plan: dict) -> None:
+    """Keep finished shards only if they were made under the same plan; else start afresh."""
+    plan_path = parts_dir / PLAN_NAME
+    if parts_dir.exists():
+        old = read_json(plan_path) if plan_path.is_file() else None
+        if old != plan:
+            log.info("discarding %s: made with a different configuration or input", parts_dir)
+            shutil.rmtree(parts_dir)
+    parts_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(plan_path, plan)
+
+
+def _shard_documents(docs, shard_docs: int, shard_bytes: int) -> Iterator[tuple[int, list]]:
+    """Cut the document stream into consecutive shards (index, [Document, ...])."""
+    batch, size, index = [], 0, 0
+    for doc in docs:
+        batch.append(doc)
+        size += len(doc.text)  # characters: a cheap, deterministic stand-in for bytes
+        if len(batch) >= shard_docs or size >= shard_bytes:
+            yield index, batch
+            batch, size, index = [], 0, index + 1
+    if batch:
+        yield index, batch
+
+
+def run_tokenize(cfg: TokenizeConfig) -> dict:
+    sources = list(cfg.source)
+    if not sources:
+        raise ArSliceError("give at least one --source")
+    kinds = {is_pretokenized(s, cfg.source_format) for s in sources}
+    if len(kinds) > 1:
+        raise ArSliceError(
+            "cannot mix text sources and pre-tokenized files in one store; tokenize them into "
+            "separate stores"
+        )
+    if kinds == {True}:
+        return run_import(cfg)
+    return run_text(cfg)
+
+
+def _load_tokenizer_info(cfg: TokenizeConfig):
+    from ar_slicing.tokenizer import describe, load_tokenizer
+
+    tok = load_tokenizer(cfg.tokenizer)
+    info = describe(tok, cfg.tokenizer, cfg.eos_token)
+    return tok, info
+
+
+def run_text(cfg: TokenizeConfig) -> dict:
+    """Tokenize text sources into a store (see the module docstring)."""
+    from tqdm import tqdm
+
+    from ar_slicing.executor import LocalExecutor, default_workers
+
+    if cfg.tokenizer is None:
+        raise ArSliceError(
+            "text sources need --tokenizer (a tokenizer.json, directory or hub name)"
+        )
+    if cfg.shard_docs < 1 or cfg.shard_mb <= 0:
+        raise ArSliceError("--shard-docs and --shard-mb must be positive")
+    out = Path(cfg.out)
+    if not prepare_out_dir(out, cfg.overwrite):
+        print(f"tokenize: {out} is already complete; pass --overwrite to redo it")
+        return {"out": str(out), "skipped": True}
+    t0 = time.time()
+    tok, info = _load_tokenizer_info(cfg)
+    dtype = dtype_for_vocab(info["vocab_size"])
+    tokenizer_json = tok.to_str(pretty=True)
+    workers = cfg.workers or default_workers()
+    parts_dir = out / PARTS_DIR
+    plan = {
+        "tokenizer": info["fingerprint"],
+        "eos_id": info["eos_id"],
+        "dtype": dtype.name,
+        "sources": [_source_identity(s) for s in cfg.source],
+        **{
+            k: getattr(cfg, k)
+            for k in (
+                "text_field",
+                "glob",
+                "split_fraction",
+                "split_part",
+                "max_docs",
+                "on_bad_record",
+                "shard_docs",
+                "shard_mb",
+            )
+        },
+    }
+    _prepare_parts(parts_dir, plan)
+    tokenizer_path = parts_dir / TOKENIZER_NAME
+    write_bytes_atomic(tokenizer_path, tokenizer_json.encode())
+
+    stats = ReadStats()
+    docs = iter_documents(
+        cfg.source,
+        text_field=cfg.text_field,
+        glob=cfg.glob,
+        on_bad_record=cfg.on_bad_record,
+        split_fraction=cfg.split_fraction,
+        split_part=cfg.split_part,
+        max_docs=cfg.max_docs,
+        stats=stats,
+    )
+    threads = max(1, default_workers() // workers) if workers > 1 else default_workers()
+    progress = tqdm(desc="tokenize", unit=" docs", mininterval=1.0, dynamic_ncols=True)
+    totals = {"docs": 0, "tokens": 0, "shards": 0, "resumed": 0}
+
+    def account(counts: dict) -> None:
+        totals["docs"] += counts["docs"]
+        totals["tokens"] += counts["tokens"]
+        totals["shards"] += 1
+        progress.update(counts["docs"])
+        elapsed = max(time.time() - t0, 1e-9)
+        progress.set_postfix(
+            tokens=f"{totals['tokens']:,}", tok_s=f"{totals['tokens'] / elapsed:,.0f}"
+        )
+
+    def tasks() -> Iterator[ShardTask]:
+        for index, batch in _shard_documents(docs, cfg.shard_docs, int(cfg.shard_mb * 1e6)):
+            done = _done_shard_counts(parts_dir, index, dtype.itemsize)
+            if done is not None:
+                totals["resumed"] += 1
+                account(done)
+                continue
+            yield ShardTask(
+                index=index,
+                texts=[d.text for d in batch],
+                sources=[d.source for d in batch],
+                subsets=[d.subset for d in batch],
+                tokenizer_path=str(tokenizer_path),
+                parts_dir=str(parts_dir),
+                dtype=dtype.str,
+                eos_id=int(info["eos_id"]),
+                threads=threads,
+            )
+
+    try:
+        for _task, counts in LocalExecutor(workers).map_unordered(encode_shard, tasks()):
+            account(counts)
+    finally:
+        progress.close()
+    n_shards = totals["shards"]
+    n_tokens, n_docs = _assemble(out, parts_dir, n_shards, dtype)
+    with atomic_path(out / TOKENIZER_NAME) as tmp:
+        tmp.write_text(tokenizer_json)
+    wall = time.time() - t0
+    counts = {**stats.as_counts(), "tokens": n_tokens, "shards": n_shards}
+    meta = build_meta(
+        "tokenize",
+        config=config_to_dict(cfg),
+        inputs={"sources": [_source_identity(s) for s in cfg.source]},
+        counts=counts,
+        skipped={
+            "bad_records": stats.bad_records,
+            "empty": stats.empty,
+            "other_split_part": stats.other_split_part,
+        },
+        wall_time_s=wall,
+        throughput={
+            "tokens_per_s": n_tokens / max(wall, 1e-9),
+            "mb_per_s": stats.bytes / 1e6 / max(wall, 1e-9),
+        },
+        tokenizer=info,
+        dtype=dtype.name,
+        n_tokens=n_tokens,
+        n_docs=n_docs,
+        eos_appended=True,
+        bad_record_examples=stats.bad_examples,
+    )
+    write_meta(out, meta)
+    shutil.rmtree(parts_dir, ignore_errors=True)
+    summary = {
+        "out": str(out),
+        "skipped": False,
+        "n_docs": n_docs,
+        "n_tokens": n_tokens,
+        "dtype": dtype.name,
+        "bytes": stats.bytes,
+        "shards": n_shards,
+        "shards_resumed": totals["resumed"],
+        "bad_records": stats.bad_records,
+        "empty": stats.empty,
+        "invalid_utf8": stats.invalid_utf8,
+        "wall_time_s": wall,
+        "tokens_per_s": n_tokens / max(wall, 1e-9),
+    }
+    _print_summary(summary)
+    return summary
+
+
+def _assemble(out: Path, parts_dir: Path, n_shards: int, dtype: np.dtype) -> tuple[int, int]:
+    """Concatenate the parts, in shard order, into tokens.bin and docs.parquet."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    offset, doc_id = 0, 0
+    with atomic_path(out / TOKENS_NAME) as tokens_tmp, atomic_path(out / DOCS_NAME) as docs_tmp:
+        with (
+            open(tokens_tmp, "wb") as tokens_file,
+            pq.ParquetWriter(docs_tmp, docs_schema()) as writer,
+        ):
+            for index in range(n_shards):
+                tokens_path, docs_path = part_paths(parts_dir, index)
+                part = pq.read_table(docs_path)
+                lengths = part.column("n_tokens").to_numpy().astype(np.int64)
+                expected = int((lengths + 1).sum()) * dtype.itemsize
+                if tokens_path.stat().st_size != expected:
+                    raise BadInput(
+                        f"{tokens_path}: {tokens_path.stat().st_size} bytes, expected {expected}; "
+                        f"delete {parts_dir} and rerun"
+                    )
+                with open(tokens_path, "rb") as f:
+                    shutil.copyfileobj(f, tokens_file, 1 << 22)
+                offsets = offset + np.concatenate([[0], np.cumsum(lengths + 1)[:-1]]).astype(
+                    np.int64
+                )
+                n = len(lengths)
+                writer.write_table(
+                    pa.table(
+                        {
+                            "doc_id": pa.array(np.arange(doc_id, doc_id + n, dtype=np.int64)),
+                            "offset": pa.array(offsets, pa.int64()),
+                            "n_tokens": part.column("n_tokens"),
+                            "source": part.column("source"),
+                            "subset": part.column("subset"),
+                        },
+                        schema=docs_schema(),
+                    )
+                )
+                offset += int((lengths + 1).sum())
+                doc_id += n
+            if n_shards == 0:
+                writer.write_table(docs_schema().empty_table())
+    return offset, doc_id
+
+
+def _print_summary(s: dict) -> None:
+    skipped = ", ".join(
+        f"{s[k]} {k.replace('_', ' ')}" for k in ("bad_records", "empty") if s.get(k)
+    )
+    print(
+        f"tokenize: {s['n_docs']:,} docs, {s['n_tokens']:,} tokens ({s['dtype']}) -> {s['out']} "
+        f"in {s['wall_time_s']:.1f}s ({s['tokens_per_s']:,.0f} tokens/s)"
+        + (f"; skipped {skipped}" if skipped else "")
+        + (
+            f"; {s['invalid_utf8']} docs had invalid UTF-8 replaced"
+            if s.get("invalid_utf8")
+            else ""
+        )
+        + (
+            f"; resumed {s['shards_resumed']} of {s['shards']} shards"
+            if s.get("shards_resumed")
+            else ""
+        )
+    )
+
+
+# ---- pre-tokenized imports -------------------------------------------------------------------
+
+
+def _import_tokenizer_info(cfg: TokenizeConfig):
+    """(tokenizer or None, info) for an import: from --tokenizer, or from --vocab-size/--eos-id."""
+    if cfg.tokenizer is not None:
+        tok, info = _load_tokenizer_info(cfg)
+        if cfg.eos_id is not None and cfg.eos_id != info["eos_id"]:
+            raise ArSliceError(
+                f"--eos-id {cfg.eos_id} disagrees with the tokenizer's end-of-document id {info['eos_id']}"
+            )
+        if cfg.vocab_size is not None and cfg.vocab_size < info["vocab_size"]:
+            raise ArSliceError(
+                f"--vocab-size {cfg.vocab_size} is below the tokenizer's {info['vocab_size']}"
+            )
+        if cfg.vocab_size is not None:
+            info["vocab_size"] = cfg.vocab_size  # e.g. Pythia's padded embedding (50304)
+        return tok, info
+    if cfg.vocab_size is None or cfg.eos_id is None:
+        raise ArSliceError(
+            "a pre-tokenized import needs --tokenizer, or both --vocab-size and --eos-id "
+            "(for the Pythia data: --tokenizer EleutherAI/pythia-160m, or --vocab-size 50304 --eos-id 0)"
+        )
+    if not 0 <= cfg.eos_id < cfg.vocab_size:
+        raise ArSliceError(
+            f"--eos-id {cfg.eos_id} is outside the vocabulary 0..{cfg.vocab_size - 1}"
+        )
+    # Without a tokenizer, stores of the same import settings still share one fingerprint.
+    ident = (
+        f"pre-tokenized import without a tokenizer: vocab_size={cfg.vocab_size} eos_id={cfg.eos_id}"
+    )
+    return None, {
+        "name": f"none (vocab_size={cfg.vocab_size}, eos_id={cfg.eos_id})",
+        "fingerprint": hashlib.sha256(ident.encode()).hexdigest(),
+        "vocab_size": cfg.vocab_size,
+        "eos_id": cfg.eos_id,
+    }
+
+
+@dataclass
+class _ImportSource:
+    path: Path  # the token data
+    kind: str  # "megatron" | "raw-uint16" | "raw-uint32"
+
+
+def _resolve_import_source(spec: str, source_format: str | None) -> _ImportSource:
+    from ar_slicing.megatron import bin_path_for, idx_path_for
+
+    path = Path(spec)
+    if source_format in (None, "megatron"):
+        bin_path = bin_path_for(path)
+        if idx_path_for(bin_path).is_file():
+            return _ImportSource(bin_path, "megatron")
+        if source_format == "megatron":
+            raise BadInput(
+                f"source {spec}: no {idx_path_for(bin_path).name} beside it (needed for megatron)"
+            )
+        if not path.exists():
+            raise BadInput(f"source {spec}: no such file")
+        raise BadInput(
+            f"source {spec}: no {idx_path_for(bin_path).name} beside it; for a headerless token file "
+            "pass --source-format raw-uint16 or raw-uint32"
+        )
+    if not path.is_file():
+        raise BadInput(f"source {spec}: no such file")
+    return _ImportSource(path, source_format)
+
+
+def run_import(cfg: TokenizeConfig) -> dict:
+    """Copy pre-tokenized streams into a store, unchanged; documents from the idx or from EOS."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from tqdm import tqdm
+
+    from ar_slicing import megatron
+
+    if cfg.split_fraction is not None or cfg.max_docs is not None:
+        raise ArSliceError("--split-fraction and --max-docs apply to text sources, not to imports")
+    out = Path(cfg.out)
+    if not prepare_out_dir(out, cfg.overwrite):
+        print(f"tokenize: {out} is already complete; pass --overwrite to redo it")
+        return {"out": str(out), "skipped": True}
+    t0 = time.time()
+    tok, info = _import_tokenizer_info(cfg)
+    vocab, eos = int(info["vocab_size"]), int(info["eos_id"])
+    dtype = dtype_for_vocab(vocab)
+    sources = [_resolve_import_source(s, cfg.source_format) for s in cfg.source]
+    plans = []  # (source, chunk iterator factory, n_tokens, index or None)
+    for src in sources:
+        if src.kind == "megatron":
+            index = megatron.read_index(megatron.idx_path_for(src.path))
+            megatron.check_bin(index, src.path)
+            plans.append((src, index, index.n_tokens))
+        else:
+            raw = megatron.raw_dtype(src.path, src.kind)
+            plans.append((src, raw, src.path.stat().st_size // raw.itemsize))
+    total = sum(n for _, _, n in plans)
+    offsets, lengths, names = [], [], []
+    empty = 0
+    stream_pos = 0
+    progress = tqdm(total=total, desc="import", unit=" tokens", unit_scale=True, mininterval=1.0)
+    try:
+        with atomic_path(out / TOKENS_NAME) as tmp, open(tmp, "wb") as f:
+            for src, how, n in plans:
+                if src.kind == "megatron":
+                    chunks = megatron.iter_megatron_chunks(how, src.path)
+                else:
+                    data = np.memmap(src.path, dtype=how, mode="r") if n else np.zeros(0, how)
+                    chunks = (data[a : a + (1 << 24)] for a in range(0, n, 1 << 24))
+                eos_ends, seen = [], 0
+                for chunk in chunks:
+                    _check_range(chunk, vocab, src.path, seen)
+                    if src.kind != "megatron":
+                        eos_ends.append(np.flatnonzero(chunk == eos).astype(np.int64) + seen + 1)
+                    chunk.astype(dtype, copy=False).tofile(f)
+                    seen += chunk.size
+                    progress.update(chunk.size)
+                if src.kind == "megatron":
+                    doc_off, doc_len = megatron.megatron_documents(how)
+                else:
+                    doc_off, doc_len = _documents_from_eos_ends(eos_ends, n)
+                empty += int((doc_len == 0).sum())
+                keep = doc_len > 0
+                offsets.append(doc_off[keep] + stream_pos)
+                lengths.append(doc_len[keep])
+                names.append(np.full(int(keep.sum()), str(src.path), dtype=object))
+                stream_pos += n
+    finally:
+        progress.close()
+    offsets = np.concatenate(offsets) if offsets else np.zeros(0, np.int64)
+    lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+    if lengths.size and lengths.max() >= 2**31:
+        raise BadInput(
+            f"a document of {int(lengths.max())} tokens does not fit docs.parquet's int32 n_tokens"
+        )
+    table = pa.table(
+        {
+            "doc_id": pa.array(np.arange(offsets.size, dtype=np.int64)),
+            "offset": pa.array(offsets.astype(np.int64)),
+            "n_tokens": pa.array(lengths.astype(np.int32)),
+            "source": pa.array(np.concatenate(names) if names else [], pa.string()),
+            "subset": pa.nulls(offsets.size, pa.string()),
+        },
+        schema=docs_schema(),
+    )
+    with atomic_path(out / DOCS_NAME) as tmp:
+        pq.write_table(table, tmp)
+    if tok is not None:
+        with atomic_path(out / TOKENIZER_NAME) as tmp:
+            tmp.write_text(tok.to_str(pretty=True))
+    wall = time.time() - t0
+    meta = build_meta(
+        "tokenize",
+        config=config_to_dict(cfg),
+        inputs={"sources": [{"format": s.kind, **_source_identity(str(s.path))} for s in sources]},
+        counts={"documents": int(offsets.size), "tokens": stream_pos, "empty": empty},
+        skipped={"empty": empty},
+        wall_time_s=wall,
+        throughput={"tokens_per_s": stream_pos / max(wall, 1e-9)},
+        tokenizer=info,
+        dtype=dtype.name,
+        n_tokens=stream_pos,
+        n_docs=int(offsets.size),
+        eos_appended=False,
+    )
+    write_meta(out, meta)
+    summary = {
+        "out": str(out),
+        "skipped": False,
+        "n_docs": int(offsets.size),
+        "n_tokens": stream_pos,
+        "dtype": dtype.name,
+        "empty": empty,
+        "wall_time_s": wall,
+        "tokens_per_s": stream_pos / max(wall, 1e-9),
+    }
+    print(
+        f"tokenize: imported {summary['n_tokens']:,} tokens in {summary['n_docs']:,} docs "
+        f"({dtype.name}, stream kept as is) -> {out} in {wall:.1f}s"
+    )
+    return summary
+
+
+def _check_range(chunk: np.ndarray, vocab_size: int, path: Path, start: int) -> None:
+    if chunk.size == 0:
+        return
+    lo, hi = chunk.min(), chunk.max()
+    if lo < 0 or hi >= vocab_size:
+        bad = int(np.flatnonzero((chunk < 0) | (chunk >= vocab_size))[0])
+        raise BadInput(
+            f"{path}: token {int(chunk[bad])} at token index {start + bad} is outside the vocabulary "
+            f"0..{vocab_size - 1}; pass the right --tokenizer or --vocab-size"
+        )
+
+
+def _documents_from_eos_ends(eos_ends: list[np.ndarray], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Documents of a raw stream: each ends with (and includes) an EOS; a tail without one is the last."""
+    ends = np.concatenate(eos_ends) if eos_ends else np.zeros(0, np.int64)
+    if ends.size == 0 or ends[-1] != n:
+        ends = np.append(ends, np.int64(n)) if n else ends
+    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64) if ends.size else ends
+    return starts, ends - starts
+
+
+COMMAND = Command(
+    TokenizeConfig,
+    run_tokenize,
+    summary="text sources or pre-tokenized data -> token store",
+    examples="""
+  arslice tokenize --source val.jsonl.zst --tokenizer gpt2 --out runs/pile/tokens/val
+  arslice tokenize --source 00.jsonl.zst 01.jsonl.zst --tokenizer tokenizer.json --out runs/pile/tokens/train --workers 16
+  arslice tokenize --source /usr/lib/python3.11 --glob '**/*.py' --split-fraction 0.1 --split-part val \\
+      --tokenizer runs/demo/tokenizer.json --out runs/demo/tokens/val
+  arslice tokenize --source data.parquet --text-field content --on-bad-record skip --tokenizer t.json --out store
+  arslice tokenize --source hf://monology/pile-uncopyrighted@validation --tokenizer gpt2 --out val --max-docs 10000
+  arslice tokenize --source pile_0.87_deduped_text_document.bin --tokenizer EleutherAI/pythia-160m --out pythia
+  arslice tokenize --source train.bin --source-format raw-uint16 --vocab-size 50257 --eos-id 50256 --out store""",
+)
