@@ -1,0 +1,369 @@
+"""Load a model from a spec string into a `LoadedModel` that the eval stage can score with.
+
+Specs:
+    hf:<hub id or directory>   transformers AutoModelForCausalLM (Pythia/GPT-NeoX, GPT-2, GPT-Neo,
+                               Llama family, RWKV; RWKV runs through models/rwkv.py's chunked form)
+    zoology:<checkpoint>       a Zoology state dict + its ModelConfig -> models.backbone
+    safari:<checkpoint>        safari's Hyena LM raw state dict (e.g. Hyena-153M) -> models.backbone
+    native:<directory>         config.json + model.safetensors written by models.native.save_native
+
+Checkpoints are read with `torch.load(..., weights_only=True)` or safetensors only; a pickle that
+holds anything but plain tensors and containers is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ar_slicing.errors import ArSliceError
+
+log = logging.getLogger(__name__)
+
+SPEC_PREFIXES = ("hf", "zoology", "safari", "native")
+# Wrappers that training frameworks put around a state dict, and prefixes they put on its keys.
+_STATE_DICT_WRAPPERS = ("state_dict", "model_state_dict", "model", "module")
+_KEY_PREFIXES = ("_orig_mod.", "module.", "model.")
+_MAX_LISTED_KEYS = 20
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for scoring, with what the eval stage records about it.
+
+    model: the nn.Module in eval mode; architecture: "attention" | "base_conv" | "hyena" | "rwkv"
+    for this project's models, the transformers `model_type` (e.g. "gpt_neox") for hf:;
+    vocab_size: rows of the output head; max_positions: longest input the model accepts (None: no
+    limit); tokenizer_fingerprint: of the tokenizer found with the checkpoint, else None.
+    `hidden_and_head(input_ids (B, T))` -> (hidden (B, T, D), head weight (V, D), head bias or None).
+    """
+
+    model: Any
+    spec: str
+    architecture: str
+    n_params: int
+    vocab_size: int
+    max_positions: int | None
+    tokenizer_fingerprint: str | None
+    _hidden_and_head: Callable = field(repr=False, default=None)
+
+    def hidden_and_head(self, input_ids):
+        return self._hidden_and_head(input_ids)
+
+    @property
+    def device(self):
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self):
+        return next(self.model.parameters()).dtype
+
+
+def parse_spec(spec: str) -> tuple[str, str]:
+    """`"hf:EleutherAI/pythia-70m"` -> `("hf", "EleutherAI/pythia-70m")`."""
+    prefix, sep, target = str(spec).partition(":")
+    if not sep or prefix not in SPEC_PREFIXES or not target:
+        raise ArSliceError(
+            f"model spec {spec!r}: expected PREFIX:TARGET with PREFIX one of "
+            f"{', '.join(p + ':' for p in SPEC_PREFIXES)} (e.g. hf:EleutherAI/pythia-70m, "
+            "native:runs/demo/models/attention)"
+        )
+    return prefix, target
+
+
+def _resolve_dtype(dtype):
+    import torch
+
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    names = {
+        "float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+        "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    }  # fmt: skip
+    try:
+        return names[str(dtype).removeprefix("torch.")]
+    except KeyError:
+        raise ArSliceError(f"unknown dtype {dtype!r}; use one of {', '.join(names)}") from None
+
+
+def load_model(spec: str, device="cpu", dtype=None, fast_rwkv: bool = True) -> LoadedModel:
+    """Load the model named by `spec` (see the module docstring) onto `device`, in eval mode.
+
+    `dtype` (torch dtype or "bf16"/"fp32"/...) casts the weights; None keeps fp32. `fast_rwkv`
+    runs hf: RWKV checkpoints through this project's chunked RWKV instead of transformers' loop.
+    """
+    prefix, target = parse_spec(spec)
+    dtype = _resolve_dtype(dtype)
+    if prefix == "hf":
+        return _load_hf(spec, target, device, dtype, fast_rwkv)
+    if prefix == "native":
+        from models.native import load_native
+
+        path = Path(target)
+        if not path.is_dir():
+            raise ArSliceError(
+                f"{spec}: {path} is not a directory (expected a native checkpoint dir)"
+            )
+        model = load_native(path, device=device, dtype=dtype)
+        return wrap_language_model(model, spec, tokenizer_fingerprint=_fingerprint_near(path))
+    if prefix == "zoology":
+        from models.zoology_ckpt import load_zoology
+
+        model, tok_dir = load_zoology(target)
+    else:
+        from models.safari_ckpt import load_safari
+
+        model, tok_dir = load_safari(target)
+    model.eval()
+    model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+    return wrap_language_model(model, spec, tokenizer_fingerprint=_fingerprint_near(tok_dir))
+
+
+def count_params(model) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return total
+
+
+def max_positions_of(config) -> int | None:
+    """The longest input one of our LanguageModels accepts: learned positions, filter length, or none."""
+    limits = []
+    if config.max_position_embeddings:
+        limits.append(config.max_position_embeddings)
+    kernel = config.sequence_mixer_kwargs.get("kernel_size", 3)
+    if config.sequence_mixer in ("attention", "hyena") or (
+        config.sequence_mixer == "base_conv" and kernel == -1
+    ):
+        limits.append(config.l_max)
+    return min(limits) if limits else None
+
+
+def wrap_language_model(model, spec: str, tokenizer_fingerprint: str | None) -> LoadedModel:
+    config = model.config
+    return LoadedModel(
+        model=model,
+        spec=spec,
+        architecture=config.sequence_mixer,
+        n_params=count_params(model),
+        vocab_size=config.padded_vocab_size,
+        max_positions=max_positions_of(config),
+        tokenizer_fingerprint=tokenizer_fingerprint,
+        _hidden_and_head=model.hidden_and_head,
+    )
+
+
+def _fingerprint_near(path) -> str | None:
+    """Fingerprint of a tokenizer stored with a checkpoint (tokenizer.json or transformers files)."""
+    from ar_slicing.tokenizer import fingerprint, load_tokenizer
+
+    if path is None:
+        return None
+    path = Path(path)
+    if path.is_file():
+        path = path.parent
+    if (path / "tokenizer.json").is_file():
+        return fingerprint(load_tokenizer(path / "tokenizer.json"))
+    if any(
+        (path / n).is_file() for n in ("vocab.json", "tokenizer.model", "tokenizer_config.json")
+    ):
+        try:
+            return fingerprint(load_tokenizer(path))
+        except ArSliceError as e:
+            log.warning("%s: tokenizer files present but unreadable (%s)", path, e)
+    return None
+
+
+# ---- checkpoint files --------------------------------------------------------------------------
+
+
+def safe_torch_load(path) -> Any:
+    """`torch.load(path, weights_only=True)`, with refusals and corrupt files as ArSliceError."""
+    import torch
+
+    path = Path(path)
+    if not path.is_file():
+        raise ArSliceError(f"{path}: checkpoint file not found")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ArSliceError(
+            f"{path}: refused: this pickle holds more than plain weights ({first}). Only tensors "
+            "and plain containers are loaded; re-save it with torch.save(model.state_dict(), ...) "
+            "or as safetensors."
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise ArSliceError(f"{path}: not a readable PyTorch checkpoint ({e})") from None
+
+
+def read_weights(path) -> dict:
+    """A flat {name: tensor} state dict from a .safetensors file or a weights-only torch pickle."""
+    import torch
+
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        if not path.is_file():
+            raise ArSliceError(f"{path}: checkpoint file not found")
+        try:
+            return load_file(str(path))
+        except Exception as e:
+            raise ArSliceError(f"{path}: not a readable safetensors file ({e})") from None
+    obj = safe_torch_load(path)
+    for _ in range(3):  # unwrap {"state_dict": {...}} and the like
+        if isinstance(obj, Mapping) and not any(isinstance(v, torch.Tensor) for v in obj.values()):
+            inner = next(
+                (obj[k] for k in _STATE_DICT_WRAPPERS if isinstance(obj.get(k), Mapping)), None
+            )
+            if inner is None:
+                break
+            obj = inner
+    if not isinstance(obj, Mapping):
+        raise ArSliceError(
+            f"{path}: expected a state dict (name -> tensor), found {type(obj).__name__}"
+        )
+    state = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+    if not state:
+        raise ArSliceError(
+            f"{path}: holds no tensors (keys: {', '.join(list(map(str, obj))[:10])})"
+        )
+    return strip_key_prefixes(state)
+
+
+def strip_key_prefixes(state: Mapping[str, Any]) -> dict:
+    """Drop a prefix that every key shares (Lightning's `model.`, DDP's `module.`, compile's `_orig_mod.`)."""
+    state = dict(state)
+    changed = True
+    while changed:
+        changed = False
+        for prefix in _KEY_PREFIXES:
+            if state and all(k.startswith(prefix) for k in state):
+                state = {k[len(prefix) :]: v for k, v in state.items()}
+                changed = True
+    return state
+
+
+def _listed(keys: Iterable[str]) -> str:
+    keys = list(keys)
+    shown = ", ".join(keys[:_MAX_LISTED_KEYS])
+    return shown + (
+        f", … ({len(keys) - _MAX_LISTED_KEYS} more)" if len(keys) > _MAX_LISTED_KEYS else ""
+    )
+
+
+def load_state_dict_checked(model, state: Mapping[str, Any], source: str, tied: Iterable[str] = ()):
+    """Load `state` into `model` after checking keys and shapes; raise ArSliceError listing every
+    missing, unexpected and mis-shaped key. Keys in `tied` may be absent (they share storage)."""
+    expected = model.state_dict()
+    tied = set(tied)
+    missing = [k for k in expected if k not in state and k not in tied]
+    unexpected = [k for k in state if k not in expected]
+    misshaped = [
+        f"{k} (checkpoint {tuple(state[k].shape)}, model {tuple(expected[k].shape)})"
+        for k in expected
+        if k in state and tuple(state[k].shape) != tuple(expected[k].shape)
+    ]
+    if missing or unexpected or misshaped:
+        parts = [f"{source}: the weights do not match the model configuration."]
+        if missing:
+            parts.append(f"missing keys ({len(missing)}): {_listed(missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys ({len(unexpected)}): {_listed(unexpected)}")
+        if misshaped:
+            parts.append(f"mis-shaped keys ({len(misshaped)}): {_listed(misshaped)}")
+        parts.append(
+            "Check that the config saved beside the checkpoint is the one it was trained with."
+        )
+        raise ArSliceError("\n  ".join(parts))
+    model.load_state_dict({k: v for k, v in state.items()}, strict=False)
+    return model
+
+
+# ---- transformers ------------------------------------------------------------------------------
+
+
+def _load_hf(spec: str, target: str, device, dtype, fast_rwkv: bool) -> LoadedModel:
+    import torch
+
+    path = Path(target)
+    looks_local = target.startswith((".", "/", "~")) or path.exists()
+    if looks_local and not path.is_dir():
+        raise ArSliceError(
+            f"{spec}: {path} is not a directory (expected one saved by save_pretrained)"
+        )
+    if looks_local and not (path / "config.json").is_file():
+        raise ArSliceError(
+            f"{spec}: {path / 'config.json'} not found (not a transformers model directory)"
+        )
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(target)
+    except Exception as e:
+        raise ArSliceError(
+            f"{spec}: could not read a transformers config ({type(e).__name__}: {e}). Pass a local "
+            "directory saved with save_pretrained, or a hub id when the hub is reachable."
+        ) from None
+    for attr in ("final_logit_softcapping", "logit_scale"):
+        if getattr(config, attr, None):
+            raise ArSliceError(
+                f"{spec}: model_type {config.model_type} transforms its logits ({attr}); per-token "
+                "scoring of such models is not supported"
+            )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype or torch.float32)
+    except Exception as e:
+        raise ArSliceError(
+            f"{spec}: could not load the weights ({type(e).__name__}: {e})"
+        ) from None
+    model.eval().to(device)
+    architecture = config.model_type
+    tok_fp = _fingerprint_near(path) if looks_local else _hub_tokenizer_fingerprint(target)
+    if architecture == "rwkv" and fast_rwkv:
+        from models.hf_rwkv import FastRwkv
+
+        model = FastRwkv.from_transformers(model).eval().to(device)
+        hidden_and_head = model.hidden_and_head
+    else:
+        base = model.base_model
+        head = model.get_output_embeddings()
+
+        def hidden_and_head(input_ids):
+            hidden = base(input_ids=input_ids, use_cache=False).last_hidden_state
+            return hidden, head.weight, getattr(head, "bias", None)
+
+    max_positions = None
+    if architecture != "rwkv":
+        max_positions = getattr(config, "max_position_embeddings", None) or getattr(
+            config, "n_positions", None
+        )
+    return LoadedModel(
+        model=model,
+        spec=spec,
+        architecture=architecture,
+        n_params=count_params(model),
+        vocab_size=int(model.get_output_embeddings().weight.shape[0])
+        if hasattr(model, "get_output_embeddings")
+        else int(config.vocab_size),
+        max_positions=max_positions,
+        tokenizer_fingerprint=tok_fp,
+        _hidden_and_head=hidden_and_head,
+    )
+
+
+def _hub_tokenizer_fingerprint(name: str) -> str | None:
+    from ar_slicing.tokenizer import fingerprint, load_tokenizer
+
+    try:
+        return fingerprint(load_tokenizer(name))
+    except ArSliceError:
+        log.warning("hf:%s: no tokenizer found with the model; fingerprint unknown", name)
+        return None

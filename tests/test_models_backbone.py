@@ -1,0 +1,205 @@
+"""The LM backbone, attention, per-token NLL, the native format and the hf: loader."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ar_slicing.errors import ArSliceError
+from ar_slicing.tokenizer import fingerprint
+from models import load_model
+from models.attention import MHA
+from models.backbone import LanguageModel, ModelConfig
+from models.native import load_native, save_native
+from models.nll import chunked_nll, per_token_nll
+
+# The state-dict keys of a 2-layer Zoology attention LM (zoology/model.py + mixers/attention.py + mlp.py).
+ZOOLOGY_ATTENTION_KEYS = [
+    "backbone.embeddings.word_embeddings.weight",
+    "backbone.embeddings.position_embeddings.weight",
+    *[
+        f"backbone.layers.{i}.{name}"
+        for i in range(2)
+        for name in (
+            "sequence_mixer.Wqkv.weight",
+            "sequence_mixer.Wqkv.bias",
+            "sequence_mixer.out_proj.weight",
+            "sequence_mixer.out_proj.bias",
+            "state_mixer.fc1.weight",
+            "state_mixer.fc1.bias",
+            "state_mixer.fc2.weight",
+            "state_mixer.fc2.bias",
+            "norm1.weight",
+            "norm1.bias",
+            "norm2.weight",
+            "norm2.bias",
+        )
+    ],
+    "backbone.ln_f.weight",
+    "backbone.ln_f.bias",
+    "lm_head.weight",
+]
+
+
+def tiny(mixer="attention", **kw) -> LanguageModel:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=97, d_model=32, n_layers=2, sequence_mixer=mixer, l_max=64, **kw)
+    return LanguageModel(cfg).eval()
+
+
+def test_attention_backbone_keys_are_zoologys():
+    model = tiny(sequence_mixer_kwargs={"num_heads": 4})
+    assert sorted(model.state_dict()) == sorted(ZOOLOGY_ATTENTION_KEYS)
+    assert model.lm_head.weight is model.backbone.embeddings.word_embeddings.weight
+
+
+def test_attention_equals_naive_masked_softmax():
+    torch.manual_seed(1)
+    mha = MHA(d_model=24, l_max=16, num_heads=3).eval()
+    x = torch.randn(2, 10, 24)
+    qkv = mha.Wqkv(x).view(2, 10, 3, 3, 8)  # (B, T, three, H, Dh)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (B, T, H, Dh)
+    scores = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(8)
+    mask = torch.ones(10, 10).triu(1).bool()
+    probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
+    naive = mha.out_proj(torch.einsum("bhts,bshd->bthd", probs, v).reshape(2, 10, 24))
+    torch.testing.assert_close(mha(x), naive, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_lm_is_causal():
+    model = tiny()
+    ids = torch.randint(0, 97, (2, 20))
+    changed = ids.clone()
+    changed[:, 12:] = (changed[:, 12:] + 5) % 97
+    with torch.no_grad():
+        a, b = model(ids), model(changed)
+    torch.testing.assert_close(a[:, :12], b[:, :12])
+    assert not torch.allclose(a[:, 12:], b[:, 12:])
+
+
+def test_forward_losses_agree_with_logits():
+    model = tiny()
+    ids = torch.randint(0, 97, (3, 17))
+    targets = torch.randint(0, 97, (3, 17))
+    targets[0, 3] = -1
+    with torch.no_grad():
+        logits = model(ids)
+        per_token = model(ids, targets, loss_reduction="none")
+        mean = model(ids, targets)
+    ref = F.cross_entropy(logits.view(-1, 97), targets.view(-1), reduction="none", ignore_index=-1)
+    assert per_token.dtype == torch.float32 and per_token.shape == (3, 17)
+    torch.testing.assert_close(per_token.view(-1), ref, atol=1e-5, rtol=1e-5)
+    assert per_token[0, 3] == 0
+    torch.testing.assert_close(mean, ref.sum() / 50, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1024])
+def test_chunked_nll_equals_full_log_softmax(chunk):
+    torch.manual_seed(2)
+    hidden, weight, bias = torch.randn(2, 9, 16), torch.randn(50, 16), torch.randn(50)
+    targets = torch.randint(0, 50, (2, 9))
+    logp = torch.log_softmax(hidden @ weight.T + bias, dim=-1)
+    ref = -logp.gather(-1, targets[..., None])[..., 0]
+    torch.testing.assert_close(chunked_nll(hidden, weight, bias, targets, chunk_size=chunk), ref)
+
+
+def test_native_round_trip(tmp_path, bpe_tokenizer_path, bpe_tokenizer):
+    model = tiny(sequence_mixer_kwargs={"num_heads": 2})
+    save_native(model, tmp_path / "m", tokenizer_json=bpe_tokenizer_path)
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["architecture"] == "attention"
+    again = load_native(tmp_path / "m")
+    ids = torch.randint(0, 97, (2, 11))
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids), model(ids), rtol=0, atol=0)
+    assert again.lm_head.weight is again.backbone.embeddings.word_embeddings.weight
+
+    loaded = load_model(f"native:{tmp_path / 'm'}")
+    assert loaded.architecture == "attention"
+    assert loaded.n_params == sum(p.numel() for p in model.parameters())
+    assert loaded.vocab_size == 97 and loaded.max_positions == 64
+    assert loaded.tokenizer_fingerprint == fingerprint(bpe_tokenizer)
+    nll = per_token_nll(loaded, ids[:, :-1], ids[:, 1:])
+    ref = F.cross_entropy(
+        model(ids)[:, :-1].reshape(-1, 97), ids[:, 1:].reshape(-1), reduction="none"
+    )
+    torch.testing.assert_close(nll.view(-1), ref.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_native_weights_that_do_not_match_the_config_are_listed(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    save_native(tiny(), tmp_path / "m")
+    state = load_file(str(tmp_path / "m" / "model.safetensors"))
+    state.pop("backbone.ln_f.bias")
+    state["backbone.extra.weight"] = torch.zeros(3)
+    state["backbone.layers.0.state_mixer.fc1.weight"] = torch.zeros(5, 32)
+    save_file(state, str(tmp_path / "m" / "model.safetensors"))
+    with pytest.raises(ArSliceError) as err:
+        load_model(f"native:{tmp_path / 'm'}")
+    msg = str(err.value)
+    assert "model.safetensors" in msg
+    assert "missing keys (1): backbone.ln_f.bias" in msg
+    assert "unexpected keys (1): backbone.extra.weight" in msg
+    assert "backbone.layers.0.state_mixer.fc1.weight (checkpoint (5, 32), model (128, 32))" in msg
+
+
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("pythia-70m", "PREFIX:TARGET"),
+        ("gguf:model.bin", "hf:, zoology:, safari:, native:"),
+        ("native:/nonexistent/dir", "not a directory"),
+        ("hf:/nonexistent/dir", "not a directory"),
+    ],
+)
+def test_bad_specs_are_explained(spec, words):
+    with pytest.raises(ArSliceError, match=words.replace("(", r"\(")):
+        load_model(spec)
+
+
+def _tiny_hf(kind: str):
+    import transformers
+
+    torch.manual_seed(3)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(
+            vocab_size=1024, n_positions=64, n_embd=32, n_layer=2, n_head=2
+        )
+        return transformers.GPT2LMHeadModel(cfg)
+    cfg = transformers.GPTNeoXConfig(
+        vocab_size=1024, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=128,
+    )  # fmt: skip
+    return transformers.GPTNeoXForCausalLM(cfg)
+
+
+@pytest.mark.parametrize(
+    "kind, model_type, positions", [("gpt2", "gpt2", 64), ("neox", "gpt_neox", 128)]
+)
+def test_hf_loader_scores_like_transformers(tmp_path, bpe_tokenizer, kind, model_type, positions):
+    from transformers import PreTrainedTokenizerFast
+
+    ref = _tiny_hf(kind).eval()
+    ref.save_pretrained(tmp_path / kind)
+    PreTrainedTokenizerFast(tokenizer_object=bpe_tokenizer).save_pretrained(tmp_path / kind)
+    loaded = load_model(f"hf:{tmp_path / kind}")
+    assert loaded.architecture == model_type
+    assert loaded.max_positions == positions and loaded.vocab_size == 1024
+    assert loaded.n_params == sum(p.numel() for p in ref.parameters())
+    assert loaded.tokenizer_fingerprint == fingerprint(bpe_tokenizer)
+    ids = torch.randint(0, 1024, (2, 33))
+    with torch.no_grad():
+        logits = ref(ids[:, :-1]).logits
+    expected = F.cross_entropy(logits.reshape(-1, 1024), ids[:, 1:].reshape(-1), reduction="none")
+    got = per_token_nll(loaded, ids[:, :-1], ids[:, 1:], chunk_size=10)
+    torch.testing.assert_close(got.view(-1), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_hf_directory_without_config_is_explained(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ArSliceError, match="config.json not found"):
+        load_model(f"hf:{tmp_path / 'empty'}")
