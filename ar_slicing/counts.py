@@ -1,0 +1,675 @@
+"""Exact bigram counts of token stores: a map step per shard, a reduce step per `prev` range, lookups.
+
+Counting is shaped for a distributed engine (every task is a picklable function of plain
+arguments that reads and writes files, so results may arrive in any order):
+
+  map     `count_shard(MapTask)`: one shard of one store -> a partial counts file: the shard's
+          distinct pair keys, sorted, their counts, and where each fine `prev` bucket starts.
+  reduce  `reduce_range(ReduceTask)`: the slices of one range of `prev` values out of every
+          partial -> that range's final (key, count) arrays, merged in bounded memory.
+  write   `write_bigrams(...)`: the reduced ranges, in order, -> `bigrams.parquet` in row groups.
+
+A pair is packed into one integer key `prev << shift | next` (`shift` = 16 for uint16 stores,
+so a key is a uint32 and sorting it sorts by (prev, next); 32 for uint32 stores, uint64 keys).
+Partials are sorted, so a `prev` range is a contiguous slice of each one, found through the
+bucket offsets the map step stores beside it.
+
+What is counted. Stores counted together are one stream: their concatenation, in the order
+given, so the pair across the boundary of two stores (last token of one, first of the next)
+is counted, as a model trained on the packed stores saw it. Pair `i` is (S[i], S[i+1]) of that
+stream. Unit "stream" counts every pair; unit "row:N" counts pair `i` only when `i` and `i+1`
+fall in the same row of N tokens of the stream (rows start at stream index 0; a trailing
+partial row counts too), i.e. it drops the pairs with `(i + 1) % N == 0`.
+
+`BigramCounts.open(dir)` reads `bigrams.parquet` back and answers vectorised lookups through an
+open-addressing hash table built from it once (numpy gathers, ~2 probes per lookup).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ar_slicing.errors import BadInput
+
+log = logging.getLogger(__name__)
+
+BIGRAMS_NAME = "bigrams.parquet"
+# A fine bucket spans at most this many keys, so a reduce task merging one bucket never holds
+# more than 4 M distinct pairs whatever the corpus size (uint16: 64 prev values per bucket).
+BUCKET_KEYS = 1 << 22
+# Rows per Parquet row group of bigrams.parquet (readers can stream it group by group).
+ROW_GROUP_ROWS = 1 << 21
+
+
+def bigrams_schema():
+    import pyarrow as pa
+
+    return pa.schema([("prev", pa.int32()), ("next", pa.int32()), ("count", pa.int64())])
+
+
+# ---- units and keys --------------------------------------------------------------------------
+
+
+def parse_unit(unit: str) -> int | None:
+    """ "stream" -> None; "row:N" -> N (N >= 2). Anything else is refused with the valid forms."""
+    if unit == "stream":
+        return None
+    if unit.startswith("row:"):
+        try:
+            n = int(unit[4:])
+        except ValueError:
+            n = 0
+        if n >= 2:
+            return n
+    raise BadInput(
+        f"--unit {unit!r}: expected 'stream' or 'row:N' with N >= 2 (Pythia rows: row:2049)"
+    )
+
+
+def key_shift_for(dtype: np.dtype) -> int:
+    """Bits of `next` in a pair key: 16 for uint16 stores (uint32 keys), 32 otherwise (uint64)."""
+    return 16 if np.dtype(dtype).itemsize <= 2 else 32
+
+
+def key_dtype_for(shift: int) -> np.dtype:
+    return np.dtype(np.uint32) if shift == 16 else np.dtype(np.uint64)
+
+
+def bucket_bounds(shift: int, vocab_size: int) -> np.ndarray:
+    """Start key of every fine `prev` bucket (the last bucket is open-ended)."""
+    id_space = 1 << 16 if shift == 16 else max(int(vocab_size), 1)
+    prev_width = max(1, BUCKET_KEYS >> shift) if shift == 16 else max(1, BUCKET_KEYS // id_space)
+    starts = np.arange(0, id_space, prev_width, dtype=np.uint64)
+    return starts << np.uint64(shift)
+
+
+def pair_keys(tokens: np.ndarray, shift: int, first_index: int, row: int | None) -> np.ndarray:
+    """Keys of the pairs (tokens[j], tokens[j+1]); `first_index` = stream index of tokens[0].
+
+    With `row` = N, pairs that straddle a row boundary (stream index i with (i+1) % N == 0)
+    are dropped.
+    """
+    kd = key_dtype_for(shift)
+    keys = tokens[:-1].astype(kd)
+    keys <<= kd.type(shift)
+    keys |= tokens[1:]
+    if row is not None and keys.size:
+        # pair j has stream index i = first_index + j; drop j with (first_index + j + 1) % row == 0
+        first_cut = (-(first_index + 1)) % row
+        keep = np.ones(keys.size, dtype=bool)
+        keep[first_cut::row] = False
+        keys = keys[keep]
+    return keys
+
+
+def count_sorted(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct values and run lengths of a sorted array."""
+    if keys.size == 0:
+        return keys[:0], np.zeros(0, dtype=np.int64)
+    starts = np.empty(keys.size, dtype=bool)
+    starts[0] = True
+    np.not_equal(keys[1:], keys[:-1], out=starts[1:])
+    idx = np.flatnonzero(starts)
+    counts = np.diff(idx, append=keys.size)
+    return keys[idx], counts
+
+
+def count_keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct keys (sorted) and how often each occurs. Sorts `keys` in place."""
+    keys.sort()
+    return count_sorted(keys)
+
+
+def merge_counted(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Merge (sorted distinct keys, counts) parts into one, adding counts of equal keys.
+
+    The concatenated parts are sorted runs, which numpy's stable sort (timsort) merges in
+    O(n log k); counts follow the same permutation and are summed per distinct key.
+    """
+    parts = [(k, c) for k, c in parts if k.size]
+    if not parts:
+        return np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64)
+    if len(parts) == 1:
+        k, c = parts[0]
+        return np.ascontiguousarray(k), np.asarray(c, dtype=np.int64)
+    keys = np.concatenate([k for k, _ in parts])
+    counts = np.concatenate([np.asarray(c, dtype=np.int64) for _, c in parts])
+    order = np.argsort(keys, kind="stable")
+    keys = keys[order]
+    counts = counts[order]
+    del order
+    starts = np.empty(keys.size, dtype=bool)
+    starts[0] = True
+    np.not_equal(keys[1:], keys[:-1], out=starts[1:])
+    idx = np.flatnonzero(starts)
+    return keys[idx], np.add.reduceat(counts, idx)
+
+
+# ---- map -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MapTask:
+    """Count the pairs of `tokens[start:stop+1]` of one store file (pairs start..stop-1)."""
+
+    tokens_path: str  # the store's tokens.bin
+    dtype: str  # numpy dtype name of tokens.bin ("uint16" | "uint32")
+    n_tokens: int  # tokens in tokens.bin
+    start: int  # first pair (local index of its first token)
+    stop: int  # one past the last pair
+    stream_offset: int  # stream index of the store's first token in the concatenation
+    row: int | None  # unit row:N, or None for the whole stream
+    shift: int
+    vocab_size: int
+    out: str  # partial directory written atomically (keys.npy, counts.npy, offsets.npy)
+
+    @property
+    def n_pairs(self) -> int:
+        return self.stop - self.start
+
+
+def count_shard(task: MapTask) -> dict:
+    """Map step: one shard -> a partial counts directory. Returns {pairs, distinct}."""
+    dtype = np.dtype(task.dtype).newbyteorder("<")
+    mm = np.memmap(task.tokens_path, dtype=dtype, mode="r", shape=(task.n_tokens,))
+    tokens = np.asarray(mm[task.start : task.stop + 1])
+    del mm
+    keys = pair_keys(tokens, task.shift, task.stream_offset + task.start, task.row)
+    del tokens
+    keys, counts = count_keys(keys)
+    pairs = int(counts.sum())
+    offsets = np.searchsorted(keys, bucket_bounds(task.shift, task.vocab_size).astype(keys.dtype))
+    offsets = np.append(offsets, keys.size).astype(np.int64)
+    write_partial(task.out, keys, counts, offsets)
+    return {"pairs": pairs, "distinct": int(keys.size)}
+
+
+def write_partial(
+    out: str | Path, keys: np.ndarray, counts: np.ndarray, offsets: np.ndarray
+) -> None:
+    """A partial directory, written under a temporary name and renamed: it exists only complete."""
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    # counts of one shard are below 2**32 (shards are smaller than that), so uint32 halves the file
+    small = counts.size == 0 or int(counts.max()) < 1 << 32
+    np.save(tmp / "keys.npy", keys)
+    np.save(tmp / "counts.npy", counts.astype(np.uint32 if small else np.int64))
+    np.save(tmp / "offsets.npy", offsets)
+    tmp.rename(out)
+
+
+def read_partial_slice(path: str | Path, b_lo: int, b_hi: int) -> tuple[np.ndarray, np.ndarray]:
+    """Keys and counts of fine buckets b_lo..b_hi-1 of one partial (memory-mapped, then copied)."""
+    path = Path(path)
+    offsets = np.load(path / "offsets.npy")
+    a, b = int(offsets[b_lo]), int(offsets[b_hi])
+    keys = np.load(path / "keys.npy", mmap_mode="r")
+    counts = np.load(path / "counts.npy", mmap_mode="r")
+    return np.array(keys[a:b]), np.array(counts[a:b])
+
+
+def bucket_sizes(path: str | Path) -> np.ndarray:
+    return np.diff(np.load(Path(path) / "offsets.npy"))
+
+
+# ---- reduce ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReduceTask:
+    """Merge fine buckets b_lo..b_hi-1 of every partial into `out` (a .npz of keys, counts)."""
+
+    partials: tuple[str, ...]
+    b_lo: int
+    b_hi: int
+    out: str
+    batch_entries: int = 1 << 25  # entries read before merging them into the running result
+
+
+def reduce_range(task: ReduceTask) -> dict:
+    """Reduce step: one `prev` range of all partials -> final sorted (key, count) arrays.
+
+    Memory stays bounded: slices are merged into the running result whenever `batch_entries`
+    have been read, and the result itself is at most the distinct pairs of the range.
+    """
+    acc: list[tuple[np.ndarray, np.ndarray]] = []
+    held = 0
+    for path in task.partials:
+        k, c = read_partial_slice(path, task.b_lo, task.b_hi)
+        if k.size == 0:
+            continue
+        acc.append((k, c))
+        held += k.size
+        if held >= task.batch_entries and len(acc) > 1:
+            acc = [merge_counted(acc)]
+            held = acc[0][0].size
+    keys, counts = merge_counted(acc)
+    out = Path(task.out)
+    tmp = out.with_name(f".{out.name}.tmp.npz")
+    np.savez(tmp, keys=keys, counts=counts)
+    tmp.rename(out)
+    return {"distinct": int(keys.size), "pairs": int(counts.sum())}
+
+
+def plan_ranges(sizes: np.ndarray, target_entries: int) -> list[tuple[int, int]]:
+    """Group consecutive fine buckets into ranges of about `target_entries` partial entries."""
+    ranges = []
+    lo, held = 0, 0
+    for b, s in enumerate(sizes.tolist()):
+        if held and held + s > target_entries:
+            ranges.append((lo, b))
+            lo, held = b, 0
+        held += s
+    ranges.append((lo, len(sizes)))
+    return ranges
+
+
+# ---- write -----------------------------------------------------------------------------------
+
+
+def write_bigrams(path: str | Path, parts, shift: int) -> tuple[int, int]:
+    """(keys, counts) parts in key order -> bigrams.parquet (row groups, explicit schema).
+
+    Returns (distinct bigrams, total pairs).
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ar_slicing.io import atomic_path
+
+    schema = bigrams_schema()
+    distinct = total = 0
+    mask = (1 << shift) - 1
+    with atomic_path(path) as tmp:
+        # an open file, not a path: pyarrow would read "row:5/..." as a URI scheme
+        with (
+            open(tmp, "wb") as sink,
+            pq.ParquetWriter(sink, schema, compression="zstd", compression_level=1) as writer,
+        ):
+            for keys, counts in parts:
+                for a in range(0, keys.size, ROW_GROUP_ROWS):
+                    k = keys[a : a + ROW_GROUP_ROWS]
+                    c = np.asarray(counts[a : a + ROW_GROUP_ROWS], dtype=np.int64)
+                    prev = (k >> k.dtype.type(shift)).astype(np.int32)
+                    nxt = (k & k.dtype.type(mask)).astype(np.int32)
+                    writer.write_table(
+                        pa.table([pa.array(prev), pa.array(nxt), pa.array(c)], schema=schema)
+                    )
+                    distinct += k.size
+                    total += int(c.sum())
+            if distinct == 0:
+                writer.write_table(schema.empty_table())
+    return distinct, total
+
+
+# ---- lookup ----------------------------------------------------------------------------------
+
+_FIB = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio: multiplicative (Fibonacci) hashing
+_LOOKUP_CHUNK = 1 << 22
+
+
+class BigramCounts:
+    """The counts of a complete counts directory, with vectorised `lookup(prev, next)`.
+
+    The table is held in memory as an open-addressing hash table (linear probing, load <= 0.6):
+    a lookup is one multiply-shift and, on average, fewer than two gathers per query.
+    """
+
+    def __init__(
+        self, prev: np.ndarray, nxt: np.ndarray, counts: np.ndarray, meta: dict, path=None
+    ):
+        self.path = Path(path) if path is not None else None
+        self.meta = meta
+        prev = np.asarray(prev, dtype=np.int64)
+        nxt = np.asarray(nxt, dtype=np.int64)
+        counts = np.asarray(counts, dtype=np.int64)
+        if prev.size and (prev.min() < 0 or nxt.min() < 0):
+            raise BadInput(f"{self._where()}: negative token ids in {BIGRAMS_NAME}")
+        top = int(max(prev.max(), nxt.max())) if prev.size else 0
+        self.shift = 16 if top < 1 << 16 else 32
+        self.n_distinct = int(prev.size)
+        keys = (prev.astype(np.uint64) << np.uint64(self.shift)) | nxt.astype(np.uint64)
+        self._build(keys.astype(key_dtype_for(self.shift)), counts)
+
+    def _where(self) -> str:
+        return str(self.path / BIGRAMS_NAME) if self.path else "bigram counts"
+
+    @classmethod
+    def open(cls, path: str | Path) -> BigramCounts:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from ar_slicing.io import is_complete, read_json
+
+        path = Path(path)
+        if not is_complete(path):
+            raise BadInput(
+                f"counts {path}: incomplete or missing (no meta.json); run `arslice count --out {path}`"
+            )
+        meta = read_json(path / "meta.json")
+        try:
+            with pa.memory_map(str(path / BIGRAMS_NAME)) as source:
+                table = pq.read_table(source, columns=["prev", "next", "count"])
+        except Exception as e:
+            raise BadInput(
+                f"counts {path}: cannot read {BIGRAMS_NAME} ({e}); rerun the count stage"
+            ) from None
+        cols = [table.column(n).to_numpy() for n in ("prev", "next", "count")]
+        return cls(*cols, meta=meta, path=path)
+
+    @property
+    def fingerprint(self) -> str | None:
+        return self.meta.get("fingerprint")
+
+    @property
+    def total_pairs(self) -> int:
+        return int(self.meta.get("total_pairs", self._total))
+
+    def __len__(self) -> int:
+        return self.n_distinct
+
+    def _slots(self, keys: np.ndarray) -> np.ndarray:
+        """Home slot of each key: the top 32 bits of a Fibonacci hash, scaled to the table size."""
+        h = (keys.astype(np.uint64) * _FIB) >> np.uint64(32)
+        return ((h * np.uint64(self._size)) >> np.uint64(32)).view(np.int64)
+
+    def _build(self, keys: np.ndarray, counts: np.ndarray) -> None:
+        self._total = int(counts.sum())
+        n = keys.size
+        self._size = max(16, int(n / 0.6) + 1)
+        home = self._slots(keys)
+        # Linear probing built without a loop: place keys in order of home slot; each lands on
+        # max(its home, the previous key's slot + 1). With g_i = slot_i - i that is a running max.
+        order = np.argsort(home, kind="stable")
+        ramp = np.arange(n, dtype=np.int64)
+        slot = np.maximum.accumulate(home[order] - ramp) + ramp if n else ramp
+        length = (int(slot[-1]) if n else 0) + 2  # the tail past the last slot stays empty
+        length = max(length, self._size + 1)
+        value_dtype = np.uint32 if self._total < 1 << 32 else np.int64
+        self._keys = np.zeros(length, dtype=keys.dtype)
+        self._values = np.zeros(length, dtype=value_dtype)  # 0 = empty (every stored count >= 1)
+        self._keys[slot] = keys[order]
+        self._values[slot] = counts[order]
+
+    def lookup(self, prev: np.ndarray, nxt: np.ndarray) -> np.ndarray:
+        """Training count of each bigram (prev[i], nxt[i]) as int64; 0 for pairs never seen."""
+        prev = np.asarray(prev)
+        nxt = np.asarray(nxt)
+        if prev.shape != nxt.shape:
+            raise ValueError(f"lookup: prev {prev.shape} and next {nxt.shape} differ in shape")
+        out = np.zeros(prev.shape, dtype=np.int64)
+        flat_p, flat_n, flat_out = prev.reshape(-1), nxt.reshape(-1), out.reshape(-1)
+        for a in range(0, flat_p.size, _LOOKUP_CHUNK):
+            flat_out[a : a + _LOOKUP_CHUNK] = self._lookup_flat(
+                flat_p[a : a + _LOOKUP_CHUNK], flat_n[a : a + _LOOKUP_CHUNK]
+            )
+        return out
+
+    def _lookup_flat(self, prev: np.ndarray, nxt: np.ndarray) -> np.ndarray:
+        limit = 1 << self.shift
+        p64 = prev.astype(np.int64, copy=False)
+        n64 = nxt.astype(np.int64, copy=False)
+        valid = (p64 >= 0) & (p64 < limit) & (n64 >= 0) & (n64 < limit)
+        kd = self._keys.dtype
+        keys = (
+            (np.where(valid, p64, 0).astype(np.uint64) << np.uint64(self.shift))
+            | np.where(valid, n64, 0).astype(np.uint64)
+        ).astype(kd)
+        slot = self._slots(keys)
+        found_keys = self._keys[slot]
+        values = self._values[slot].astype(np.int64)
+        hit = found_keys == keys
+        out = np.where(hit, values, 0)
+        # keep probing where the slot is taken by another key; an empty slot (value 0) ends it
+        todo = np.flatnonzero(~hit & (values != 0))
+        keys, slot = keys[todo], slot[todo]
+        while todo.size:
+            slot += 1
+            values = self._values[slot].astype(np.int64)
+            hit = self._keys[slot] == keys
+            out[todo[hit]] = values[hit]
+            more = ~hit & (values != 0)
+            todo, keys, slot = todo[more], keys[more], slot[more]
+        out[~valid] = 0
+        return out
+
+
+# ---- the whole count: plan, map, reduce, write -------------------------------------------------
+
+DEFAULT_SHARD_TOKENS = 1 << 24
+WORK_NAME = ".work"  # partials and reduced ranges of an unfinished count (kept for resuming)
+
+
+def plan_map_tasks(
+    stores, work: Path, row: int | None, shard_tokens: int, shift: int, vocab_size: int
+):
+    """One MapTask per shard of every store; shards overlap by one token so no pair is lost."""
+    tasks = []
+    offset = 0
+    for s, store in enumerate(stores):
+        n_pairs = max(store.n_tokens - 1, 0)
+        for k, start in enumerate(range(0, n_pairs, shard_tokens)):
+            tasks.append(
+                MapTask(
+                    tokens_path=str((store.path / "tokens.bin").resolve()),
+                    dtype=store.dtype.name,
+                    n_tokens=store.n_tokens,
+                    start=start,
+                    stop=min(start + shard_tokens, n_pairs),
+                    stream_offset=offset,
+                    row=row,
+                    shift=shift,
+                    vocab_size=vocab_size,
+                    out=str(work / "partials" / f"s{s:04d}-{k:06d}"),
+                )
+            )
+        offset += store.n_tokens
+    return tasks
+
+
+def boundary_keys(stores, row: int | None, shift: int) -> np.ndarray:
+    """Keys of the pairs that span two consecutive (non-empty) stores of the concatenation."""
+    pairs, offset, last = [], 0, None
+    for store in stores:
+        if store.n_tokens:
+            if last is not None and (row is None or offset % row != 0):
+                pairs.append((last, int(store.tokens[0])))
+            last = int(store.tokens[-1])
+        offset += store.n_tokens
+    kd = key_dtype_for(shift)
+    return np.array([(p << shift) | n for p, n in pairs], dtype=kd)
+
+
+def count_stores(
+    store_paths,
+    out: str | Path,
+    *,
+    unit: str = "stream",
+    workers: int = 1,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    overwrite: bool = False,
+    config: dict | None = None,
+    executor=None,
+    progress: bool = True,
+) -> dict:
+    """Count the bigrams of the concatenation of `store_paths` into `out`. Returns its meta.json.
+
+    Resumable: partials of finished shards (and finished reduce ranges) under `out/.work` are
+    reused by a rerun with the same inputs and settings.
+    """
+    import json
+    import time
+
+    from tqdm import tqdm
+
+    from ar_slicing.executor import LocalExecutor
+    from ar_slicing.io import build_meta, prepare_out_dir, read_json, write_json_atomic, write_meta
+    from ar_slicing.store import TokenStore
+    from ar_slicing.tokenizer import require_same_fingerprint
+
+    t0 = time.time()
+    if not store_paths:
+        raise BadInput("count: no token stores given (--tokens STORE [STORE ...])")
+    row = parse_unit(unit)
+    if shard_tokens < 2 or shard_tokens >= 1 << 32:
+        raise BadInput(f"--shard-tokens {shard_tokens}: must be between 2 and 2**32 - 1")
+    stores = [TokenStore.open(p) for p in store_paths]
+    for store in stores[1:]:
+        require_same_fingerprint(
+            stores[0].fingerprint,
+            f"token store {stores[0].path}",
+            store.fingerprint,
+            f"token store {store.path}",
+        )
+    out = Path(out)
+    if not prepare_out_dir(out, overwrite):
+        meta = read_json(out / "meta.json")
+        log.info("%s is complete (%s pairs); --overwrite to redo", out, meta.get("total_pairs"))
+        return meta
+
+    shift = max(key_shift_for(s.dtype) for s in stores)
+    vocab_size = max(s.vocab_size for s in stores)
+    sources = [
+        {
+            "path": str(s.path.resolve()),
+            "fingerprint": s.fingerprint,
+            "n_tokens": s.n_tokens,
+            "dtype": s.dtype.name,
+        }
+        for s in stores
+    ]
+    plan = {
+        "sources": sources,
+        "unit": unit,
+        "shard_tokens": shard_tokens,
+        "shift": shift,
+        "version": 1,
+    }
+    work = out / WORK_NAME
+    if (work / "plan.json").exists() and read_json(work / "plan.json") != json.loads(
+        json.dumps(plan)
+    ):
+        log.info("%s: inputs or settings changed since the unfinished run; starting over", work)
+        shutil.rmtree(work)
+    (work / "partials").mkdir(parents=True, exist_ok=True)
+    (work / "reduced").mkdir(parents=True, exist_ok=True)
+    write_json_atomic(work / "plan.json", plan)
+
+    executor = executor or LocalExecutor(workers)
+    tasks = plan_map_tasks(stores, work, row, shard_tokens, shift, vocab_size)
+    todo = [t for t in tasks if not Path(t.out).is_dir()]
+    total_tokens = sum(t.n_pairs for t in tasks)
+    resumed = len(tasks) - len(todo)
+    if resumed:
+        log.info("resuming: %d of %d shards already counted", resumed, len(tasks))
+    t_map = time.time()
+    with tqdm(
+        total=total_tokens,
+        initial=total_tokens - sum(t.n_pairs for t in todo),
+        unit="tok",
+        unit_scale=True,
+        desc="count: map",
+        disable=not progress,
+    ) as bar:
+        for task, _ in executor.map_unordered(count_shard, todo):
+            bar.update(task.n_pairs)
+    t_map = time.time() - t_map
+
+    partials = [t.out for t in tasks]
+    edge = boundary_keys(stores, row, shift)
+    if edge.size:
+        edge_out = work / "partials" / "boundaries"
+        if not edge_out.is_dir():
+            keys, counts = count_keys(edge)
+            offsets = np.append(
+                np.searchsorted(keys, bucket_bounds(shift, vocab_size).astype(keys.dtype)),
+                keys.size,
+            )
+            write_partial(edge_out, keys, counts, offsets.astype(np.int64))
+        partials.append(str(edge_out))
+
+    t_reduce = time.time()
+    ranges_path = work / "reduced" / "ranges.json"
+    if ranges_path.exists():
+        ranges = [tuple(r) for r in read_json(ranges_path)["ranges"]]
+    else:
+        sizes = sum(bucket_sizes(p) for p in partials) if partials else np.zeros(1, dtype=np.int64)
+        target = int(
+            np.clip(
+                int(np.sum(sizes)) // (4 * max(1, getattr(executor, "workers", 1))),
+                1 << 20,
+                1 << 25,
+            )
+        )
+        ranges = plan_ranges(np.asarray(sizes), target)
+        write_json_atomic(ranges_path, {"ranges": ranges})
+    reduce_tasks = [
+        ReduceTask(
+            partials=tuple(partials), b_lo=lo, b_hi=hi, out=str(work / "reduced" / f"r{j:05d}.npz")
+        )
+        for j, (lo, hi) in enumerate(ranges)
+    ]
+    pending = [t for t in reduce_tasks if not Path(t.out).exists()]
+    with tqdm(
+        total=len(reduce_tasks),
+        initial=len(reduce_tasks) - len(pending),
+        unit="range",
+        desc="count: reduce",
+        disable=not progress,
+    ) as bar:
+        for _ in executor.map_unordered(reduce_range, pending):
+            bar.update(1)
+    t_reduce = time.time() - t_reduce
+
+    t_write = time.time()
+
+    def reduced_parts():
+        for t in reduce_tasks:
+            with np.load(t.out) as z:
+                yield z["keys"], z["counts"]
+
+    distinct, total_pairs = write_bigrams(out / BIGRAMS_NAME, reduced_parts(), shift)
+    t_write = time.time() - t_write
+    expected_pairs = sum((s.n_tokens - 1 if s.n_tokens else 0) for s in stores) + edge.size
+    if (
+        row is None and total_pairs != expected_pairs
+    ):  # the stream unit counts every pair exactly once
+        raise RuntimeError(
+            f"count: {total_pairs} pairs written but the stream has {expected_pairs}"
+        )
+    wall = time.time() - t0
+    meta = build_meta(
+        "count",
+        config=config
+        or {"tokens": [str(p) for p in store_paths], "unit": unit, "shard_tokens": shard_tokens},
+        inputs={"stores": sources},
+        counts={
+            "tokens": sum(s.n_tokens for s in stores),
+            "shards": len(tasks),
+            "shards_resumed": resumed,
+            "reduce_ranges": len(ranges),
+        },
+        wall_time_s=wall,
+        throughput={
+            "tokens_per_s": sum(s.n_tokens for s in stores) / max(wall, 1e-9),
+            "map_s": t_map,
+            "reduce_s": t_reduce,
+            "write_s": t_write,
+        },
+        fingerprint=stores[0].fingerprint,
+        total_pairs=total_pairs,
+        distinct_bigrams=distinct,
+        unit=unit,
+        sources=sources,
+    )
+    write_meta(out, meta)
+    shutil.rmtree(work, ignore_errors=True)
+    return meta
