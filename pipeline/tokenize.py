@@ -327,7 +327,9 @@ def run_text(cfg: TokenizeConfig) -> dict:
         progress.update(counts["docs"])
         elapsed = max(time.time() - t0, 1e-9)
         progress.set_postfix(
-            tokens=f"{totals['tokens']:,}", tok_s=f"{totals['tokens'] / elapsed:,.0f}"
+            tokens=f"{totals['tokens']:,}",
+            tok_s=f"{totals['tokens'] / elapsed:,.0f}",
+            refresh=False,
         )
 
     def tasks() -> Iterator[ShardTask]:
