@@ -1,0 +1,557 @@
+"""The eval stage: per-token losses against plain computations, alignment with the tags, resuming,
+rolling windows against lm-eval's rolling loglikelihood, and every consistency check."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ar_slicing.errors import ArSliceError, BadInput, TokenizerMismatch
+from ar_slicing.io import build_meta, read_json, write_meta
+from ar_slicing.rolling import lm_eval_rolling_windows, rolling_windows, window_tokens
+from ar_slicing.store import write_token_store
+from ar_slicing.tokenizer import describe
+from pipeline.eval import BatchRunner, EvalConfig, Sequence, model_name_from_spec, run_eval
+
+torch = pytest.importorskip("torch")
+
+L = 32  # window length of the test tags: documents below, at and above it
+DOC_LENGTHS = [45, 5, 31, 0, 32, 100, 12, 64, 7]
+VOCAB = 1024
+
+
+# ---- fixtures: a real store, tags made to the contract, tiny real models -------------------------
+
+
+def make_tags(store, out: Path, window: int) -> Path:
+    """A tag directory per DESIGN.md: windows.parquet, one tags part, meta.json (written last)."""
+    n = store.n_tokens
+    w = np.arange(-(-(n - 1) // window), dtype=np.int64)
+    starts = w * window
+    n_targets = np.minimum(window, n - 1 - starts)
+    out.mkdir(parents=True)
+    pq.write_table(
+        pa.table(
+            {
+                "window_id": pa.array(w.astype(np.int32)),
+                "start": pa.array(starts),
+                "n_targets": pa.array(n_targets.astype(np.int32)),
+            }
+        ),
+        out / "windows.parquet",
+    )
+    s = np.asarray(store.tokens, dtype=np.int64)
+    i = np.arange(1, n)
+    window_id = (i - 1) // window
+    pos = i - window_id * window
+    prev_pos, seen = [], {}
+    for k in range(len(i)):  # most recent earlier position of the same bigram in the window
+        key = (int(window_id[k]), int(s[i[k] - 1]), int(s[i[k]]))
+        prev_pos.append(seen.get(key))
+        seen[key] = int(pos[k])
+    is_repeat = np.array([p is not None for p in prev_pos])
+    pq.write_table(
+        pa.table(
+            {
+                "window_id": pa.array(window_id.astype(np.int32)),
+                "pos": pa.array(pos.astype(np.int32)),
+                "doc_id": pa.array(store.doc_ids[store.doc_index_of(i)]),
+                "token": pa.array(s[1:].astype(np.int32)),
+                "prev": pa.array(s[:-1].astype(np.int32)),
+                "train_count": pa.array(np.zeros(len(i), dtype=np.int64)),
+                "prev_pos": pa.array(prev_pos, pa.int32()),
+                "is_repeat": pa.array(is_repeat),
+                "is_ar_hit": pa.array(is_repeat),
+                "subset": pa.array([None] * len(i), pa.string()),
+            }
+        ),
+        out / "tags-00000.parquet",
+    )
+    meta = build_meta(
+        "tag",
+        config={},
+        inputs={},
+        counts={"targets": len(i)},
+        wall_time_s=0.0,
+        tokens=str(store.path.resolve()),
+        counts_dir=None,
+        fingerprint=store.fingerprint,
+        window=window,
+        threshold=1250,
+        reset_at_doc_boundary=False,
+    )
+    write_meta(out, meta)
+    return out
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, bpe_tokenizer, stdlib_texts):
+    """A validation store of real stdlib text (documents of DOC_LENGTHS tokens) and its tags."""
+    root = tmp_path_factory.mktemp("corpus")
+    docs = [bpe_tokenizer.encode(t).ids[:n] for t, n in zip(stdlib_texts[5:], DOC_LENGTHS)]
+    info = describe(bpe_tokenizer, "bpe")
+    store = write_token_store(root / "val", docs, tokenizer_info=info)
+    tags = make_tags(store, root / "tags", L)
+    return {"store": store, "tags": tags, "docs": docs, "eos": info["eos_id"], "root": root}
+
+
+def _save_hf(model, path: Path, tokenizer_path: Path | None) -> Path:
+    model.save_pretrained(path)
+    if tokenizer_path is not None:
+        shutil.copy(tokenizer_path, path / "tokenizer.json")
+    return path
+
+
+def make_neox(path: Path, tokenizer_path, *, vocab=VOCAB, max_positions=64) -> Path:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=max_positions,
+        initializer_range=0.3,  # wide logits, so a misaligned target changes the NLL visibly
+    )
+    return _save_hf(GPTNeoXForCausalLM(config).eval(), path, tokenizer_path)
+
+
+def make_rwkv(path: Path, tokenizer_path) -> Path:
+    from transformers import RwkvConfig, RwkvForCausalLM
+
+    torch.manual_seed(1)
+    config = RwkvConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        attention_hidden_size=64,
+        intermediate_size=128,
+        context_length=16,  # shorter than the windows: a recurrent model has no positional limit
+    )
+    model = RwkvForCausalLM(config).eval()
+    with torch.no_grad():  # transformers' init leaves the head tiny; spread the logits
+        model.head.weight.normal_(0, 0.5)
+    return _save_hf(model, path, tokenizer_path)
+
+
+def make_native(path: Path, tokenizer_path) -> Path:
+    from models.backbone import LanguageModel, ModelConfig
+    from models.native import save_native
+
+    torch.manual_seed(2)
+    model = LanguageModel(
+        ModelConfig(
+            vocab_size=VOCAB,
+            d_model=64,
+            n_layers=2,
+            sequence_mixer_kwargs={"num_heads": 4},
+            l_max=64,
+        )
+    ).eval()
+    with torch.no_grad():
+        model.backbone.embeddings.word_embeddings.weight.normal_(0, 0.5)
+    return save_native(model, path, tokenizer_json=tokenizer_path)
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory, bpe_tokenizer_path):
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "neox": f"hf:{make_neox(root / 'neox', bpe_tokenizer_path)}",
+        "rwkv": f"hf:{make_rwkv(root / 'rwkv', bpe_tokenizer_path)}",
+        "native": f"native:{make_native(root / 'native', bpe_tokenizer_path)}",
+    }
+
+
+def config(corpus, model, out, **kw) -> EvalConfig:
+    kw.setdefault("batch_size", "3")
+    kw.setdefault("chunk_windows", 4)
+    return EvalConfig(model=model, tags=str(corpus["tags"]), out=str(out), device="cpu", **kw)
+
+
+def read_losses(out: Path) -> pa.Table:
+    return pa.concat_tables([pq.read_table(p) for p in sorted(out.glob("losses-*.parquet"))])
+
+
+def read_tag_keys(tags: Path) -> pa.Table:
+    return pa.concat_tables(
+        [
+            pq.read_table(p, columns=["window_id", "pos"])
+            for p in sorted(tags.glob("tags-*.parquet"))
+        ]
+    )
+
+
+# ---- plain references ---------------------------------------------------------------------------
+
+
+def plain_logits_fn(spec: str):
+    """ids (T,) -> logits (T, V) by the model's own full forward (no project code in the path)."""
+    kind, path = spec.split(":", 1)
+    if kind == "hf":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return lambda ids: model(input_ids=torch.tensor([ids])).logits[0]
+    from models.native import load_native
+
+    model = load_native(path).eval()
+    return lambda ids: model(torch.tensor([ids]))[0]
+
+
+def plain_nll(logits_fn, inputs, targets) -> np.ndarray:
+    """Full forward, log_softmax over the whole vocabulary in fp32, gather."""
+    with torch.no_grad():
+        logp = torch.log_softmax(logits_fn(list(inputs)).float(), dim=-1)
+        return -logp[torch.arange(len(targets)), torch.tensor(targets)].numpy()
+
+
+def plain_fixed_losses(spec, store, window) -> np.ndarray:
+    """NLL of every stream target, window by window, in tag-row order."""
+    fn = plain_logits_fn(spec)
+    s = np.asarray(store.tokens, dtype=np.int64)
+    out = []
+    for start in range(0, store.n_tokens - 1, window):
+        span = s[start : min(start + window, store.n_tokens - 1) + 1]
+        out.append(plain_nll(fn, span[:-1], span[1:]))
+    return np.concatenate(out)
+
+
+def lm_eval_rolling_pairs(tokens, prefix, max_len):
+    """lm-eval's get_rolling_token_windows(context_len=1) + make_disjoint_window, transcribed."""
+    if not tokens:
+        return []
+    pairs = []
+    first = min(max_len, len(tokens))
+    pairs.append(([prefix] + tokens[: first - 1], tokens[:first]))
+    predicted = first
+    while predicted < len(tokens):
+        n_pred = min(len(tokens) - predicted, max_len)
+        end = predicted + n_pred
+        pairs.append((tokens[end - max_len - 1 : end - 1], tokens[end - n_pred : end]))
+        predicted += n_pred
+    return [(a[: len(a) - (len(b) - 1)], b) for a, b in pairs]
+
+
+def lm_eval_token_nlls(logits_fn, tokens, prefix, max_len) -> np.ndarray:
+    """Per-token NLL as lm-eval's loglikelihood_rolling scores a document (HFLM._loglikelihood_tokens:
+    the model reads (context + continuation)[-(max_len+1):][:-1], the last len(continuation) logits
+    are scored)."""
+    out = []
+    for context, continuation in lm_eval_rolling_pairs(list(tokens), prefix, max_len):
+        inp = (context + continuation)[-(max_len + 1) :][:-1]
+        with torch.no_grad():
+            logp = torch.log_softmax(logits_fn(inp).float(), dim=-1)[-len(continuation) :]
+        out.append(-logp[torch.arange(len(continuation)), torch.tensor(continuation)].numpy())
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.float32)
+
+
+# ---- rolling windows ----------------------------------------------------------------------------
+
+
+def test_rolling_windows_match_lm_eval_worked_example():
+    # lm-eval's test_get_rolling_token_windows_v1 (34 tokens, max_seq_len 10, context_len 1).
+    doc = list(range(34))
+    got = [window_tokens(doc, -100, w) for w in lm_eval_rolling_windows(34, 10)]
+    assert got == [
+        ([-100, 0, 1, 2, 3, 4, 5, 6, 7, 8], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]),
+        (list(range(9, 19)), list(range(10, 20))),
+        (list(range(19, 29)), list(range(20, 30))),
+        (list(range(23, 33)), [30, 31, 32, 33]),
+    ]
+    # The trailing EOS (-1 here) gets its own window after a full last window ...
+    eos_window = window_tokens(doc + [-1], -100, rolling_windows(34, 10)[-1])
+    assert eos_window == (list(range(24, 34)), [-1])
+    # ... and shares the window of a short document.
+    assert window_tokens([7, 8, 9, -1], -100, rolling_windows(3, 10)[0]) == (
+        [-100, 7, 8, 9],
+        [7, 8, 9, -1],
+    )
+    assert rolling_windows(0, 10) == [(0, 1, 1)]  # an empty document: EOS predicted from EOS
+    assert lm_eval_rolling_windows(0, 10) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(0, 80), max_len=st.integers(1, 20))
+def test_rolling_windows_equal_lm_eval_pairs(n, max_len):
+    doc = list(range(1000, 1000 + n))
+    ours = [window_tokens(doc, -5, w) for w in lm_eval_rolling_windows(n, max_len)]
+    theirs = [
+        ((c + t)[-(max_len + 1) :][:-1], t) for c, t in lm_eval_rolling_pairs(doc, -5, max_len)
+    ]
+    assert ours == theirs
+    # with the EOS: every token and the EOS predicted once, inputs never longer than max_len,
+    # and each prediction's context is exactly the inputs before it
+    extended = [-5, *doc, -1]
+    predicted = []
+    for a, b, k in rolling_windows(n, max_len):
+        assert 1 <= b - a <= max_len and 1 <= k <= b - a
+        predicted += list(range(b - k + 1, b + 1))
+    assert predicted == list(range(1, n + 2))
+    assert extended[-1] == window_tokens([*doc, -1], -5, rolling_windows(n, max_len)[-1])[1][-1]
+
+
+# ---- per-token losses against plain computations ------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["neox", "rwkv", "native"])
+def test_losses_equal_plain_forward(kind, corpus, models_dir, tmp_path):
+    spec = models_dir[kind]
+    out = tmp_path / kind
+    summary = run_eval(config(corpus, spec, out))
+    losses = read_losses(out)
+    keys = read_tag_keys(corpus["tags"])
+    assert losses.num_rows == keys.num_rows == corpus["store"].n_tokens - 1
+    assert losses.select(["window_id", "pos"]).equals(keys)  # one row per tag row, same order
+    assert losses.schema.field("nll").type == pa.float32()
+    want = plain_fixed_losses(spec, corpus["store"], L)
+    got = losses.column("nll").to_numpy()
+    assert want.std() > 0.5  # the models are far from uniform: a misaligned target would show
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-4)
+    meta = read_json(out / "meta.json")
+    assert meta["tokens"] == losses.num_rows == summary["tokens"]
+    assert meta["spec"] == spec and meta["windowing"] == "fixed" and meta["partial"] is False
+    assert meta["architecture"] == {"neox": "gpt_neox", "rwkv": "rwkv", "native": "attention"}[kind]
+    assert meta["n_params"] > 0 and meta["dtype"] == "fp32" and meta["device"] == "cpu"
+    assert meta["fingerprint"] == corpus["store"].fingerprint and meta["tokens_per_s"] > 0
+
+
+def test_batch_size_does_not_change_losses(corpus, models_dir, tmp_path):
+    spec = models_dir["neox"]
+    run_eval(config(corpus, spec, tmp_path / "b1", batch_size="1"))
+    run_eval(config(corpus, spec, tmp_path / "b7", batch_size="7", chunk_windows=16))
+    a = read_losses(tmp_path / "b1").column("nll").to_numpy()
+    b = read_losses(tmp_path / "b7").column("nll").to_numpy()
+    # Stated tolerance: fp32 matmuls of different batch shapes agree to 1e-5 in NLL.
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+
+
+def test_interrupted_run_resumes_to_the_uninterrupted_result(corpus, models_dir, tmp_path):
+    spec = models_dir["native"]
+    whole = tmp_path / "whole"
+    run_eval(config(corpus, spec, whole, chunk_windows=2))
+    resumed = tmp_path / "resumed"
+    run_eval(config(corpus, spec, resumed, chunk_windows=2, max_windows=5))
+    meta = read_json(resumed / "meta.json")
+    assert meta["partial"] is True and meta["windows_evaluated"] == 5
+    assert read_losses(resumed).num_rows == 5 * L
+    # the limited run ended inside chunk 2 (windows 4..5); the full run redoes that chunk only
+    again = run_eval(config(corpus, spec, resumed, chunk_windows=2))
+    meta = read_json(resumed / "meta.json")
+    assert meta["partial"] is False and meta["counts"]["chunks_reused"] == 2
+    assert again["tokens"] == corpus["store"].n_tokens - 1
+    names = sorted(p.name for p in whole.glob("losses-*.parquet"))
+    assert names == sorted(p.name for p in resumed.glob("losses-*.parquet"))
+    for name in names:
+        assert pq.read_table(whole / name).equals(
+            pq.read_table(resumed / name), check_metadata=True
+        )
+    # a complete directory is skipped, and --overwrite redoes it
+    assert run_eval(config(corpus, spec, resumed, chunk_windows=2))["skipped"] is True
+    run_eval(config(corpus, spec, resumed, chunk_windows=2, overwrite=True))
+    assert read_json(resumed / "meta.json")["counts"]["chunks_computed"] == len(names)
+
+
+def test_resume_with_other_settings_is_refused(corpus, models_dir, tmp_path):
+    out = tmp_path / "out"
+    run_eval(config(corpus, models_dir["native"], out, max_windows=4))
+    with pytest.raises(
+        ArSliceError, match=r"other settings \(chunk_windows: 4 -> 2\).*--overwrite"
+    ):
+        run_eval(config(corpus, models_dir["native"], out, chunk_windows=2))
+    with pytest.raises(ArSliceError, match="already holds losses with spec"):
+        run_eval(config(corpus, models_dir["neox"], out, max_windows=2))
+
+
+@pytest.mark.slow
+def test_killed_process_resumes(corpus, models_dir, tmp_path):
+    """Kill `arslice eval` once its first chunk is on disk; rerunning finishes the same files."""
+    spec = models_dir["neox"]
+    args = ["--model", spec, "--tags", str(corpus["tags"]), "--device", "cpu", "--batch-size", "1"]
+    args += ["--chunk-windows", "1"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    arslice = [sys.executable, "-m", "pipeline.cli", "eval"]
+    subprocess.run([*arslice, *args, "--out", str(whole)], check=True, capture_output=True)
+    proc = subprocess.Popen([*arslice, *args, "--out", str(killed)], stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(600):
+            if list(killed.glob("losses-*.parquet")) or proc.poll() is not None:
+                break
+            subprocess.run(["sleep", "0.05"])
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not (killed / "meta.json").exists() or proc.returncode == 0
+    subprocess.run([*arslice, *args, "--out", str(killed)], check=True, capture_output=True)
+    for p in sorted(whole.glob("losses-*.parquet")):
+        assert pq.read_table(p).equals(pq.read_table(killed / p.name))
+
+
+# ---- rolling windowing --------------------------------------------------------------------------
+
+
+def test_rolling_losses_equal_lm_eval_rolling_loglikelihood(corpus, models_dir, tmp_path):
+    spec = models_dir["neox"]
+    out = tmp_path / "rolling"
+    run_eval(config(corpus, spec, out, windowing="rolling", chunk_windows=3))
+    losses = read_losses(out)
+    assert losses.select(["window_id", "pos"]).equals(read_tag_keys(corpus["tags"]))
+    nll = losses.column("nll").to_numpy()  # row r is stream index r + 1
+    store, eos = corpus["store"], corpus["eos"]
+    fn = plain_logits_fn(spec)
+    for d, doc in enumerate(corpus["docs"]):
+        offset = int(store.doc_offsets[d])
+        want = lm_eval_token_nlls(fn, doc, eos, L)
+        rows = np.arange(offset, offset + len(doc)) - 1
+        if d == 0:  # the stream's first token is no target: it has no row
+            want, rows = want[1:], rows[1:]
+        np.testing.assert_allclose(nll[rows], want, rtol=0, atol=2e-4)
+        np.testing.assert_allclose(nll[rows].sum(), want.sum(), rtol=1e-5)
+        # the document's EOS: predicted from the at most L tokens of [EOS] + doc before it
+        context = ([eos] + list(doc))[-L:]
+        eos_nll = plain_nll(fn, context, [*context[1:], eos])[-1]
+        assert nll[offset + len(doc) - 1] == pytest.approx(eos_nll, abs=2e-4)
+    fixed = plain_fixed_losses(spec, store, L)
+    assert (
+        np.abs(fixed - nll).max() > 0.1
+    )  # the two windowings differ: the test can tell them apart
+    meta = read_json(out / "meta.json")
+    assert meta["windowing"] == "rolling"
+
+
+# ---- consistency checks -------------------------------------------------------------------------
+
+
+def test_tokenizer_mismatch_is_refused_unless_skipped(corpus, stdlib_texts, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    other = Tokenizer(models.BPE())
+    other.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    other.train_from_iterator(
+        stdlib_texts[:3],
+        trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"], show_progress=False),
+    )
+    other.save(str(tmp_path / "other.json"))
+    spec = f"hf:{make_neox(tmp_path / 'm', tmp_path / 'other.json')}"
+    with pytest.raises(TokenizerMismatch, match=r"tokenizer mismatch: model hf:.*token store"):
+        run_eval(config(corpus, spec, tmp_path / "out"))
+    assert not (tmp_path / "out" / "meta.json").exists()
+    run_eval(config(corpus, spec, tmp_path / "out", skip_tokenizer_check=True, max_windows=1))
+    meta = read_json(tmp_path / "out" / "meta.json")
+    assert meta["skip_tokenizer_check"] is True
+    assert meta["model_tokenizer_fingerprint"] != meta["fingerprint"]
+
+
+def test_vocabulary_too_small_is_refused(corpus, bpe_tokenizer_path, tmp_path):
+    spec = f"hf:{make_neox(tmp_path / 'm', bpe_tokenizer_path, vocab=256)}"
+    biggest = int(np.max(corpus["store"].tokens))
+    with pytest.raises(
+        ArSliceError, match=rf"vocabulary of 256 ids but token store .* holds id {biggest}"
+    ):
+        run_eval(config(corpus, spec, tmp_path / "out"))
+
+
+def test_window_longer_than_positions_is_refused(corpus, bpe_tokenizer_path, tmp_path):
+    spec = f"hf:{make_neox(tmp_path / 'm', bpe_tokenizer_path, max_positions=16)}"
+    with pytest.raises(ArSliceError, match=r"windows of 32 tokens .* positional limit of 16"):
+        run_eval(config(corpus, spec, tmp_path / "out"))
+
+
+def test_non_finite_losses_are_refused(corpus, bpe_tokenizer_path, tmp_path):
+    from transformers import GPTNeoXForCausalLM
+
+    model = GPTNeoXForCausalLM.from_pretrained(make_neox(tmp_path / "ok", bpe_tokenizer_path))
+    s = np.asarray(corpus["store"].tokens)
+    early = set(s[: 2 * L + 1].tolist())
+    bad = next(int(t) for t in s[2 * L + 1 : 3 * L + 1] if int(t) not in early)
+    with torch.no_grad():  # a token first read in window 2 gets a NaN input embedding
+        model.gpt_neox.embed_in.weight[bad] = float("nan")
+    spec = f"hf:{_save_hf(model, tmp_path / 'nan', bpe_tokenizer_path)}"
+    with pytest.raises(
+        ArSliceError, match=r"non-finite loss \(nan\) at window 2 pos \d+ \(\d+ such"
+    ):
+        run_eval(config(corpus, spec, tmp_path / "out"))
+    assert not list((tmp_path / "out").glob("losses-*.parquet"))
+
+
+def test_tags_and_store_must_agree(corpus, models_dir, tmp_path, make_store):
+    shorter = make_store(
+        corpus["docs"][:3], vocab_size=VOCAB, fingerprint=corpus["store"].fingerprint
+    )
+    with pytest.raises(
+        BadInput, match=r"windows.parquet: row \d+ has n_targets .*\(pass --tokens\)"
+    ):
+        run_eval(config(corpus, models_dir["native"], tmp_path / "o", tokens=str(shorter.path)))
+    other = make_store(corpus["docs"], vocab_size=VOCAB, fingerprint="e" * 64)
+    with pytest.raises(TokenizerMismatch, match="tokenizer mismatch: tags"):
+        run_eval(config(corpus, models_dir["native"], tmp_path / "o", tokens=str(other.path)))
+    incomplete = tmp_path / "tags"
+    shutil.copytree(corpus["tags"], incomplete)
+    (incomplete / "tags-00000.parquet").unlink()
+    with pytest.raises(BadInput, match=r"0 tags-\*.parquet files hold 0 rows"):
+        run_eval(
+            replace(config(corpus, models_dir["native"], tmp_path / "o"), tags=str(incomplete))
+        )
+
+
+def test_out_of_memory_halves_the_batch_and_carries_on(corpus, models_dir):
+    """A forward that runs out of memory above 2 sequences (as CUDA would) is retried smaller."""
+    from models import load_model
+    from pipeline.eval import fixed_sequences, make_forward, open_tags
+
+    tags = open_tags(corpus["tags"])
+    forward = make_forward(load_model(models_dir["neox"]), "cpu", "fp32")
+    calls = []
+
+    def limited(inputs, targets):
+        calls.append(len(inputs))
+        if len(inputs) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return forward(inputs, targets)
+
+    seqs = fixed_sequences(tags, 0, tags.n_windows)
+    runner = BatchRunner(limited, batch_size=8)
+    got = np.full(int(tags.n_targets.sum()), np.nan, dtype=np.float32)
+    runner.run(seqs, got)
+    assert runner.batch_size == 2 and runner.backoffs == 2 and calls[:3] == [8, 4, 2]
+    ref = np.full_like(got, np.nan)
+    BatchRunner(forward, batch_size=1).run(seqs, ref)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5)
+    one = BatchRunner(
+        lambda i, t: (_ for _ in ()).throw(torch.OutOfMemoryError("out of memory")), 1
+    )
+    with pytest.raises(ArSliceError, match="out of memory with a single sequence of 32 tokens"):
+        one.run([Sequence(np.zeros(32, np.int64), np.zeros(32, np.int64), 0, 0)], got)
+
+
+def test_cli_prints_errors_without_traceback(corpus, bpe_tokenizer_path, tmp_path):
+    spec = f"hf:{make_neox(tmp_path / 'm', bpe_tokenizer_path, max_positions=16)}"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "eval", "--model", spec, "--tags", str(corpus["tags"]),
+         "--out", str(tmp_path / "out"), "--device", "cpu"],
+        capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "positional limit of 16" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_model_name_from_spec():
+    assert model_name_from_spec("hf:EleutherAI/pythia-160m") == "pythia-160m"
+    assert model_name_from_spec("native:runs/demo/models/attention/") == "attention"
+    assert model_name_from_spec("safari:/ckpts/hyena-153m.ckpt") == "hyena-153m"
+    assert json.dumps(model_name_from_spec("hf:./x y")) == '"x_y"'
