@@ -42,6 +42,7 @@ BIGRAMS_NAME = "bigrams.parquet"
 # A fine bucket spans at most this many keys, so a reduce task merging one bucket never holds
 # more than 4 M distinct pairs whatever the corpus size (uint16: 64 prev values per bucket).
 BUCKET_KEYS = 1 << 22
+MAX_BUCKETS = 1 << 14
 # Rows per Parquet row group of bigrams.parquet (readers can stream it group by group).
 ROW_GROUP_ROWS = 1 << 21
 
@@ -83,7 +84,8 @@ def key_dtype_for(shift: int) -> np.dtype:
 def bucket_bounds(shift: int, vocab_size: int) -> np.ndarray:
     """Start key of every fine `prev` bucket (the last bucket is open-ended)."""
     id_space = 1 << 16 if shift == 16 else max(int(vocab_size), 1)
-    prev_width = max(1, BUCKET_KEYS >> shift) if shift == 16 else max(1, BUCKET_KEYS // id_space)
+    # at most MAX_BUCKETS buckets, so a partial's bucket offsets stay small for huge vocabularies
+    prev_width = max(1, BUCKET_KEYS // id_space, -(-id_space // MAX_BUCKETS))
     starts = np.arange(0, id_space, prev_width, dtype=np.uint64)
     return starts << np.uint64(shift)
 
@@ -166,7 +168,7 @@ class MapTask:
     row: int | None  # unit row:N, or None for the whole stream
     shift: int
     vocab_size: int
-    out: str  # partial directory written atomically (keys.npy, counts.npy, offsets.npy)
+    out: str  # the partial file, written atomically (see write_partial)
 
     @property
     def n_pairs(self) -> int:
@@ -174,7 +176,7 @@ class MapTask:
 
 
 def count_shard(task: MapTask) -> dict:
-    """Map step: one shard -> a partial counts directory. Returns {pairs, distinct}."""
+    """Map step: one shard -> a partial counts file. Returns {pairs, distinct}."""
     dtype = np.dtype(task.dtype).newbyteorder("<")
     mm = np.memmap(task.tokens_path, dtype=dtype, mode="r", shape=(task.n_tokens,))
     tokens = np.asarray(mm[task.start : task.stop + 1])
@@ -189,35 +191,59 @@ def count_shard(task: MapTask) -> dict:
     return {"pairs": pairs, "distinct": int(keys.size)}
 
 
+_PARTIAL_MAGIC = 0x41524250  # "ARBP"
+_HEADER = 5  # int64s: magic, key itemsize, count itemsize, number of keys, number of offsets
+
+
 def write_partial(
     out: str | Path, keys: np.ndarray, counts: np.ndarray, offsets: np.ndarray
 ) -> None:
-    """A partial directory, written under a temporary name and renamed: it exists only complete."""
+    """One partial file, written under a temporary name and renamed: it exists only complete.
+
+    Layout (little-endian): 5 int64 header, int64 bucket offsets, keys, counts. One file, not
+    three, because creating files is what costs most for small shards on network disks.
+    """
     out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
     # counts of one shard are below 2**32 (shards are smaller than that), so uint32 halves the file
     small = counts.size == 0 or int(counts.max()) < 1 << 32
-    np.save(tmp / "keys.npy", keys)
-    np.save(tmp / "counts.npy", counts.astype(np.uint32 if small else np.int64))
-    np.save(tmp / "offsets.npy", offsets)
+    counts = counts.astype("<u4" if small else "<i8", copy=False)
+    keys = keys.astype(keys.dtype.newbyteorder("<"), copy=False)
+    header = np.array(
+        [_PARTIAL_MAGIC, keys.dtype.itemsize, counts.dtype.itemsize, keys.size, offsets.size], "<i8"
+    )
+    tmp = out.with_name(f".{out.name}.tmp")
+    with open(tmp, "wb") as f:
+        for part in (header, offsets.astype("<i8", copy=False), keys, counts):
+            f.write(memoryview(np.ascontiguousarray(part)).cast("B"))
     tmp.rename(out)
 
 
+def _partial_layout(f, path) -> tuple[np.dtype, np.dtype, int, np.ndarray, int]:
+    header = np.fromfile(f, dtype="<i8", count=_HEADER)
+    if header.size != _HEADER or header[0] != _PARTIAL_MAGIC:
+        raise BadInput(f"{path}: not a partial counts file; delete {Path(path).parent} and rerun")
+    key_dtype = np.dtype(f"<u{int(header[1])}")
+    count_dtype = np.dtype("<u4" if header[2] == 4 else "<i8")
+    n_keys = int(header[3])
+    offsets = np.fromfile(f, dtype="<i8", count=int(header[4]))
+    return key_dtype, count_dtype, n_keys, offsets, 8 * (_HEADER + offsets.size)
+
+
 def read_partial_slice(path: str | Path, b_lo: int, b_hi: int) -> tuple[np.ndarray, np.ndarray]:
-    """Keys and counts of fine buckets b_lo..b_hi-1 of one partial (memory-mapped, then copied)."""
-    path = Path(path)
-    offsets = np.load(path / "offsets.npy")
-    a, b = int(offsets[b_lo]), int(offsets[b_hi])
-    keys = np.load(path / "keys.npy", mmap_mode="r")
-    counts = np.load(path / "counts.npy", mmap_mode="r")
-    return np.array(keys[a:b]), np.array(counts[a:b])
+    """Keys and counts of fine buckets b_lo..b_hi-1 of one partial file."""
+    with open(path, "rb") as f:
+        key_dtype, count_dtype, n_keys, offsets, base = _partial_layout(f, path)
+        a, b = int(offsets[b_lo]), int(offsets[b_hi])
+        f.seek(base + a * key_dtype.itemsize)
+        keys = np.fromfile(f, dtype=key_dtype, count=b - a)
+        f.seek(base + n_keys * key_dtype.itemsize + a * count_dtype.itemsize)
+        counts = np.fromfile(f, dtype=count_dtype, count=b - a)
+    return keys, counts
 
 
 def bucket_sizes(path: str | Path) -> np.ndarray:
-    return np.diff(np.load(Path(path) / "offsets.npy"))
+    with open(path, "rb") as f:
+        return np.diff(_partial_layout(f, path)[3])
 
 
 # ---- reduce ----------------------------------------------------------------------------------
@@ -468,7 +494,7 @@ def plan_map_tasks(
                     row=row,
                     shift=shift,
                     vocab_size=vocab_size,
-                    out=str(work / "partials" / f"s{s:04d}-{k:06d}"),
+                    out=str(work / "partials" / f"s{s:04d}-{k:06d}.bin"),
                 )
             )
         offset += store.n_tokens
@@ -565,7 +591,7 @@ def count_stores(
 
     executor = executor or LocalExecutor(workers)
     tasks = plan_map_tasks(stores, work, row, shard_tokens, shift, vocab_size)
-    todo = [t for t in tasks if not Path(t.out).is_dir()]
+    todo = [t for t in tasks if not Path(t.out).is_file()]
     total_tokens = sum(t.n_pairs for t in tasks)
     resumed = len(tasks) - len(todo)
     if resumed:
@@ -586,8 +612,8 @@ def count_stores(
     partials = [t.out for t in tasks]
     edge = boundary_keys(stores, row, shift)
     if edge.size:
-        edge_out = work / "partials" / "boundaries"
-        if not edge_out.is_dir():
+        edge_out = work / "partials" / "boundaries.bin"
+        if not edge_out.is_file():
             keys, counts = count_keys(edge)
             offsets = np.append(
                 np.searchsorted(keys, bucket_bounds(shift, vocab_size).astype(keys.dtype)),
