@@ -7,12 +7,13 @@ With `reset_at_doc_boundary`, only `j` in the same document as `i` count (the do
 its trailing EOS included, holds the stream index). An *AR hit* is a repeat whose training count
 is at most `threshold` (count 0, never seen, qualifies).
 
-How it is computed, per batch of windows, without a Python loop over tokens: each target gets the
-key `bigram << pos_bits | pos`, the `(n_windows, L)` key matrix is sorted row by row (a row is one
-window, small enough to sort in cache), and in each sorted row the element before a target with
-the same bigram is its most recent earlier occurrence. Training counts are looked up once per
-distinct bigram of each window (the first element of each run of equal bigrams) and spread over
-the run.
+How it is computed, per batch of windows, without a Python loop over tokens: the batch's targets
+are ordered by (bigram, stream index) — two stable radix passes over 16-bit ids (GPT-2 and GPT-NeoX
+vocabularies fit), or one sort of packed 64-bit keys for larger vocabularies. In that order a
+target's predecessor with the same bigram is its most recent earlier occurrence in the batch; it
+is the target's `prev_pos` when it lies in the same window (and document, with the reset). The
+first target of each run of equal bigrams gives the batch's distinct bigrams, already sorted, so
+the training counts are looked up once per distinct bigram, in order, and spread over the run.
 """
 
 from __future__ import annotations
@@ -130,97 +131,40 @@ def tag_windows(
     count of 10 for (5, 6) and threshold 1250 both are AR hits.
     """
     L = int(window)
-    n_targets = len(stream) - 1
-    if n_targets <= 0:
+    n = len(stream) - 1  # targets; target k (0-based) is stream index first_window*L + 1 + k
+    if n <= 0:
         return _empty_columns()
-    n_rows = -(-n_targets // L)
-    size = n_rows * L  # padded to whole rows; padding sorts last and is cut off at the end
-    first_index = first_window * L + 1  # stream index of the first target
+    tokens = _checked_tokens(stream, vocab_size, first_window)
+    prev, token = tokens[:-1], tokens[1:]
 
-    if vocab_size > 1 << 31:
-        raise BadInput(f"vocabulary of {vocab_size} ids: token ids must fit the int32 tag columns")
-    tokens = np.asarray(stream)
-    if tokens.dtype.kind not in "iu":
-        raise BadInput(f"token stream must hold integers, got {tokens.dtype}")
-    top = int(tokens.max())
-    if top >= vocab_size or (tokens.dtype.kind == "i" and int(tokens.min()) < 0):
-        raise BadInput(
-            f"token id {top} at windows from {first_window} is outside the vocabulary of "
-            f"{vocab_size}; the store's tokens.bin does not match its meta.json"
-        )
-
-    pos_bits = L.bit_length()
-    # The sort only needs bigram codes that are equal exactly when the bigrams are; with a
-    # vocabulary too large to pack prev*V+next beside the position, use the batch's own ids.
-    codes, n_codes = tokens.astype(np.uint64), vocab_size
-    if (n_codes * n_codes).bit_length() + pos_bits > 64:
-        uniq, inverse = np.unique(tokens, return_inverse=True)
-        codes, n_codes = inverse.astype(np.uint64).ravel(), len(uniq)
-    pad_code = np.uint64(n_codes * n_codes)  # above every real bigram code
-
-    pos = np.tile(np.arange(1, L + 1, dtype=np.uint64), n_rows)  # (size,)
-    keys = np.empty(size, dtype=np.uint64)
-    keys[:n_targets] = codes[:-1] * np.uint64(n_codes) + codes[1:]
-    keys[n_targets:] = pad_code
-    keys <<= np.uint64(pos_bits)
-    keys |= pos
-    del codes
-
-    sorted_keys = np.sort(keys.reshape(n_rows, L), axis=1)  # (n_rows, L)
-    del keys
-    pos_mask = np.uint64((1 << pos_bits) - 1)
-    sorted_pos = (sorted_keys & pos_mask).astype(np.int64)  # (n_rows, L) positions 1..L
-    sorted_bigram = sorted_keys >> np.uint64(pos_bits)
-    del sorted_keys
-    # flat index (row*L + pos-1) of each sorted element in the padded target arrays
-    row_base = (np.arange(n_rows, dtype=np.int64) * L)[:, None]
-    sorted_flat = sorted_pos - 1
-    sorted_flat += row_base  # (n_rows, L)
-
-    # same[r, k]: sorted element k+1 of row r has the same bigram as element k, its predecessor
-    same = sorted_bigram[:, 1:] == sorted_bigram[:, :-1]  # (n_rows, L-1)
-    del sorted_bigram
-
-    doc_rows = docs.rows_of_range(first_index, n_targets)
+    order = _bigram_order(prev, token, vocab_size)  # (n,) targets by (bigram, index)
+    sorted_prev, sorted_token = prev[order], token[order]
+    # same[k]: sorted target k+1 has the bigram of sorted target k, its previous occurrence
+    same = (sorted_prev[1:] == sorted_prev[:-1]) & (sorted_token[1:] == sorted_token[:-1])
+    earlier, later = order[:-1], order[1:]
+    in_context = same & (earlier // L == later // L)
+    doc_rows = docs.rows_of_range(first_window * L + 1, n)
     if reset_at_doc_boundary:
-        doc_padded = np.full(size, -1, dtype=np.int64)
-        doc_padded[:n_targets] = doc_rows
-        earlier_in_doc = same & (doc_padded[sorted_flat[:, :-1]] == doc_padded[sorted_flat[:, 1:]])
-        del doc_padded
-    else:
-        earlier_in_doc = same
+        in_context &= doc_rows[earlier] == doc_rows[later]
+    prev_pos = np.zeros(n, dtype=np.int32)
+    prev_pos[later[in_context]] = earlier[in_context] % L + 1
+    del earlier, later, in_context
 
-    prev_pos = np.zeros(size, dtype=np.int32)
-    prev_pos[sorted_flat[:, 1:][earlier_in_doc]] = sorted_pos[:, :-1][earlier_in_doc]
-    del sorted_pos, earlier_in_doc
-
-    # Training counts: one lookup per run of equal bigrams in each sorted row, spread over it.
-    run_head = np.ones((n_rows, L), dtype=bool)
-    run_head[:, 1:] = ~same
+    # Training counts: the run heads are the batch's distinct bigrams in sorted order.
+    run_head = np.empty(n, dtype=bool)
+    run_head[0] = True
+    np.logical_not(same, out=run_head[1:])
     del same
-    head_flat = sorted_flat[run_head]
-    head_flat = head_flat[head_flat < n_targets]  # padding forms its own runs at row ends
-    prev = tokens[:-1]
-    token = tokens[1:]
-    head_counts = np.asarray(lookup(prev[head_flat], token[head_flat]), dtype=np.int64)
-    run_id = np.cumsum(run_head.ravel()) - 1
-    del run_head
-    n_heads = len(head_counts)
-    train_count = np.zeros(size, dtype=np.int64)
-    # runs past the last real head are padding; their counts are discarded below
-    run_counts = np.concatenate([head_counts, np.zeros(int(run_id[-1]) + 1 - n_heads, np.int64)])
-    train_count[sorted_flat.ravel()] = run_counts[run_id]
-    del run_id, sorted_flat
+    head_counts = np.asarray(lookup(sorted_prev[run_head], sorted_token[run_head]), dtype=np.int64)
+    train_count = np.empty(n, dtype=np.int64)
+    train_count[order] = head_counts[np.cumsum(run_head) - 1]
+    del order, sorted_prev, sorted_token, run_head
 
-    train_count = train_count[:n_targets]
-    prev_pos = prev_pos[:n_targets]
     is_repeat = prev_pos > 0
-    window_id = np.repeat(np.arange(first_window, first_window + n_rows, dtype=np.int32), L)[
-        :n_targets
-    ]
+    local = np.arange(n, dtype=np.int64)
     return {
-        "window_id": window_id,
-        "pos": pos[:n_targets].astype(np.int32),
+        "window_id": (local // L + first_window).astype(np.int32),
+        "pos": (local % L + 1).astype(np.int32),
         "doc_id": docs.doc_ids[doc_rows],
         "token": token.astype(np.int32),
         "prev": prev.astype(np.int32),
@@ -230,6 +174,47 @@ def tag_windows(
         "is_ar_hit": is_repeat & (train_count <= threshold),
         "subset": docs.subset_code[doc_rows],
     }
+
+
+def _checked_tokens(stream: np.ndarray, vocab_size: int, first_window: int) -> np.ndarray:
+    if vocab_size > 1 << 31:
+        raise BadInput(f"vocabulary of {vocab_size} ids: token ids must fit the int32 tag columns")
+    tokens = np.asarray(stream)
+    if tokens.dtype.kind not in "iu":
+        raise BadInput(f"token stream must hold integers, got {tokens.dtype}")
+    low, top = int(tokens.min()), int(tokens.max())
+    if top >= vocab_size or low < 0:
+        bad = top if top >= vocab_size else low
+        raise BadInput(
+            f"token id {bad} in the windows from {first_window} is outside the vocabulary of "
+            f"{vocab_size}; the store's tokens.bin does not match its meta.json"
+        )
+    if vocab_size <= 1 << 16 and tokens.dtype != np.uint16:
+        tokens = tokens.astype(np.uint16)  # radix sorting needs 16-bit ids
+    return tokens
+
+
+def _bigram_order(prev: np.ndarray, token: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Indices that sort the targets by (prev, token, index): a stable argsort of the bigrams."""
+    n = len(prev)
+    if prev.dtype == np.uint16:
+        # numpy's stable argsort of 16-bit integers is a radix sort: two linear passes (least
+        # significant key first) are about twice as fast as one sort of packed 64-bit keys.
+        by_token = np.argsort(token, kind="stable")
+        return by_token[np.argsort(prev[by_token], kind="stable")]
+    index_bits = max(1, (n - 1).bit_length())
+    if (vocab_size * vocab_size).bit_length() + index_bits <= 64:
+        codes, n_codes = prev.astype(np.uint64), vocab_size
+        next_codes = token.astype(np.uint64)
+    else:  # ids too large to pack beside the index: rank them among the batch's own ids
+        uniq, inverse = np.unique(np.concatenate([prev[:1], token]), return_inverse=True)
+        inverse = inverse.astype(np.uint64).ravel()
+        codes, next_codes, n_codes = inverse[:-1], inverse[1:], len(uniq)
+    keys = codes * np.uint64(n_codes) + next_codes
+    keys <<= np.uint64(index_bits)
+    keys |= np.arange(n, dtype=np.uint64)
+    keys.sort()
+    return (keys & np.uint64((1 << index_bits) - 1)).astype(np.int64)
 
 
 def _empty_columns() -> dict[str, np.ndarray]:

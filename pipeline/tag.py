@@ -1,0 +1,375 @@
+"""`arslice tag`: evaluation windows, in-context repeats and AR hits of a validation token store.
+
+Reads a validation token store and the training bigram counts; writes into `--out`:
+  windows.parquet        window_id int32, start int64, n_targets int32 (what eval reads)
+  tags-00000.parquet ... one row per scored target, sorted by (window_id, pos); each part holds
+                         whole windows, is written atomically and is the unit of resumption
+  meta.json              parameters, input fingerprints, counts overall and per subset (last)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ar_slicing.errors import ArSliceError
+from ar_slicing.io import read_json, write_json_atomic
+from pipeline.config import Command
+
+log = logging.getLogger(__name__)
+
+PART_PATTERN = "tags-{:05d}.parquet"
+PARAMS_NAME = ".tag-params.json"  # parameters the parts were made with, checked before resuming
+BATCH_TOKENS = 1 << 20  # targets tagged at once (one Parquet row group): bounds worker memory
+
+
+@dataclass(frozen=True)
+class TagConfig:
+    tokens: str = field(metadata={"help": "validation token store directory"})
+    counts: str = field(metadata={"help": "training bigram counts directory (arslice count)"})
+    out: str = field(metadata={"help": "output directory for windows.parquet, tags-*.parquet"})
+    window: int = field(default=2048, metadata={"help": "window length L (targets per window)"})
+    threshold: int = field(
+        default=1250, metadata={"help": "AR hit: a repeat whose training count is at most this"}
+    )
+    reset_at_doc_boundary: bool = field(
+        default=False,
+        metadata={"help": "count only earlier occurrences in the same document as repeats"},
+    )
+    workers: int = field(default=0, metadata={"help": "worker processes (0 = all cores)"})
+    part_tokens: int = field(
+        default=1 << 22,
+        metadata={"help": "targets per output part, rounded to whole windows (resume granularity)"},
+    )
+    overwrite: bool = field(default=False, metadata={"help": "redo a complete output directory"})
+
+
+@dataclass(frozen=True)
+class PartTask:
+    """One output part: windows [first_window, first_window + n_windows)."""
+
+    index: int
+    first_window: int
+    n_windows: int
+    tokens: str
+    counts: str
+    out: str
+    window: int
+    threshold: int
+    reset_at_doc_boundary: bool
+
+    @property
+    def path(self) -> Path:
+        return Path(self.out) / PART_PATTERN.format(self.index)
+
+
+def part_tasks(
+    cfg: TagConfig, n_windows: int, tokens: str, counts: str, out: str
+) -> list[PartTask]:
+    per_part = max(1, cfg.part_tokens // cfg.window)
+    return [
+        PartTask(
+            index=k,
+            first_window=first,
+            n_windows=min(per_part, n_windows - first),
+            tokens=tokens,
+            counts=counts,
+            out=out,
+            window=cfg.window,
+            threshold=cfg.threshold,
+            reset_at_doc_boundary=cfg.reset_at_doc_boundary,
+        )
+        for k, first in enumerate(range(0, n_windows, per_part))
+    ]
+
+
+# Opened once per worker process (the store is a memmap; the counts may be large).
+_OPEN: dict[str, object] = {}
+
+
+def _opened(kind: str, path: str):
+    key = f"{kind}:{path}"
+    if key not in _OPEN:
+        if kind == "store":
+            from ar_slicing.store import TokenStore
+
+            _OPEN[key] = TokenStore.open(path)
+        elif kind == "docs":
+            from ar_slicing.tags import DocTable
+
+            _OPEN[key] = DocTable.from_store(_opened("store", path))
+        else:
+            from ar_slicing.counts import BigramCounts
+
+            _OPEN[key] = BigramCounts.open(path)
+    return _OPEN[key]
+
+
+def tag_part(task: PartTask) -> dict:
+    """Tag one part's windows in batches and write its Parquet file atomically.
+
+    Returns per-subset counts (see `ar_slicing.tags.slice_counts`) and the number of targets.
+    """
+    import pyarrow.parquet as pq
+
+    from ar_slicing.io import atomic_path
+    from ar_slicing.tags import (
+        PARQUET_OPTIONS,
+        arrow_write_schema,
+        slice_counts,
+        tag_windows,
+        to_arrow,
+    )
+
+    store = _opened("store", task.tokens)
+    docs = _opened("docs", task.tokens)
+    counts = _opened("counts", task.counts)
+    L = task.window
+    batch_windows = max(1, BATCH_TOKENS // L)
+    n_subsets = len(docs.subset_names)
+    totals = {
+        "tokens": [0] * (n_subsets + 1),
+        "repeats": [0] * (n_subsets + 1),
+        "ar_hits": [0] * (n_subsets + 1),
+    }
+    n_rows = 0
+    with atomic_path(task.path) as tmp:
+        with pq.ParquetWriter(tmp, arrow_write_schema(), **PARQUET_OPTIONS) as writer:
+            end_window = task.first_window + task.n_windows
+            for w in range(task.first_window, end_window, batch_windows):
+                w_end = min(w + batch_windows, end_window)
+                stream = store.slice(w * L, min(w_end * L + 1, store.n_tokens))
+                columns = tag_windows(
+                    stream,
+                    w,
+                    L,
+                    docs=docs,
+                    lookup=counts.lookup,
+                    threshold=task.threshold,
+                    vocab_size=store.vocab_size,
+                    reset_at_doc_boundary=task.reset_at_doc_boundary,
+                )
+                writer.write_table(to_arrow(columns, docs.subset_names))
+                for name, values in slice_counts(columns, n_subsets).items():
+                    totals[name] = [a + b for a, b in zip(totals[name], values)]
+                n_rows += len(columns["pos"])
+    return {"rows": n_rows, **totals}
+
+
+def counts_of_part(path: Path, subset_names: tuple[str, ...]) -> dict:
+    """Recount a part finished by an earlier, interrupted run (same shape as tag_part returns)."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path, columns=["subset", "is_repeat", "is_ar_hit"])
+    index = {name: k + 1 for k, name in enumerate(subset_names)}
+    out = {"rows": table.num_rows}
+    grouped = table.group_by("subset").aggregate(
+        [("is_repeat", "count"), ("is_repeat", "sum"), ("is_ar_hit", "sum")]
+    )
+    for key in ("tokens", "repeats", "ar_hits"):
+        out[key] = [0] * (len(subset_names) + 1)
+    for row in grouped.to_pylist():
+        k = 0 if row["subset"] is None else index[row["subset"]]
+        out["tokens"][k] = int(row["is_repeat_count"])
+        out["repeats"][k] = int(row["is_repeat_sum"] or 0)
+        out["ar_hits"][k] = int(row["is_ar_hit_sum"] or 0)
+    return out
+
+
+def part_is_complete(task: PartTask, n_targets: np.ndarray) -> bool:
+    """A part from an earlier run counts only if it has exactly the rows its windows must have."""
+    import pyarrow.parquet as pq
+
+    if not task.path.is_file():
+        return False
+    expected = int(n_targets[task.first_window : task.first_window + task.n_windows].sum())
+    try:
+        return pq.read_metadata(task.path).num_rows == expected
+    except Exception:
+        return False
+
+
+def _resume_params(cfg: TagConfig, store) -> dict:
+    counts_meta = read_json(Path(cfg.counts) / "meta.json")
+    return {
+        "tokens": str(Path(cfg.tokens).resolve()),
+        "counts_dir": str(Path(cfg.counts).resolve()),
+        "n_tokens": store.n_tokens,
+        "fingerprint": store.fingerprint,
+        "counts_meta": {k: counts_meta.get(k) for k in ("total_pairs", "distinct_bigrams", "unit")},
+        "window": cfg.window,
+        "threshold": cfg.threshold,
+        "reset_at_doc_boundary": cfg.reset_at_doc_boundary,
+        "part_tokens": cfg.part_tokens,
+    }
+
+
+def _check_resumable(out: Path, params: dict, overwrite: bool) -> None:
+    """Refuse to mix parts of an unfinished run made with other parameters (or clear them)."""
+    stale = sorted(out.glob("tags-*.parquet"))
+    previous = read_json(out / PARAMS_NAME) if (out / PARAMS_NAME).is_file() else None
+    if previous == params or not stale:
+        return
+    if not overwrite:
+        raise ArSliceError(
+            f"{out}: holds parts of an unfinished tag run with other parameters or inputs "
+            f"({out / PARAMS_NAME}); pass --overwrite to discard them or choose another --out"
+        )
+    for path in stale:
+        path.unlink()
+
+
+def run_tag(cfg: TagConfig) -> dict:
+    from tqdm import tqdm
+
+    from ar_slicing.counts import BigramCounts
+    from ar_slicing.executor import LocalExecutor, default_workers
+    from ar_slicing.io import build_meta, prepare_out_dir, write_meta
+    from ar_slicing.store import TokenStore
+    from ar_slicing.tags import DocTable
+    from ar_slicing.tokenizer import require_same_fingerprint
+    from ar_slicing.windows import WINDOWS_NAME, check_window, window_table, write_window_table
+
+    t0 = time.time()
+    check_window(cfg.window)
+    if cfg.threshold < 0:
+        raise ArSliceError(f"--threshold must be >= 0, got {cfg.threshold}")
+    if cfg.part_tokens < 1:
+        raise ArSliceError(f"--part-tokens must be >= 1, got {cfg.part_tokens}")
+    store = TokenStore.open(cfg.tokens)
+    counts = BigramCounts.open(cfg.counts)
+    require_same_fingerprint(
+        store.fingerprint, f"token store {cfg.tokens}", counts.fingerprint, f"counts {cfg.counts}"
+    )
+    out = Path(cfg.out)
+    if not prepare_out_dir(out, cfg.overwrite):
+        meta = read_json(out / "meta.json")
+        print(f"tag: {out} is complete ({meta['counts']['tokens']:,} tokens); --overwrite to redo")
+        return meta
+    tokens_path = str(Path(cfg.tokens).resolve())
+    counts_path = str(Path(cfg.counts).resolve())
+    params = _resume_params(cfg, store)
+    _check_resumable(out, params, cfg.overwrite)
+    write_json_atomic(out / PARAMS_NAME, params)
+    for leftover in out.glob(".tags-*.tmp"):  # from a worker killed mid-write
+        leftover.unlink()
+
+    docs = DocTable.from_store(store)
+    # Worker processes forked from here inherit these (copy-on-write) instead of rebuilding the
+    # counts' hash table each; under "spawn" they open their own.
+    _OPEN[f"store:{tokens_path}"] = store
+    _OPEN[f"docs:{tokens_path}"] = docs
+    _OPEN[f"counts:{counts_path}"] = counts
+    windows = window_table(store.n_tokens, cfg.window)
+    write_window_table(out / WINDOWS_NAME, store.n_tokens, cfg.window)
+    tasks = part_tasks(cfg, len(windows["window_id"]), tokens_path, counts_path, str(out.resolve()))
+    done = [t for t in tasks if part_is_complete(t, windows["n_targets"])]
+    todo = [t for t in tasks if t not in done]
+    n_targets = int(windows["n_targets"].sum(dtype=np.int64))
+    results = {t.index: counts_of_part(t.path, docs.subset_names) for t in done}
+    workers = min(cfg.workers or default_workers(), max(1, len(todo)))
+    log.info(
+        "tagging %d targets in %d windows of %d: %d parts (%d already done), %d workers",
+        n_targets,
+        len(windows["window_id"]),
+        cfg.window,
+        len(tasks),
+        len(done),
+        workers,
+    )
+    t_work = time.time()
+    with tqdm(total=n_targets, unit="tok", unit_scale=True, desc="tag", disable=None) as bar:
+        bar.update(sum(r["rows"] for r in results.values()))
+        for task, result in LocalExecutor(workers).map_unordered(tag_part, todo):
+            results[task.index] = result
+            bar.update(result["rows"])
+    work_s = time.time() - t_work
+
+    names: list[str | None] = [None, *docs.subset_names]
+    totals = {
+        key: np.sum([r[key] for r in results.values()], axis=0, dtype=np.int64)
+        if results
+        else np.zeros(len(names), np.int64)
+        for key in ("tokens", "repeats", "ar_hits")
+    }
+    by_subset = [
+        {"subset": name, **{key: int(totals[key][k]) for key in totals}}
+        for k, name in enumerate(names)
+        if totals["tokens"][k] > 0
+    ]
+    summary = {key: int(totals[key].sum()) for key in totals}
+    if summary["tokens"] != n_targets:
+        raise ArSliceError(
+            f"{out}: parts hold {summary['tokens']} rows, windows {n_targets}; rerun"
+        )
+    wall = time.time() - t0
+    tagged = sum(results[t.index]["rows"] for t in todo)
+    meta = build_meta(
+        "tag",
+        config=cfg,
+        inputs={
+            "tokens": {
+                "path": tokens_path,
+                "n_tokens": store.n_tokens,
+                "n_docs": store.n_docs,
+                "git_hash": store.meta.get("git_hash"),
+            },
+            "counts": {"path": counts_path, **params["counts_meta"]},
+        },
+        counts={
+            **summary,
+            "windows": len(windows["window_id"]),
+            "parts": len(tasks),
+            "by_subset": by_subset,
+        },
+        wall_time_s=wall,
+        throughput={"tokens_per_s": tagged / work_s if work_s > 0 else 0.0},
+        skipped={"parts_already_complete": len(done)},
+        tokens=tokens_path,
+        counts_dir=counts_path,
+        fingerprint=store.fingerprint,
+        window=cfg.window,
+        threshold=cfg.threshold,
+        reset_at_doc_boundary=cfg.reset_at_doc_boundary,
+        parts=[t.path.name for t in tasks],
+    )
+    write_meta(out, meta)
+    _print_summary(out, summary, by_subset, cfg, wall)
+    return meta
+
+
+def _pct(part: int, whole: int) -> str:
+    return f"{100.0 * part / whole:.2f}%" if whole else "n/a"
+
+
+def _print_summary(
+    out: Path, summary: dict, by_subset: list[dict], cfg: TagConfig, wall: float
+) -> None:
+    n = summary["tokens"]
+    print(
+        f"tag: {n:,} tokens in windows of {cfg.window}: {_pct(summary['repeats'], n)} repeats, "
+        f"{_pct(summary['ar_hits'], n)} AR hits (train count <= {cfg.threshold}; the paper found "
+        f"6.4% on the Pile) -> {out} ({wall:.1f} s)"
+    )
+    if len(by_subset) > 1:
+        width = max(len(str(s["subset"])) for s in by_subset)
+        for s in by_subset:
+            print(
+                f"  {str(s['subset']).ljust(width)}  {s['tokens']:>14,} tokens  "
+                f"{_pct(s['repeats'], s['tokens']):>7} repeats  {_pct(s['ar_hits'], s['tokens']):>7} AR hits"
+            )
+
+
+COMMAND = Command(
+    TagConfig,
+    run_tag,
+    summary="evaluation windows, in-context repeats and AR hits",
+    examples="""\
+  arslice tag --tokens runs/pile/tokens/val --counts runs/pile/counts --out runs/pile/tags
+  arslice tag --tokens runs/pile/tokens/val --counts runs/pile/counts --out runs/pile/tags-doc \\
+      --reset-at-doc-boundary --threshold 1250 --window 2048""",
+)
