@@ -11,7 +11,8 @@ Each stage module defines::
 
 Field name `x_y` becomes flag `--x-y`; a field without a default is a required flag; `list[...]`
 fields take one or more values; `bool` fields are switches (`--flag` / `--no-flag`); metadata may
-carry `choices`, `flag` (a different flag name) and `positional: True`.
+carry `choices`, `flag` (a different flag name), `positional: True` and, on list fields,
+`repeatable: True` (the flag may be given several times; the values are collected).
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             (item,) = typing.get_args(tp)[:1]
             kwargs["nargs"] = "+"
             kwargs["type"] = item
+            if f.metadata.get("repeatable"):  # `--x a --x b` collects both instead of keeping the last
+                kwargs["action"] = "extend"
         else:
             kwargs["type"] = tp if tp in (int, float, str) else str
         if has_default and tp is not bool:
