@@ -45,7 +45,10 @@ class QueryConfig:
     run: str = field(metadata={"help": "run directory (holds tags/, losses/, results.duckdb)"})
     param: list[str] = field(
         default_factory=list,
-        metadata={"help": "a query parameter as NAME=VALUE; repeat the flag for several"},
+        metadata={
+            "help": "a query parameter as NAME=VALUE; repeat the flag for several",
+            "repeatable": True,
+        },
     )
     format: str = field(
         default="table", metadata={"help": "output format", "choices": list(FORMATS)}
