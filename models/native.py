@@ -27,7 +27,7 @@ def save_native(model, out_dir, tokenizer_json=None) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     state = {
-        k: v.detach().to("cpu").contiguous()
+        k: v.detach().to("cpu").clone().contiguous()  # clone: shared Sin freqs would share storage
         for k, v in model.state_dict().items()
         if k not in TIED_KEYS
     }

@@ -1,0 +1,92 @@
+"""BaseConv (Arora et al., 2023, "Zoology", §4): `y = (u W + b1) ⊙ conv(u) + u`, as in Zoology's
+`zoology/mixers/base_conv.py` and `convolution.py`.
+
+`conv` is a short causal depthwise convolution with bias (`kernel_size` taps; the
+`(h * u + b2)` of the paper) or, with `kernel_size=-1`, Zoology's implicit long convolution
+`h * u + u` (an implicit Hyena-style filter; its `bias` parameter exists but, as in Zoology, is not
+applied: the FFT path adds `u` itself).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.hyena import ImplicitFilter, fft_causal_conv
+
+
+class ShortConvolution(nn.Module):
+    """Causal depthwise Conv1d over time (Zoology key: `conv.conv.{weight,bias}`)."""
+
+    def __init__(self, d_model: int, kernel_size: int):
+        super().__init__()
+        self.conv = nn.Conv1d(
+            d_model, d_model, kernel_size=kernel_size, groups=d_model, padding=kernel_size - 1
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        L = x.shape[1]
+        return self.conv(x.transpose(1, 2))[..., :L].transpose(1, 2)  # (B, L, D)
+
+
+class ImplicitLongConvolution(ImplicitFilter):
+    """Long causal convolution with an implicit filter; `y = h * u + u` (Zoology's fft_conv)."""
+
+    def __init__(
+        self,
+        d_model: int,
+        l_max: int,
+        emb_dim: int = 3,
+        order: int = 16,
+        frequency: float = 1.0,
+        **kw,
+    ):
+        super().__init__(d_model, l_max, emb_dim=emb_dim, order=order, w=frequency, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        L = x.shape[1]
+        u = x.transpose(1, 2)  # (B, D, L)
+        ones = torch.ones(self.d_model, device=x.device)
+        return fft_causal_conv(u, self.filter(L), ones).transpose(1, 2)  # (B, L, D)
+
+
+class BaseConv(nn.Module):
+    """`projection(u) ⊙ conv(u) + u` (optionally with SiLU on both factors)."""
+
+    def __init__(
+        self,
+        d_model: int,
+        l_max: int,
+        layer_idx: int | None = None,
+        kernel_size: int | list[int] = 3,
+        implicit_long_conv: bool = True,
+        use_act: bool = False,
+        **kwargs,
+    ):
+        super().__init__()
+        kwargs.pop("n_layers", None)
+        self.d_model = d_model
+        self.l_max = l_max
+        self.layer_idx = layer_idx
+        self.use_act = use_act
+        if isinstance(kernel_size, (list, tuple)):  # one kernel size per layer, as Zoology allows
+            if layer_idx is None or layer_idx >= len(kernel_size):
+                raise ValueError("a list kernel_size needs one entry per layer")
+            kernel_size = kernel_size[layer_idx]
+        self.projection = nn.Linear(d_model, d_model)
+        if kernel_size == -1:
+            if not implicit_long_conv:
+                raise ValueError(
+                    "explicit long convolutions are not implemented; use implicit_long_conv"
+                )
+            self.conv = ImplicitLongConvolution(d_model, l_max=l_max, **kwargs)
+        else:
+            self.conv = ShortConvolution(d_model, kernel_size=kernel_size)
+
+    def forward(self, u: torch.Tensor, **kwargs) -> torch.Tensor:
+        u_conv = self.conv(u)  # (B, L, D)
+        u_proj = self.projection(u)  # (B, L, D)
+        if self.use_act:
+            return F.silu(u_conv) * F.silu(u_proj) + u
+        return u_conv * u_proj + u

@@ -1,0 +1,311 @@
+"""RWKV-4 time mixing and channel mixing (Peng et al., 2023, arXiv:2305.13048), in pure PyTorch.
+
+Parameter names follow HazyResearch/zoology `zoology/mixers/rwkv.py` (`time_decay`, `time_first`,
+`time_mix_{k,v,r}`, `key`, `value`, `receptance`, `output`). Zoology and BlinkDL run the WKV
+recurrence in a custom CUDA kernel and transformers' `RwkvForCausalLM` falls back to a per-token
+Python loop elsewhere; here `wkv_chunked` computes all tokens at once in pure PyTorch: inside
+chunks of C tokens the decayed sums factorise into cumulative sums (fp64, keys shifted to a
+common maximum), a scan of T/C steps carries the state across chunks, and channels that decay too
+fast to factorise use an exact log-space form with a per-row maximum. `wkv_sequential` is the
+plain recurrence (one step per token) that the tests hold it to.
+
+The WKV of channel d at time t, with w = exp(time_decay) > 0 and u = time_first:
+
+    wkv_t = (sum_{i<t} e^{k_i - (t-1-i) w} v_i + e^{u + k_t} v_t)
+          / (sum_{i<t} e^{k_i - (t-1-i) w}     + e^{u + k_t})
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+# exp() arguments the factorised form may reach (fp64 overflows past ~709)
+_EXP_BUDGET = 600.0
+# ~32 M fp32 elements (128 MB) per slab of the (B, chunks, C, C, D) intra-chunk weights
+_SLAB_ELEMENTS = 1 << 25
+_NEG = -1e38  # "log of zero" that stays finite, so max/subtract never meet inf - inf
+
+
+def wkv_sequential(time_decay, time_first, k, v):
+    """Reference recurrence (one step per token), stable via a running maximum exponent.
+
+    time_decay, time_first (D,); k, v (B, T, D). Computes in fp32 (fp64 if k is fp64) and returns
+    that dtype.
+    """
+    B, T, D = k.shape
+    dt = torch.promote_types(k.dtype, torch.float32)
+    w = -torch.exp(time_decay.to(dt))  # (D,) log decay per step, < 0
+    u = time_first.to(dt)
+    k, v = k.to(dt), v.to(dt)
+    num = torch.zeros(B, D, device=k.device, dtype=dt)
+    den = torch.zeros(B, D, device=k.device, dtype=dt)
+    p = torch.full((B, D), _NEG, device=k.device, dtype=dt)  # state = (num, den) * e^p
+    out = torch.empty(B, T, D, device=k.device, dtype=dt)
+    for t in range(T):
+        kt, vt = k[:, t], v[:, t]
+        q = torch.maximum(p, u + kt)
+        a, b = torch.exp(p - q), torch.exp(u + kt - q)
+        out[:, t] = (a * num + b * vt) / (a * den + b)
+        q = torch.maximum(p + w, kt)
+        a, b = torch.exp(p + w - q), torch.exp(kt - q)
+        num, den, p = a * num + b * vt, a * den + b, q
+    return out
+
+
+def _intra_chunk_bias(w, u, C: int):
+    """(C, C, D) log-weight offsets: row j (output), column i (input) of one chunk.
+
+    -(j-1-i) w for i < j (decay since token i), u for i == j (the current-token bonus),
+    "-inf" for i > j (the future).
+    """
+    j = torch.arange(C, device=w.device)
+    steps = (j[:, None] - 1 - j[None, :]).float()  # (C, C)
+    bias = -steps[..., None] * w  # (C, C, D)
+    diag = torch.eye(C, dtype=torch.bool, device=w.device)[..., None]
+    future = (j[None, :] > j[:, None])[..., None]
+    bias = torch.where(diag, u.expand(C, C, -1), bias)
+    return bias.masked_fill(future, _NEG)
+
+
+def _wkv_log_matrix(time_decay, time_first, k, v, chunk_size: int = 16):
+    """WKV with every intra-chunk weight in log space and a per-row max: exact for any decay and
+    key range, O(B T C D) work. Used for the channels that decay too fast to factorise.
+
+    time_decay, time_first (D,); k, v (B, T, D). Returns (B, T, D) float32.
+    """
+    B, T, D = k.shape
+    C = max(1, min(chunk_size, T))
+    w = torch.exp(time_decay.float())  # (D,) decay per step, > 0
+    u = time_first.float()
+    N = -(-T // C)
+    pad = N * C - T
+    k, v = k.float(), v.float()
+    if pad:  # padding goes after the last token, so it never reaches a real output
+        k, v = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
+    k = k.view(B, N, C, D)  # (B, N, C, D)
+    v = v.view(B, N, C, D)
+
+    # 1. each chunk on its own: rows j attend to i <= j inside the chunk
+    bias = _intra_chunk_bias(w, u, C)  # (C, C, D)
+    m_in = torch.empty(B, N, C, D, device=k.device)
+    num_in = torch.empty_like(m_in)
+    den_in = torch.empty_like(m_in)
+    step = max(1, _SLAB_ELEMENTS // max(1, B * C * C * D))
+    for s in range(0, N, step):
+        ks, vs = k[:, s : s + step], v[:, s : s + step]  # (B, n, C, D)
+        logw = ks[:, :, None, :, :] + bias  # (B, n, C_out, C_in, D)
+        m = logw.amax(dim=3)  # (B, n, C, D)
+        e = torch.exp(logw - m[:, :, :, None, :])
+        m_in[:, s : s + step] = m
+        num_in[:, s : s + step] = (e * vs[:, :, None, :, :]).sum(dim=3)
+        den_in[:, s : s + step] = e.sum(dim=3)
+        del logw, e
+
+    # 2. each chunk's total contribution to the state at the next chunk's start, then a scan
+    c = torch.arange(C, device=k.device, dtype=torch.float32)
+    q = k - (C - 1 - c)[:, None] * w  # (B, N, C, D): k_i - (C-1-i) w
+    qm = q.amax(dim=2)  # (B, N, D)
+    eq = torch.exp(q - qm[:, :, None])
+    sa, sb = (eq * v).sum(dim=2), eq.sum(dim=2)  # (B, N, D)
+    p = torch.full((B, D), _NEG, device=k.device)
+    a = torch.zeros(B, D, device=k.device)
+    b = torch.zeros(B, D, device=k.device)
+    ps, as_, bs = [], [], []
+    decay_chunk = C * w
+    for n in range(N):
+        ps.append(p), as_.append(a), bs.append(b)
+        pd = p - decay_chunk
+        p_new = torch.maximum(pd, qm[:, n])
+        e1, e2 = torch.exp(pd - p_new), torch.exp(qm[:, n] - p_new)
+        a, b, p = e1 * a + e2 * sa[:, n], e1 * b + e2 * sb[:, n], p_new
+    p0 = torch.stack(ps, 1)[:, :, None]  # (B, N, 1, D): state at each chunk start
+    a0 = torch.stack(as_, 1)[:, :, None]
+    b0 = torch.stack(bs, 1)[:, :, None]
+
+    # 3. combine: the carried state decays by j w to reach row j of its chunk
+    sl = p0 - c[:, None] * w  # (B, N, C, D)
+    M = torch.maximum(m_in, sl)
+    e_in, e_st = torch.exp(m_in - M), torch.exp(sl - M)
+    out = (e_in * num_in + e_st * a0) / (e_in * den_in + e_st * b0)
+    return out.view(B, N * C, D)[:, :T]
+
+
+def _wkv_factorised(time_decay, time_first, k, v, C: int):
+    """WKV with the intra-chunk weights factorised as e^{k_i + i w} e^{-(j-1) w}: two cumulative sums
+    per chunk and a scan over chunks, O(B T D) work. fp64 and keys shifted so max_t k = 0 keep every
+    factor in range while C w <= _EXP_BUDGET and keys spread over less than ~100.
+    """
+    B, T, D = k.shape
+    f64 = torch.float64
+    w = torch.exp(time_decay.to(f64))  # (D,) decay per step
+    u = time_first.to(f64)
+    k = k.to(f64)
+    v = v.to(f64)
+    # wkv is a ratio of weighted sums: shifting all keys of a channel by one constant leaves it unchanged
+    k = k - k.amax(dim=1, keepdim=True).detach()
+    N = -(-T // C)
+    pad = N * C - T
+    if pad:  # padding goes after the last token and carries ~zero weight
+        k = F.pad(k, (0, 0, 0, pad), value=-1e4)
+        v = F.pad(v, (0, 0, 0, pad))
+    k = k.view(B, N, C, D)  # (B, N, C, D)
+    v = v.view(B, N, C, D)
+    j = torch.arange(C, device=k.device, dtype=f64)[:, None]  # (C, 1) position inside the chunk
+    ek = torch.exp(k + j * w)  # (B, N, C, D): e^{k_i + i w}
+    ekv = ek * v
+    # exclusive sums over i < j, built from shifted copies rather than by subtracting the i = j
+    # term: that term carries an extra e^{w} and would swamp the others for fast channels
+    cum_k = torch.cumsum(F.pad(ek, (0, 0, 1, -1)), dim=2)
+    cum_kv = torch.cumsum(F.pad(ekv, (0, 0, 1, -1)), dim=2)
+
+    # state at each chunk start: earlier chunks' sums, decayed by C w per chunk (a scan of N steps)
+    to_next_start = torch.exp(-(C - 1) * w)  # (D,)
+    chunk_kv = (cum_kv[:, :, -1] + ekv[:, :, -1]) * to_next_start  # (B, N, D)
+    chunk_k = (cum_k[:, :, -1] + ek[:, :, -1]) * to_next_start
+    per_chunk = torch.exp(-C * w)
+    state_kv = torch.zeros(B, N, D, dtype=f64, device=k.device)
+    state_k = torch.zeros_like(state_kv)
+    a = torch.zeros(B, D, dtype=f64, device=k.device)
+    b = torch.zeros_like(a)
+    for n in range(1, N):
+        a = a * per_chunk + chunk_kv[:, n - 1]
+        b = b * per_chunk + chunk_k[:, n - 1]
+        state_kv[:, n] = a
+        state_k[:, n] = b
+    # the state reaches row j after j steps: e^{-j w} = e^{-(j-1) w} e^{-w}, so it joins the sums
+    cum_kv = cum_kv + (state_kv * torch.exp(-w))[:, :, None]
+    cum_k = cum_k + (state_k * torch.exp(-w))[:, :, None]
+
+    decay_to_row = torch.exp(-(j - 1) * w)  # (C, D): e^{-(j-1) w}
+    bonus = torch.exp(u + k)  # (B, N, C, D): the current token's e^{u + k_j}
+    num = torch.addcmul(cum_kv * decay_to_row, bonus, v)
+    den = cum_k * decay_to_row + bonus
+    return (num / den).view(B, N * C, D)[:, :T].float()
+
+
+def wkv_chunked(time_decay, time_first, k, v, chunk_size: int = 16):
+    """WKV for all T tokens at once, in chunks of `chunk_size`: the parallel form.
+
+    time_decay, time_first (D,); k, v (B, T, D), any float dtype. Returns (B, T, D) float32.
+    Channels with C w <= _EXP_BUDGET (all but the fastest-decaying) take the factorised O(B T D)
+    path; the rest the log-space O(B T C D) path, which is exact for any decay. Should keys ever
+    spread so far that a factorised sum under- or overflows, the result falls back to
+    `wkv_sequential`, so the answer is always the recurrence's.
+    """
+    B, T, D = k.shape
+    C = max(1, min(chunk_size, T))
+    fast = torch.exp(time_decay.detach().float()) * C > _EXP_BUDGET  # (D,)
+    if not bool(fast.any()):
+        out = _wkv_factorised(time_decay, time_first, k, v, C)
+    else:
+        slow = ~fast
+        out = torch.empty(B, T, D, device=k.device, dtype=torch.float32)
+        out[..., fast] = _wkv_log_matrix(
+            time_decay[fast], time_first[fast], k[..., fast], v[..., fast], C
+        )
+        if bool(slow.any()):
+            out[..., slow] = _wkv_factorised(
+                time_decay[slow], time_first[slow], k[..., slow], v[..., slow], C
+            )
+    if not bool(torch.isfinite(out).all()):
+        log.warning(
+            "WKV: factorised sums out of range (extreme keys); using the sequential recurrence"
+        )
+        out = wkv_sequential(time_decay, time_first, k, v).float()
+    return out
+
+
+def _time_shift(x: torch.Tensor) -> torch.Tensor:
+    """x shifted one step later in time, zeros at t = 0: (B, T, D) -> (B, T, D)."""
+    return F.pad(x, (0, 0, 1, -1))
+
+
+class RWKVTimeMixer(nn.Module):
+    """RWKV-4 time mixing: token shift, k/v/r projections, WKV, `output(sigmoid(r) ⊙ wkv)`."""
+
+    def __init__(
+        self,
+        d_model: int,
+        l_max: int | None = None,
+        layer_idx: int | None = None,
+        n_layers: int = 2,
+        d_attn: int | None = None,  # attention width; RWKV-4 uses d_model
+        chunk_size: int = 16,  # 16 balances the O(C) intra-chunk work against the scan's steps
+        mode: str = "chunked",  # or "sequential": the reference recurrence
+        **kwargs,
+    ):
+        super().__init__()
+        layer = layer_idx or 0
+        d_attn = d_attn or d_model
+        self.layer_idx = layer_idx
+        self.l_max = l_max
+        self.chunk_size = chunk_size
+        self.mode = mode
+        with torch.no_grad():  # RWKV-4's initialisation (as in Zoology / BlinkDL)
+            ratio_0_to_1 = layer / max(1, n_layers - 1)
+            ratio_1_to_almost0 = 1.0 - layer / n_layers
+            h = torch.arange(d_attn, dtype=torch.float32)
+            decay_speed = -5 + 8 * (h / max(1, d_attn - 1)) ** (0.7 + 1.3 * ratio_0_to_1)
+            self.time_decay = nn.Parameter(decay_speed)
+            zigzag = torch.tensor([(i + 1) % 3 - 1 for i in range(d_attn)]) * 0.5
+            self.time_first = nn.Parameter(torch.ones(d_attn) * math.log(0.3) + zigzag)
+            x = (torch.arange(d_model, dtype=torch.float32) / d_model)[None, None]  # (1, 1, D)
+            self.time_mix_k = nn.Parameter(x.pow(ratio_1_to_almost0))
+            self.time_mix_v = nn.Parameter(x.pow(ratio_1_to_almost0) + 0.3 * ratio_0_to_1)
+            self.time_mix_r = nn.Parameter(x.pow(0.5 * ratio_1_to_almost0))
+        self.key = nn.Linear(d_model, d_attn, bias=False)
+        self.value = nn.Linear(d_model, d_attn, bias=False)
+        self.receptance = nn.Linear(d_model, d_attn, bias=False)
+        self.output = nn.Linear(d_attn, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        xx = _time_shift(x)  # (B, T, D)
+        k = self.key(x * self.time_mix_k + xx * (1 - self.time_mix_k))  # (B, T, A)
+        v = self.value(x * self.time_mix_v + xx * (1 - self.time_mix_v))
+        r = torch.sigmoid(self.receptance(x * self.time_mix_r + xx * (1 - self.time_mix_r)))
+        if self.mode == "sequential":
+            wkv = wkv_sequential(self.time_decay, self.time_first, k, v)
+        else:
+            wkv = wkv_chunked(self.time_decay, self.time_first, k, v, self.chunk_size)
+        return self.output((r * wkv).to(r.dtype))
+
+
+class RWKVChannelMixer(nn.Module):
+    """RWKV-4 channel mixing: `sigmoid(receptance(xr)) ⊙ value(relu(key(xk))^2)` (Zoology's
+    `RWKVStateMixer`)."""
+
+    def __init__(
+        self,
+        d_model: int,
+        layer_idx: int | None = None,
+        n_layers: int = 2,
+        d_hidden: int | None = None,  # 4 d_model in RWKV-4
+        **kwargs,
+    ):
+        super().__init__()
+        layer = layer_idx or 0
+        d_hidden = d_hidden or 4 * d_model
+        with torch.no_grad():
+            ratio_1_to_almost0 = 1.0 - layer / n_layers
+            x = (torch.arange(d_model, dtype=torch.float32) / d_model)[None, None]  # (1, 1, D)
+            self.time_mix_k = nn.Parameter(x.pow(ratio_1_to_almost0))
+            self.time_mix_r = nn.Parameter(x.pow(ratio_1_to_almost0))
+        self.key = nn.Linear(d_model, d_hidden, bias=False)
+        self.receptance = nn.Linear(d_model, d_model, bias=False)
+        self.value = nn.Linear(d_hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xx = _time_shift(x)
+        k = torch.square(torch.relu(self.key(x * self.time_mix_k + xx * (1 - self.time_mix_k))))
+        r = torch.sigmoid(self.receptance(x * self.time_mix_r + xx * (1 - self.time_mix_r)))
+        return r * self.value(k)
+
+
+RWKVStateMixer = RWKVChannelMixer  # Zoology's name
