@@ -111,7 +111,7 @@ class TokenizeConfig:
         metadata={"help": "end-of-document id of a pre-tokenized import made without --tokenizer"},
     )
     shard_docs: int = field(default=10_000, metadata={"help": "most documents per shard"})
-    shard_mb: float = field(default=4.0, metadata={"help": "most MB of text per shard"})
+    shard_mb: float = field(default=1.0, metadata={"help": "most MB of text per shard"})
     overwrite: bool = field(default=False, metadata={"help": "redo a complete store"})
 
 
@@ -131,8 +131,9 @@ class ShardTask:
 
 
 def part_paths(parts_dir: str | Path, index: int) -> tuple[Path, Path]:
-    parts_dir = Path(parts_dir)
-    return parts_dir / f"{index:07d}.tokens", parts_dir / f"{index:07d}.docs.parquet"
+    """The tokens part and docs part of shard `index` (1000 shards per subdirectory)."""
+    sub = Path(parts_dir) / f"{index // 1000:05d}"
+    return sub / f"{index:08d}.tokens", sub / f"{index:08d}.docs.parquet"
 
 
 def part_schema():
@@ -141,18 +142,23 @@ def part_schema():
     return pa.schema([("n_tokens", pa.int32()), ("source", pa.string()), ("subset", pa.string())])
 
 
-_TOKENIZERS: dict[str, object] = {}
+_TOKENIZER_CACHE: dict[tuple, object] = {}
 
 
 def _worker_tokenizer(path: str, threads: int):
-    if path not in _TOKENIZERS:
+    """The tokenizer at `path`, loaded once per process (the file is keyed by its mtime and size too,
+    so a store redone with another tokenizer under the same path never sees a stale one)."""
+    st = os.stat(path)
+    key = (path, st.st_mtime_ns, st.st_size)
+    if key not in _TOKENIZER_CACHE:
         if threads <= 1:
             # One encoder thread per process: the processes already use every core.
             os.environ["TOKENIZERS_PARALLELISM"] = "false"
         from tokenizers import Tokenizer
 
-        _TOKENIZERS[path] = Tokenizer.from_file(path)
-    return _TOKENIZERS[path]
+        _TOKENIZER_CACHE.clear()
+        _TOKENIZER_CACHE[key] = Tokenizer.from_file(path)
+    return _TOKENIZER_CACHE[key]
 
 
 def encode_shard(task: ShardTask) -> dict:

@@ -114,7 +114,7 @@ def test_complete_store_is_skipped_unless_overwrite(tmp_path, corpus, bpe_tokeni
 
 def _done_parts(out: Path) -> list[Path]:
     parts = out / PARTS_DIR
-    return sorted(parts.glob("*.docs.parquet")) if parts.exists() else []
+    return sorted(parts.rglob("*.docs.parquet")) if parts.exists() else []
 
 
 def test_killed_run_resumes_to_the_same_bytes(tmp_path, bpe_tokenizer_path):
@@ -246,3 +246,17 @@ def test_train_tokenizer_is_deterministic_and_usable(tmp_path, corpus):
     first = next(store.iter_documents())[1]
     assert tok.decode(first.tolist()) == corpus["texts"][0]
     assert pq.read_table(tmp_path / "s" / "docs.parquet").num_rows == len(corpus["texts"])
+
+
+def test_overwrite_with_another_tokenizer_uses_the_new_one(tmp_path, corpus, bpe_tokenizer_path):
+    from pipeline.train_tokenizer import train_bpe
+
+    small = train_bpe(corpus["texts"][:3], vocab_size=300)
+    small_path = tmp_path / "small.json"
+    small.save(str(small_path))
+    tokenize(tmp_path / "s", corpus, bpe_tokenizer_path, workers=1, max_docs=2)
+    tokenize(tmp_path / "s", corpus, small_path, workers=1, max_docs=2, overwrite=True)
+    store = TokenStore.open(tmp_path / "s")
+    assert store.fingerprint == fingerprint(small)
+    first = next(store.iter_documents())[1].tolist()
+    assert first == small.encode(corpus["texts"][0], add_special_tokens=False).ids
