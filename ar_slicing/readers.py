@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import re
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -314,9 +315,7 @@ class JsonlReader:
             while True:
                 try:
                     line = f.readline()
-                except (EOFError, gzip.BadGzipFile, OSError) as e:
-                    if isinstance(e, BadInput):
-                        raise
+                except (EOFError, OSError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
                     raise BadInput(
                         f"{self.path}: compressed stream is truncated or corrupt after line {lineno} "
                         f"(uncompressed byte {offset}): {e}; re-download or re-compress the file"

@@ -45,6 +45,19 @@ log = logging.getLogger(__name__)
 PARTS_DIR = ".parts"
 PLAN_NAME = "plan.json"
 SOURCE_FORMATS = ("raw-uint16", "raw-uint32", "megatron")
+# Config fields that decide the shards' contents: finished shards are reused only when all agree.
+# Tokens per read/convert/write step of an import, and docs.parquet rows per batch.
+_IMPORT_CHUNK = 1 << 24
+_DOCS_BATCH = 1 << 20
+PLAN_KEYS = (
+    "text_field",
+    "glob",
+    "split_fraction",
+    "split_part",
+    "max_docs",
+    "shard_docs",
+    "shard_mb",
+)
 
 
 @dataclass(frozen=True)
@@ -293,19 +306,9 @@ def run_text(cfg: TokenizeConfig) -> dict:
         "eos_id": info["eos_id"],
         "dtype": dtype.name,
         "sources": [_source_identity(s) for s in cfg.source],
-        **{
-            k: getattr(cfg, k)
-            for k in (
-                "text_field",
-                "glob",
-                "split_fraction",
-                "split_part",
-                "max_docs",
-                "on_bad_record",
-                "shard_docs",
-                "shard_mb",
-            )
-        },
+        # on_bad_record is left out on purpose: the shards finished before a run stopped at a bad
+        # record hold the same documents under --on-bad-record skip, so that rerun resumes.
+        **{k: getattr(cfg, k) for k in PLAN_KEYS},
     }
     _prepare_parts(parts_dir, plan)
     tokenizer_path = parts_dir / TOKENIZER_NAME
@@ -548,8 +551,6 @@ def _resolve_import_source(spec: str, source_format: str | None) -> _ImportSourc
 
 def run_import(cfg: TokenizeConfig) -> dict:
     """Copy pre-tokenized streams into a store, unchanged; documents from the idx or from EOS."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
     from tqdm import tqdm
 
     from ar_slicing import megatron
@@ -565,7 +566,7 @@ def run_import(cfg: TokenizeConfig) -> dict:
     vocab, eos = int(info["vocab_size"]), int(info["eos_id"])
     dtype = dtype_for_vocab(vocab)
     sources = [_resolve_import_source(s, cfg.source_format) for s in cfg.source]
-    plans = []  # (source, chunk iterator factory, n_tokens, index or None)
+    plans = []  # (source, its MegatronIndex or raw dtype, its token count)
     for src in sources:
         if src.kind == "megatron":
             index = megatron.read_index(megatron.idx_path_for(src.path))
@@ -575,18 +576,17 @@ def run_import(cfg: TokenizeConfig) -> dict:
             raw = megatron.raw_dtype(src.path, src.kind)
             plans.append((src, raw, src.path.stat().st_size // raw.itemsize))
     total = sum(n for _, _, n in plans)
-    offsets, lengths, names = [], [], []
-    empty = 0
-    stream_pos = 0
+    documents = []  # per source: (stream offsets, lengths, source name) of its non-empty documents
+    empty = stream_pos = 0
     progress = tqdm(total=total, desc="import", unit=" tokens", unit_scale=True, mininterval=1.0)
     try:
         with atomic_path(out / TOKENS_NAME) as tmp, open(tmp, "wb") as f:
             for src, how, n in plans:
                 if src.kind == "megatron":
-                    chunks = megatron.iter_megatron_chunks(how, src.path)
+                    chunks = megatron.iter_megatron_chunks(how, src.path, _IMPORT_CHUNK)
                 else:
                     data = np.memmap(src.path, dtype=how, mode="r") if n else np.zeros(0, how)
-                    chunks = (data[a : a + (1 << 24)] for a in range(0, n, 1 << 24))
+                    chunks = (data[a : a + _IMPORT_CHUNK] for a in range(0, n, _IMPORT_CHUNK))
                 eos_ends, seen = [], 0
                 for chunk in chunks:
                     _check_range(chunk, vocab, src.path, seen)
@@ -599,32 +599,18 @@ def run_import(cfg: TokenizeConfig) -> dict:
                     doc_off, doc_len = megatron.megatron_documents(how)
                 else:
                     doc_off, doc_len = _documents_from_eos_ends(eos_ends, n)
-                empty += int((doc_len == 0).sum())
+                if doc_len.size and doc_len.max() >= 2**31:
+                    raise BadInput(
+                        f"{src.path}: a document of {int(doc_len.max())} tokens does not fit "
+                        "docs.parquet's int32 n_tokens"
+                    )
                 keep = doc_len > 0
-                offsets.append(doc_off[keep] + stream_pos)
-                lengths.append(doc_len[keep])
-                names.append(np.full(int(keep.sum()), str(src.path), dtype=object))
+                empty += int((~keep).sum())
+                documents.append((doc_off[keep] + stream_pos, doc_len[keep], str(src.path)))
                 stream_pos += n
     finally:
         progress.close()
-    offsets = np.concatenate(offsets) if offsets else np.zeros(0, np.int64)
-    lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
-    if lengths.size and lengths.max() >= 2**31:
-        raise BadInput(
-            f"a document of {int(lengths.max())} tokens does not fit docs.parquet's int32 n_tokens"
-        )
-    table = pa.table(
-        {
-            "doc_id": pa.array(np.arange(offsets.size, dtype=np.int64)),
-            "offset": pa.array(offsets.astype(np.int64)),
-            "n_tokens": pa.array(lengths.astype(np.int32)),
-            "source": pa.array(np.concatenate(names) if names else [], pa.string()),
-            "subset": pa.nulls(offsets.size, pa.string()),
-        },
-        schema=docs_schema(),
-    )
-    with atomic_path(out / DOCS_NAME) as tmp:
-        pq.write_table(table, tmp)
+    n_docs = _write_import_docs(out / DOCS_NAME, documents)
     if tok is not None:
         with atomic_path(out / TOKENIZER_NAME) as tmp:
             tmp.write_text(tok.to_str(pretty=True))
@@ -633,21 +619,21 @@ def run_import(cfg: TokenizeConfig) -> dict:
         "tokenize",
         config=config_to_dict(cfg),
         inputs={"sources": [{"format": s.kind, **_source_identity(str(s.path))} for s in sources]},
-        counts={"documents": int(offsets.size), "tokens": stream_pos, "empty": empty},
+        counts={"documents": n_docs, "tokens": stream_pos, "empty": empty},
         skipped={"empty": empty},
         wall_time_s=wall,
         throughput={"tokens_per_s": stream_pos / max(wall, 1e-9)},
         tokenizer=info,
         dtype=dtype.name,
         n_tokens=stream_pos,
-        n_docs=int(offsets.size),
+        n_docs=n_docs,
         eos_appended=False,
     )
     write_meta(out, meta)
     summary = {
         "out": str(out),
         "skipped": False,
-        "n_docs": int(offsets.size),
+        "n_docs": n_docs,
         "n_tokens": stream_pos,
         "dtype": dtype.name,
         "empty": empty,
@@ -659,6 +645,30 @@ def run_import(cfg: TokenizeConfig) -> dict:
         f"({dtype.name}, stream kept as is) -> {out} in {wall:.1f}s"
     )
     return summary
+
+
+def _write_import_docs(path: Path, documents) -> int:
+    """docs.parquet of an import, written in batches (the Pythia index has ~10^8 rows)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    doc_id = 0
+    with atomic_path(path) as tmp, pq.ParquetWriter(tmp, docs_schema()) as writer:
+        for offsets, lengths, name in documents:
+            for a in range(0, offsets.size, _DOCS_BATCH):
+                off, n = offsets[a : a + _DOCS_BATCH], lengths[a : a + _DOCS_BATCH]
+                batch = {
+                    "doc_id": pa.array(np.arange(doc_id, doc_id + off.size, dtype=np.int64)),
+                    "offset": pa.array(off.astype(np.int64)),
+                    "n_tokens": pa.array(n.astype(np.int32)),
+                    "source": pa.array([name] * off.size, pa.string()),
+                    "subset": pa.nulls(off.size, pa.string()),
+                }
+                writer.write_table(pa.table(batch, schema=docs_schema()))
+                doc_id += off.size
+        if doc_id == 0:
+            writer.write_table(docs_schema().empty_table())
+    return doc_id
 
 
 def _check_range(chunk: np.ndarray, vocab_size: int, path: Path, start: int) -> None:

@@ -107,14 +107,12 @@ def run_train_tokenizer(cfg: TrainTokenizerConfig) -> dict:
         max_docs=cfg.max_docs,
         stats=stats,
     )
-    # Materialised so an empty selection is caught before training, and so the trainer sees a
-    # fixed sequence (its result depends only on the texts, in order).
-    texts = [d.text for d in docs]
-    if not texts:
+    # Streamed: the trainer only counts words, so memory stays that of the word counts.
+    tok = train_bpe((d.text for d in docs), cfg.vocab_size, cfg.min_frequency)
+    if stats.documents == 0:
         raise ArSliceError(
             f"no documents to train on in {', '.join(cfg.source)} (check --glob and --split-*)"
         )
-    tok = train_bpe(texts, cfg.vocab_size, cfg.min_frequency)
     with atomic_path(out) as tmp:
         tok.save(str(tmp), pretty=True)
     from ar_slicing.tokenizer import fingerprint

@@ -18,6 +18,7 @@ import pytest
 import zstandard
 from conftest import stdlib_files
 
+from ar_slicing.errors import BadInput
 from ar_slicing.io import stable_meta
 from ar_slicing.store import TokenStore
 from ar_slicing.tokenizer import fingerprint
@@ -260,3 +261,27 @@ def test_overwrite_with_another_tokenizer_uses_the_new_one(tmp_path, corpus, bpe
     assert store.fingerprint == fingerprint(small)
     first = next(store.iter_documents())[1].tolist()
     assert first == small.encode(corpus["texts"][0], add_special_tokens=False).ids
+
+
+def test_rerun_with_skip_after_a_bad_record_resumes(tmp_path, bpe_tokenizer_path, stdlib_texts):
+    lines = [json.dumps({"text": t}) for t in stdlib_texts[:4]] + ["{broken"]
+    lines += [json.dumps({"text": t}) for t in stdlib_texts[4:6]]
+    src = tmp_path / "c.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    cfg = TokenizeConfig(
+        source=[str(src)],
+        tokenizer=str(bpe_tokenizer_path),
+        out=str(tmp_path / "s"),
+        workers=1,
+        shard_docs=1,
+    )
+    with pytest.raises(BadInput, match=r"c\.jsonl:5 \(byte \d+\): not valid JSON"):
+        run_tokenize(cfg)
+    summary = run_tokenize(replace(cfg, on_bad_record="skip"))
+    assert summary["shards_resumed"] == 4 and summary["n_docs"] == 6 and summary["bad_records"] == 1
+    assert _decoded(TokenStore.open(tmp_path / "s")) == stdlib_texts[:6]
+
+
+def _decoded(store):
+    tok = store.load_tokenizer()
+    return [tok.decode(ids.tolist()) for _, ids in store.iter_documents()]
