@@ -6,7 +6,8 @@ Supported sources (one `--source` each, read in the order given):
   FILE.parquet                           rows with a text column (`--text-field`)
   FILE.txt                               one document
   DIRECTORY                              every file matching `--glob` (default `**/*.txt`), sorted
-                                         by relative path, one document per file
+                                         by relative path: .jsonl*/.parquet files by record, any
+                                         other file as one document
   hf://OWNER/NAME[/CONFIG][@SPLIT]       a Hugging Face hub dataset, streamed (split default
                                          `train`), e.g. `hf://monology/pile-uncopyrighted@validation`
   hf://LOCAL_PATH[@SPLIT]                a local dataset directory or data file, read by the same
@@ -164,7 +165,7 @@ def open_source(spec: str, *, text_field: str = "text", glob: str = "**/*.txt"):
         return HFDatasetReader(spec, text_field)
     path = Path(spec)
     if path.is_dir():
-        return DirectoryReader(path, glob)
+        return DirectoryReader(path, glob, text_field)
     if not path.exists():
         raise BadInput(f"source {spec}: no such file or directory")
     name = path.name.lower()
@@ -303,9 +304,9 @@ def _open_binary(path: Path):
 
 
 class JsonlReader:
-    def __init__(self, path: Path, text_field: str):
+    def __init__(self, path: Path, text_field: str, key: str | None = None):
         self.path, self.text_field = path, text_field
-        self.root_key = path.name
+        self.root_key = key or path.name
 
     def documents(self, stats: ReadStats, on_bad_record: str) -> Iterator[Document]:
         bad = _BadRecords(stats, on_bad_record)
@@ -359,8 +360,9 @@ class JsonlReader:
 
 
 class ParquetReader:
-    def __init__(self, path: Path, text_field: str):
+    def __init__(self, path: Path, text_field: str, key: str | None = None):
         self.path, self.text_field = path, text_field
+        self.root_key = key or path.name
 
     def documents(self, stats: ReadStats, on_bad_record: str) -> Iterator[Document]:
         import pyarrow.parquet as pq
@@ -397,7 +399,7 @@ class ParquetReader:
                             continue
                     subset = pile_subset(sub) if subset_col == "meta" else sub
                     yield Document(
-                        clean_text(text, stats), source, subset, f"{self.path.name}:{row}"
+                        clean_text(text, stats), source, subset, f"{self.root_key}:{row}"
                     )
         except BadInput:
             raise
@@ -424,10 +426,14 @@ class TextFileReader:
 
 
 class DirectoryReader:
-    """Every file under `root` matching `glob`, in sorted relative-path order, one document each."""
+    """Every file under `root` matching `glob`, in sorted relative-path order.
 
-    def __init__(self, root: Path, glob: str):
-        self.root, self.glob = root, glob
+    JSON Lines and Parquet files are read record by record (so `--glob '*.jsonl.zst'` reads a
+    directory of Pile shards); any other file is one plain-text document.
+    """
+
+    def __init__(self, root: Path, glob: str, text_field: str = "text"):
+        self.root, self.glob, self.text_field = root, glob, text_field
 
     def files(self) -> list[tuple[str, Path]]:
         found = []
@@ -441,7 +447,13 @@ class DirectoryReader:
 
     def documents(self, stats: ReadStats, on_bad_record: str) -> Iterator[Document]:
         for rel, path in self.files():
-            yield Document(_read_text_file(path, stats), str(path), None, rel)
+            name = path.name.lower()
+            if name.endswith(JSONL_SUFFIXES):
+                yield from JsonlReader(path, self.text_field, rel).documents(stats, on_bad_record)
+            elif name.endswith(PARQUET_SUFFIXES):
+                yield from ParquetReader(path, self.text_field, rel).documents(stats, on_bad_record)
+            else:
+                yield Document(_read_text_file(path, stats), str(path), None, rel)
 
 
 # ---- Hugging Face datasets -------------------------------------------------------------------

@@ -269,3 +269,18 @@ def test_max_docs_stops_early(tmp_path):
     assert [d.text for d in docs] == ["0", "1", "2"]
     docs, _ = read_all([path, path], max_docs=13)
     assert len(docs) == 13
+
+
+def test_directory_of_jsonl_shards_is_read_record_by_record(tmp_path):
+    root = tmp_path / "pile"
+    (root / "train").mkdir(parents=True)
+    cctx = zstandard.ZstdCompressor()
+    write(root / "train" / "01.jsonl.zst", cctx.compress(jsonl_bytes(PILE_RECORDS[2:])))
+    write(root / "train" / "00.jsonl.zst", cctx.compress(jsonl_bytes(PILE_RECORDS[:2])))
+    docs, _ = read_all([root], glob="**/*.jsonl.zst")
+    assert [d.text for d in docs] == [r["text"] for r in PILE_RECORDS]
+    assert [d.subset for d in docs] == ["Github", "Pile-CC", "Wikipedia (en)", None]
+    assert [d.key for d in docs] == ["train/00.jsonl.zst:1", "train/00.jsonl.zst:2"] + [
+        "train/01.jsonl.zst:1",
+        "train/01.jsonl.zst:2",
+    ]
