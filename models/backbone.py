@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 SEQUENCE_MIXERS = ("attention", "base_conv", "hyena", "rwkv")
-STATE_MIXERS = ("mlp", "glu", "rwkv")
+STATE_MIXERS = ("mlp", "glu", "rwkv", "identity")
 
 
 def sequence_mixer_class(name: str) -> type[nn.Module]:
@@ -62,7 +62,19 @@ def state_mixer_class(name: str) -> type[nn.Module]:
         from models.rwkv import RWKVChannelMixer
 
         return RWKVChannelMixer
+    if name == "identity":
+        return IdentityMixer
     raise ValueError(f"unknown state mixer {name!r}; choose one of {', '.join(STATE_MIXERS)}")
+
+
+class IdentityMixer(nn.Module):
+    """No state mixing (a Zoology `torch.nn.Identity` state mixer)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
 
 
 @dataclass
@@ -155,7 +167,7 @@ class Block(nn.Module):
             d_model=config.d_model, l_max=config.l_max, layer_idx=layer_idx, **mixer_kwargs
         )
         state_kwargs = dict(config.state_mixer_kwargs)
-        if config.state_mixer == "rwkv":
+        if config.state_mixer in ("rwkv", "identity"):
             state_kwargs.pop("hidden_mult", None)
             state_kwargs.setdefault("n_layers", config.n_layers)
         self.state_mixer = state_mixer_class(config.state_mixer)(

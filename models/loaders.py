@@ -199,14 +199,14 @@ def safe_torch_load(path) -> Any:
             "and plain containers are loaded; re-save it with torch.save(model.state_dict(), ...) "
             "or as safetensors."
         ) from None
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise ArSliceError(f"{path}: not a readable PyTorch checkpoint ({e})") from None
+    except Exception as e:  # truncated or foreign files fail deep inside the unpickler
+        raise ArSliceError(
+            f"{path}: not a readable PyTorch checkpoint ({type(e).__name__}: {e})"
+        ) from None
 
 
-def read_weights(path) -> dict:
-    """A flat {name: tensor} state dict from a .safetensors file or a weights-only torch pickle."""
-    import torch
-
+def read_checkpoint(path) -> Any:
+    """The raw object in a checkpoint file: a safetensors dict or a weights-only torch pickle."""
     path = Path(path)
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
@@ -217,7 +217,13 @@ def read_weights(path) -> dict:
             return load_file(str(path))
         except Exception as e:
             raise ArSliceError(f"{path}: not a readable safetensors file ({e})") from None
-    obj = safe_torch_load(path)
+    return safe_torch_load(path)
+
+
+def state_dict_from(obj: Any, path) -> dict:
+    """The flat {name: tensor} state dict inside a checkpoint object, unwrapped and de-prefixed."""
+    import torch
+
     for _ in range(3):  # unwrap {"state_dict": {...}} and the like
         if isinstance(obj, Mapping) and not any(isinstance(v, torch.Tensor) for v in obj.values()):
             inner = next(
@@ -236,6 +242,11 @@ def read_weights(path) -> dict:
             f"{path}: holds no tensors (keys: {', '.join(list(map(str, obj))[:10])})"
         )
     return strip_key_prefixes(state)
+
+
+def read_weights(path) -> dict:
+    """A flat {name: tensor} state dict from a .safetensors file or a weights-only torch pickle."""
+    return state_dict_from(read_checkpoint(path), path)
 
 
 def strip_key_prefixes(state: Mapping[str, Any]) -> dict:
@@ -261,7 +272,8 @@ def _listed(keys: Iterable[str]) -> str:
 
 def load_state_dict_checked(model, state: Mapping[str, Any], source: str, tied: Iterable[str] = ()):
     """Load `state` into `model` after checking keys and shapes; raise ArSliceError listing every
-    missing, unexpected and mis-shaped key. Keys in `tied` may be absent (they share storage)."""
+    missing, unexpected and mis-shaped key. Keys in `tied` may be absent (tied weights, buffers the
+    model recomputes)."""
     expected = model.state_dict()
     tied = set(tied)
     missing = [k for k in expected if k not in state and k not in tied]
