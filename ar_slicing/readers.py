@@ -101,7 +101,8 @@ def is_pretokenized(spec: str, source_format: str | None = None) -> bool:
 
 
 def split_part_of(key: str, fraction: float) -> str:
-    """ "val" when sha256(key) maps below `fraction` of [0, 1), else "train".
+    """Which part of a split the document `key` falls in: "val" when sha256(key) maps below
+    `fraction` of [0, 1), else "train".
 
     The first 8 bytes of the digest, read as an unsigned integer over 2**64, are uniform on
     [0, 1), so about `fraction` of the documents land in "val", the same ones on every machine.

@@ -36,7 +36,13 @@ from ar_slicing.io import (
     write_json_atomic,
     write_meta,
 )
-from ar_slicing.readers import BAD_RECORD_POLICIES, ReadStats, is_pretokenized, iter_documents
+from ar_slicing.readers import (
+    BAD_RECORD_POLICIES,
+    ReadStats,
+    check_split_options,
+    is_pretokenized,
+    iter_documents,
+)
 from ar_slicing.store import DOCS_NAME, TOKENIZER_NAME, TOKENS_NAME, docs_schema, dtype_for_vocab
 from pipeline.config import Command, config_to_dict
 
@@ -101,7 +107,8 @@ class TokenizeConfig:
         default=None,
         metadata={
             "help": "keep a deterministic part of the documents: a document is 'val' when "
-            "sha256 of its path relative to the source root maps below this fraction"
+            "sha256 of its path relative to the source root (plus ':N', its record number, in "
+            "multi-document files) maps below this fraction"
         },
     )
     split_part: str | None = field(
@@ -117,7 +124,10 @@ class TokenizeConfig:
     )
     vocab_size: int | None = field(
         default=None,
-        metadata={"help": "vocabulary size of a pre-tokenized import made without --tokenizer"},
+        metadata={
+            "help": "vocabulary size of a pre-tokenized import: needed without --tokenizer; with "
+            "one it may widen the tokenizer's to the model's padded embedding (Pythia: 50304)"
+        },
     )
     eos_id: int | None = field(
         default=None,
@@ -291,6 +301,7 @@ def run_text(cfg: TokenizeConfig) -> dict:
         )
     if cfg.shard_docs < 1 or cfg.shard_mb <= 0:
         raise ArSliceError("--shard-docs and --shard-mb must be positive")
+    check_split_options(cfg.split_fraction, cfg.split_part)
     out = Path(cfg.out)
     if not prepare_out_dir(out, cfg.overwrite):
         print(f"tokenize: {out} is already complete; pass --overwrite to redo it")
