@@ -346,7 +346,8 @@ def make_forward(loaded, device: str, dtype: str) -> Callable[[np.ndarray, np.nd
     def to_device(a: np.ndarray):
         t = torch.from_numpy(a)
         if on_cuda:
-            # Pinned host memory lets the copy run asynchronously with the previous batch's work.
+            # From pinned memory (torch caches the pinned blocks) the copy is a DMA the host does not
+            # wait for: it goes on queueing the forward's kernels, which the stream orders after it.
             return t.pin_memory().to(device, non_blocking=True)
         return t
 

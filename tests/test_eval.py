@@ -4,7 +4,6 @@ rolling windows against lm-eval's rolling loglikelihood, and every consistency c
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -19,11 +18,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ar_slicing.errors import ArSliceError, BadInput, TokenizerMismatch
-from ar_slicing.io import build_meta, read_json, write_meta
+from ar_slicing.io import read_json
 from ar_slicing.rolling import lm_eval_rolling_windows, rolling_windows, window_tokens
 from ar_slicing.store import write_token_store
 from ar_slicing.tokenizer import describe
+from pipeline.count import CountConfig, run_count
 from pipeline.eval import BatchRunner, EvalConfig, Sequence, model_name_from_spec, run_eval
+from pipeline.tag import TagConfig, run_tag
 
 torch = pytest.importorskip("torch")
 
@@ -32,78 +33,25 @@ DOC_LENGTHS = [45, 5, 31, 0, 32, 100, 12, 64, 7]
 VOCAB = 1024
 
 
-# ---- fixtures: a real store, tags made to the contract, tiny real models -------------------------
-
-
-def make_tags(store, out: Path, window: int) -> Path:
-    """A tag directory per DESIGN.md: windows.parquet, one tags part, meta.json (written last)."""
-    n = store.n_tokens
-    w = np.arange(-(-(n - 1) // window), dtype=np.int64)
-    starts = w * window
-    n_targets = np.minimum(window, n - 1 - starts)
-    out.mkdir(parents=True)
-    pq.write_table(
-        pa.table(
-            {
-                "window_id": pa.array(w.astype(np.int32)),
-                "start": pa.array(starts),
-                "n_targets": pa.array(n_targets.astype(np.int32)),
-            }
-        ),
-        out / "windows.parquet",
-    )
-    s = np.asarray(store.tokens, dtype=np.int64)
-    i = np.arange(1, n)
-    window_id = (i - 1) // window
-    pos = i - window_id * window
-    prev_pos, seen = [], {}
-    for k in range(len(i)):  # most recent earlier position of the same bigram in the window
-        key = (int(window_id[k]), int(s[i[k] - 1]), int(s[i[k]]))
-        prev_pos.append(seen.get(key))
-        seen[key] = int(pos[k])
-    is_repeat = np.array([p is not None for p in prev_pos])
-    pq.write_table(
-        pa.table(
-            {
-                "window_id": pa.array(window_id.astype(np.int32)),
-                "pos": pa.array(pos.astype(np.int32)),
-                "doc_id": pa.array(store.doc_ids[store.doc_index_of(i)]),
-                "token": pa.array(s[1:].astype(np.int32)),
-                "prev": pa.array(s[:-1].astype(np.int32)),
-                "train_count": pa.array(np.zeros(len(i), dtype=np.int64)),
-                "prev_pos": pa.array(prev_pos, pa.int32()),
-                "is_repeat": pa.array(is_repeat),
-                "is_ar_hit": pa.array(is_repeat),
-                "subset": pa.array([None] * len(i), pa.string()),
-            }
-        ),
-        out / "tags-00000.parquet",
-    )
-    meta = build_meta(
-        "tag",
-        config={},
-        inputs={},
-        counts={"targets": len(i)},
-        wall_time_s=0.0,
-        tokens=str(store.path.resolve()),
-        counts_dir=None,
-        fingerprint=store.fingerprint,
-        window=window,
-        threshold=1250,
-        reset_at_doc_boundary=False,
-    )
-    write_meta(out, meta)
-    return out
+# ---- fixtures: a real store and its tags, tiny real models -------------------------
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory, bpe_tokenizer, stdlib_texts):
-    """A validation store of real stdlib text (documents of DOC_LENGTHS tokens) and its tags."""
+    """A validation store of real stdlib text (documents of DOC_LENGTHS tokens) and its tags, made
+    by the count and tag stages (the store doubles as the training store)."""
     root = tmp_path_factory.mktemp("corpus")
     docs = [bpe_tokenizer.encode(t).ids[:n] for t, n in zip(stdlib_texts[5:], DOC_LENGTHS)]
     info = describe(bpe_tokenizer, "bpe")
     store = write_token_store(root / "val", docs, tokenizer_info=info)
-    tags = make_tags(store, root / "tags", L)
+    counts = CountConfig(tokens=[str(store.path)], out=str(root / "counts"), workers=1)
+    run_count(counts)
+    run_tag(
+        TagConfig(
+            tokens=str(store.path), counts=counts.out, out=str(root / "tags"), window=L, workers=1
+        )
+    )
+    tags = root / "tags"
     return {"store": store, "tags": tags, "docs": docs, "eos": info["eos_id"], "root": root}
 
 
@@ -538,16 +486,15 @@ def test_out_of_memory_halves_the_batch_and_carries_on(corpus, models_dir):
         one.run([Sequence(np.zeros(32, np.int64), np.zeros(32, np.int64), 0, 0)], got)
 
 
-def test_cli_prints_errors_without_traceback(corpus, bpe_tokenizer_path, tmp_path):
+def test_cli_prints_errors_without_traceback(corpus, bpe_tokenizer_path, tmp_path, capsys):
+    from pipeline.cli import main
+
     spec = f"hf:{make_neox(tmp_path / 'm', bpe_tokenizer_path, max_positions=16)}"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "eval", "--model", spec, "--tags", str(corpus["tags"]),
-         "--out", str(tmp_path / "out"), "--device", "cpu"],
-        capture_output=True, text=True, env=env,
-    )  # fmt: skip
-    assert proc.returncode == 2
-    assert "positional limit of 16" in proc.stderr and "Traceback" not in proc.stderr
+    argv = ["eval", "--model", spec, "--tags", str(corpus["tags"]), "--out", str(tmp_path / "out")]
+    assert main([*argv, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "arslice eval: error: windows of 32 tokens" in err and "positional limit of 16" in err
+    assert "Traceback" not in err
 
 
 def test_model_name_from_spec():
@@ -555,3 +502,18 @@ def test_model_name_from_spec():
     assert model_name_from_spec("native:runs/demo/models/attention/") == "attention"
     assert model_name_from_spec("safari:/ckpts/hyena-153m.ckpt") == "hyena-153m"
     assert json.dumps(model_name_from_spec("hf:./x y")) == '"x_y"'
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_matches_cpu_fp32(corpus, models_dir, tmp_path):
+    spec = models_dir["neox"]
+    run_eval(config(corpus, spec, tmp_path / "cpu"))
+    run_eval(replace(config(corpus, spec, tmp_path / "bf16"), device="cuda", dtype="auto"))
+    run_eval(replace(config(corpus, spec, tmp_path / "fp32"), device="cuda", dtype="fp32"))
+    cpu = read_losses(tmp_path / "cpu").column("nll").to_numpy()
+    assert read_json(tmp_path / "bf16" / "meta.json")["dtype"] in ("bf16", "fp16")
+    np.testing.assert_allclose(
+        read_losses(tmp_path / "fp32").column("nll").to_numpy(), cpu, atol=1e-3
+    )
+    bf16 = read_losses(tmp_path / "bf16").column("nll").to_numpy()
+    assert np.abs(bf16 - cpu).mean() < 0.05 and np.abs(bf16 - cpu).max() < 0.5

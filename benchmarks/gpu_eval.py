@@ -1,0 +1,186 @@
+"""`arslice eval` on a GPU: tokens/s and model FLOPs utilisation for a Pythia-160M-shaped GPT-NeoX.
+
+The model has Pythia-160M's shape (12 layers, d_model 768, 12 heads, MLP 3072, rotary on 25% of
+each head, vocabulary 50 304) with random weights; it is saved to a temporary directory and
+evaluated through `pipeline.eval.run_eval` (spec `hf:<dir>`) on windows of 2048 tokens of real
+text (Python standard-library sources, tokenized by a byte-level BPE trained here), with bf16
+autocast and the automatic batch size.
+
+MFU = tokens/s x forward FLOPs per token / the device's peak dense bf16 FLOP/s, with the forward
+FLOPs per token counted as in PaLM (Chowdhery et al. 2022, appendix B), forward third:
+`2 * N + 4 * n_layers * d_model * T`, where N counts the parameters that do matmul work (the
+blocks and the output head, not the input embedding) and T = 2048 (attention counted without the
+causal halving, as PaLM does). The peak is looked up from the device name (H100/H200 989,
+A100 312 TFLOP/s, ...) or given with --peak-tflops.
+
+    .venv/bin/python benchmarks/gpu_eval.py            # 256 windows (524 288 tokens)
+    .venv/bin/python benchmarks/gpu_eval.py --quick    # 32 windows
+Without a CUDA device it says so and exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+WINDOW = 2048
+# Pythia-160M (EleutherAI/pythia-160m config.json)
+SHAPE = dict(
+    vocab_size=50304,
+    hidden_size=768,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    intermediate_size=3072,
+    rotary_pct=0.25,
+    max_position_embeddings=2048,
+)
+# Dense bf16 peak in TFLOP/s (vendor data sheets, SXM parts; no sparsity).
+PEAK_BF16_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "A10G": 70.0,
+    "L4": 121.0,
+}
+
+
+def peak_tflops(name: str) -> float | None:
+    for key, value in PEAK_BF16_TFLOPS.items():
+        if key in name.upper():
+            return value
+    return None
+
+
+def forward_flops_per_token(model, window: int) -> float:
+    cfg = model.config
+    n_matmul = sum(p.numel() for n, p in model.named_parameters() if "embed_in" not in n)
+    return 2 * n_matmul + 4 * cfg.num_hidden_layers * cfg.hidden_size * window
+
+
+def build_inputs(root: Path, n_windows: int):
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from ar_slicing.store import write_token_store
+    from ar_slicing.tokenizer import describe
+    from pipeline.count import CountConfig, run_count
+    from pipeline.tag import TagConfig, run_tag
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [p.read_text(errors="replace") for p in sorted(stdlib.rglob("*.py"))]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(
+        texts[:400],
+        trainers.BpeTrainer(
+            vocab_size=16384,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
+    need, docs = n_windows * WINDOW + 1, []
+    for enc in tok.encode_batch(texts):
+        room = need - sum(len(d) + 1 for d in docs) - 1
+        docs.append(enc.ids[:room])
+        if room <= len(enc.ids):
+            break
+    if sum(len(d) + 1 for d in docs) < need:
+        raise SystemExit(
+            f"gpu_eval: the standard library has too little text for {n_windows} windows"
+        )
+    info = describe(tok, "bench")
+    store = write_token_store(root / "val", docs, tokenizer_info=info, tokenizer_json=tok.to_str())
+    run_count(CountConfig(tokens=[str(store.path)], out=str(root / "counts")))
+    run_tag(
+        TagConfig(
+            tokens=str(store.path),
+            counts=str(root / "counts"),
+            out=str(root / "tags"),
+            window=WINDOW,
+        )
+    )
+    torch.manual_seed(0)
+    model = GPTNeoXForCausalLM(GPTNeoXConfig(**SHAPE))
+    model.save_pretrained(root / "neox")
+    (root / "neox" / "tokenizer.json").write_text(tok.to_str())
+    return root / "tags", f"hf:{root / 'neox'}", model
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="32 windows instead of 256")
+    parser.add_argument("--windows", type=int, default=None)
+    parser.add_argument("--batch-size", default="auto")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    parser.add_argument("--peak-tflops", type=float, default=None, help="the device's dense peak")
+    args = parser.parse_args()
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print(
+            "gpu_eval: no CUDA device visible to torch (torch.cuda.is_available() is False); "
+            "nothing measured. Run `make bench-gpu` on a machine with an NVIDIA GPU and a CUDA "
+            "build of torch.",
+            file=sys.stderr,
+        )
+        return 1
+    n_windows = args.windows or (32 if args.quick else 256)
+    name = torch.cuda.get_device_name()
+    peak = args.peak_tflops or peak_tflops(name)
+
+    from ar_slicing.io import read_json
+    from pipeline.eval import EvalConfig, run_eval
+
+    with tempfile.TemporaryDirectory(prefix="gpu-eval-") as tmp:
+        root = Path(tmp)
+        tags, spec, model = build_inputs(root, n_windows)
+        flops = forward_flops_per_token(model, WINDOW)
+        n_params = sum(p.numel() for p in model.parameters())
+        del model
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        cfg = EvalConfig(
+            model=spec, tags=str(tags), out=str(root / "losses"), device="cuda", dtype=args.dtype,
+            batch_size=args.batch_size,
+        )  # fmt: skip
+        run_eval(cfg)
+        wall = time.perf_counter() - t0
+        meta = read_json(root / "losses" / "meta.json")
+    tps = meta["tokens_per_s"]
+    print()
+    print(f"device            {name}, torch {torch.__version__}")
+    print(
+        f"model             Pythia-160M shape, {n_params / 1e6:.1f} M parameters, window {WINDOW}"
+    )
+    print(
+        f"windows           {n_windows} ({meta['tokens']:,} tokens), dtype {meta['dtype']}, batch size {meta['batch_size']}"
+    )
+    print(
+        f"tokens/s          {tps:,.0f} (loop), {meta['tokens'] / wall:,.0f} end to end incl. loading"
+    )
+    print(f"forward FLOPs/tok {flops / 1e9:.3f} G")
+    if peak:
+        print(
+            f"MFU               {100 * tps * flops / (peak * 1e12):.1f}% of {peak:.0f} TFLOP/s dense bf16"
+        )
+    else:
+        print("MFU               unknown peak for this device; pass --peak-tflops")
+    print(f"peak GPU memory   {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
