@@ -131,7 +131,8 @@ def merge_counted(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarra
     """Merge (sorted distinct keys, counts) parts into one, adding counts of equal keys.
 
     The concatenated parts are sorted runs, which numpy's stable sort (timsort) merges in
-    O(n log k); counts follow the same permutation and are summed per distinct key.
+    O(n log k). uint32 keys with counts below 2**32 travel packed as one uint64
+    (key << 32 | count), so the sort moves the counts along without an argsort and gathers.
     """
     parts = [(k, c) for k, c in parts if k.size]
     if not parts:
@@ -139,12 +140,24 @@ def merge_counted(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarra
     if len(parts) == 1:
         k, c = parts[0]
         return np.ascontiguousarray(k), np.asarray(c, dtype=np.int64)
-    keys = np.concatenate([k for k, _ in parts])
-    counts = np.concatenate([np.asarray(c, dtype=np.int64) for _, c in parts])
-    order = np.argsort(keys, kind="stable")
-    keys = keys[order]
-    counts = counts[order]
-    del order
+    if parts[0][0].dtype == np.uint32 and all(int(c.max()) < 1 << 32 for _, c in parts):
+        packed = np.empty(sum(k.size for k, _ in parts), dtype=np.uint64)
+        at = 0
+        for k, c in parts:
+            view = packed[at : at + k.size]
+            np.left_shift(k, np.uint64(32), out=view, dtype=np.uint64)
+            view |= c.astype(np.uint64, copy=False)
+            at += k.size
+        packed.sort(kind="stable")
+        keys = (packed >> np.uint64(32)).astype(np.uint32)
+        counts = (packed & np.uint64(0xFFFFFFFF)).view(np.int64)
+    else:
+        keys = np.concatenate([k for k, _ in parts])
+        counts = np.concatenate([np.asarray(c, dtype=np.int64) for _, c in parts])
+        order = np.argsort(keys, kind="stable")
+        keys = keys[order]
+        counts = counts[order]
+        del order
     starts = np.empty(keys.size, dtype=bool)
     starts[0] = True
     np.not_equal(keys[1:], keys[:-1], out=starts[1:])
@@ -251,7 +264,7 @@ def bucket_sizes(path: str | Path) -> np.ndarray:
 
 @dataclass(frozen=True)
 class ReduceTask:
-    """Merge fine buckets b_lo..b_hi-1 of every partial into `out` (a .npz of keys, counts)."""
+    """Merge fine buckets b_lo..b_hi-1 of every partial into `out` (a one-bucket partial file)."""
 
     partials: tuple[str, ...]
     b_lo: int
@@ -278,10 +291,7 @@ def reduce_range(task: ReduceTask) -> dict:
             acc = [merge_counted(acc)]
             held = acc[0][0].size
     keys, counts = merge_counted(acc)
-    out = Path(task.out)
-    tmp = out.with_name(f".{out.name}.tmp.npz")
-    np.savez(tmp, keys=keys, counts=counts)
-    tmp.rename(out)
+    write_partial(task.out, keys, counts, np.array([0, keys.size], dtype=np.int64))
     return {"distinct": int(keys.size), "pairs": int(counts.sum())}
 
 
@@ -318,7 +328,15 @@ def write_bigrams(path: str | Path, parts, shift: int) -> tuple[int, int]:
         # an open file, not a path: pyarrow would read "row:5/..." as a URI scheme
         with (
             open(tmp, "wb") as sink,
-            pq.ParquetWriter(sink, schema, compression="zstd", compression_level=1) as writer,
+            pq.ParquetWriter(
+                sink,
+                schema,
+                # No dictionaries: most (next, count) values are distinct or tiny, and building
+                # dictionaries doubled the write time. `prev` is sorted: deltas make it ~free.
+                compression="snappy",
+                use_dictionary=False,
+                column_encoding={"prev": "DELTA_BINARY_PACKED"},
+            ) as writer,
         ):
             for keys, counts in parts:
                 for a in range(0, keys.size, ROW_GROUP_ROWS):
@@ -639,31 +657,40 @@ def count_stores(
         write_json_atomic(ranges_path, {"ranges": ranges})
     reduce_tasks = [
         ReduceTask(
-            partials=tuple(partials), b_lo=lo, b_hi=hi, out=str(work / "reduced" / f"r{j:05d}.npz")
+            partials=tuple(partials), b_lo=lo, b_hi=hi, out=str(work / "reduced" / f"r{j:05d}.bin")
         )
         for j, (lo, hi) in enumerate(ranges)
     ]
     pending = [t for t in reduce_tasks if not Path(t.out).exists()]
+    finished = {t.out for t in reduce_tasks} - {t.out for t in pending}
+
+    def reduced_in_order(bar):
+        """Final ranges in key order, written while later ranges are still being reduced."""
+        next_index = 0
+
+        def ready():
+            nonlocal next_index
+            while next_index < len(reduce_tasks) and reduce_tasks[next_index].out in finished:
+                path = reduce_tasks[next_index].out
+                next_index += 1
+                yield read_partial_slice(path, 0, 1)
+
+        yield from ready()
+        for task, _ in executor.map_unordered(reduce_range, pending):
+            finished.add(task.out)
+            bar.update(1)
+            yield from ready()
+        yield from ready()
+
     with tqdm(
         total=len(reduce_tasks),
-        initial=len(reduce_tasks) - len(pending),
+        initial=len(finished),
         unit="range",
         desc="count: reduce",
         disable=not progress,
     ) as bar:
-        for _ in executor.map_unordered(reduce_range, pending):
-            bar.update(1)
+        distinct, total_pairs = write_bigrams(out / BIGRAMS_NAME, reduced_in_order(bar), shift)
     t_reduce = time.time() - t_reduce
-
-    t_write = time.time()
-
-    def reduced_parts():
-        for t in reduce_tasks:
-            with np.load(t.out) as z:
-                yield z["keys"], z["counts"]
-
-    distinct, total_pairs = write_bigrams(out / BIGRAMS_NAME, reduced_parts(), shift)
-    t_write = time.time() - t_write
     expected_pairs = sum((s.n_tokens - 1 if s.n_tokens else 0) for s in stores) + edge.size
     if (
         row is None and total_pairs != expected_pairs
@@ -687,8 +714,7 @@ def count_stores(
         throughput={
             "tokens_per_s": sum(s.n_tokens for s in stores) / max(wall, 1e-9),
             "map_s": t_map,
-            "reduce_s": t_reduce,
-            "write_s": t_write,
+            "reduce_and_write_s": t_reduce,
         },
         fingerprint=stores[0].fingerprint,
         total_pairs=total_pairs,
