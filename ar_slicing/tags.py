@@ -89,10 +89,13 @@ class DocTable:
                 f"token store {store.path}: docs.parquet offsets decrease at row {bad} "
                 f"({offsets[bad - 1]} then {offsets[bad]}); re-create the store"
             )
-        subsets = docs.column("subset").to_pylist()
-        names = tuple(sorted({s for s in subsets if s is not None}))
-        index = {name: k for k, name in enumerate(names)}
-        code = np.array([index.get(s, -1) if s is not None else -1 for s in subsets], np.int32)
+        encoded = docs.column("subset").combine_chunks().dictionary_encode()
+        values = encoded.dictionary.to_pylist()
+        names = tuple(sorted(values))
+        # dictionary index -> rank of the name, so codes do not depend on document order
+        rank = np.array([names.index(v) for v in values] + [-1], dtype=np.int32)
+        indices = encoded.indices.fill_null(len(values)).to_numpy()
+        code = rank[indices] if len(indices) else np.zeros(0, dtype=np.int32)
         return cls(offsets=offsets, doc_ids=store.doc_ids, subset_code=code, subset_names=names)
 
     def rows_of_range(self, first: int, count: int) -> np.ndarray:
@@ -161,10 +164,12 @@ def tag_windows(
     del order, sorted_prev, sorted_token, run_head
 
     is_repeat = prev_pos > 0
-    local = np.arange(n, dtype=np.int64)
+    n_rows = -(-n // L)
     return {
-        "window_id": (local // L + first_window).astype(np.int32),
-        "pos": (local % L + 1).astype(np.int32),
+        "window_id": np.repeat(np.arange(first_window, first_window + n_rows, dtype=np.int32), L)[
+            :n
+        ],
+        "pos": np.tile(np.arange(1, L + 1, dtype=np.int32), n_rows)[:n],
         "doc_id": docs.doc_ids[doc_rows],
         "token": token.astype(np.int32),
         "prev": prev.astype(np.int32),
@@ -263,8 +268,9 @@ def arrow_write_schema():
     )
 
 
-# Encodings chosen for write speed and size: positions and ids change by small steps (delta),
-# token ids are close to random (plain), subsets repeat per document (dictionary).
+# Encodings chosen for write speed and size (measured on 1 M-row batches): positions and ids
+# change by small steps (delta); token ids are close to random, and split into byte streams they
+# compress well and fast with snappy; subsets repeat per document (dictionary).
 PARQUET_OPTIONS = {
     "compression": "snappy",
     "use_dictionary": ["subset"],
@@ -272,8 +278,8 @@ PARQUET_OPTIONS = {
         "window_id": "DELTA_BINARY_PACKED",
         "pos": "DELTA_BINARY_PACKED",
         "doc_id": "DELTA_BINARY_PACKED",
-        "token": "PLAIN",
-        "prev": "PLAIN",
+        "token": "BYTE_STREAM_SPLIT",
+        "prev": "BYTE_STREAM_SPLIT",
         "train_count": "DELTA_BINARY_PACKED",
         "prev_pos": "DELTA_BINARY_PACKED",
         "is_repeat": "PLAIN",
@@ -287,14 +293,12 @@ PARQUET_OPTIONS = {
 
 def slice_counts(columns: dict[str, np.ndarray], n_subsets: int) -> dict[str, list[int]]:
     """Tokens, repeats and AR hits per subset code (index 0 = no subset, k+1 = subset k)."""
-    codes = columns["subset"].astype(np.int64) + 1
-    out = {}
-    for name, weights in (
-        ("tokens", None),
-        ("repeats", columns["is_repeat"]),
-        ("ar_hits", columns["is_ar_hit"]),
-    ):
-        out[name] = (
-            np.bincount(codes, weights=weights, minlength=n_subsets + 1).astype(np.int64).tolist()
+    codes = columns["subset"] + 1
+    return {
+        name: np.bincount(codes if mask is None else codes[mask], minlength=n_subsets + 1).tolist()
+        for name, mask in (
+            ("tokens", None),
+            ("repeats", columns["is_repeat"]),
+            ("ar_hits", columns["is_ar_hit"]),
         )
-    return out
+    }

@@ -193,8 +193,7 @@ def part_is_complete(task: PartTask, n_targets: np.ndarray) -> bool:
         return False
 
 
-def _resume_params(cfg: TagConfig, store) -> dict:
-    counts_meta = read_json(Path(cfg.counts) / "meta.json")
+def _resume_params(cfg: TagConfig, store, counts_meta: dict) -> dict:
     return {
         "tokens": str(Path(cfg.tokens).resolve()),
         "counts_dir": str(Path(cfg.counts).resolve()),
@@ -228,7 +227,7 @@ def run_tag(cfg: TagConfig) -> dict:
 
     from ar_slicing.counts import BigramCounts
     from ar_slicing.executor import LocalExecutor, default_workers
-    from ar_slicing.io import build_meta, prepare_out_dir, write_meta
+    from ar_slicing.io import build_meta, is_complete, prepare_out_dir, write_meta
     from ar_slicing.store import TokenStore
     from ar_slicing.tags import DocTable
     from ar_slicing.tokenizer import require_same_fingerprint
@@ -241,18 +240,24 @@ def run_tag(cfg: TagConfig) -> dict:
     if cfg.part_tokens < 1:
         raise ArSliceError(f"--part-tokens must be >= 1, got {cfg.part_tokens}")
     store = TokenStore.open(cfg.tokens)
-    counts = BigramCounts.open(cfg.counts)
-    require_same_fingerprint(
-        store.fingerprint, f"token store {cfg.tokens}", counts.fingerprint, f"counts {cfg.counts}"
-    )
     out = Path(cfg.out)
-    if not prepare_out_dir(out, cfg.overwrite):
+    if is_complete(out) and not cfg.overwrite:
         meta = read_json(out / "meta.json")
         print(f"tag: {out} is complete ({meta['counts']['tokens']:,} tokens); --overwrite to redo")
         return meta
+    # Refuse mismatched inputs from the counts' meta.json, before building their lookup table.
+    counts_meta = read_json(Path(cfg.counts) / "meta.json")
+    require_same_fingerprint(
+        store.fingerprint,
+        f"token store {cfg.tokens}",
+        str(counts_meta.get("fingerprint")),
+        f"counts {cfg.counts}",
+    )
+    counts = BigramCounts.open(cfg.counts)
+    prepare_out_dir(out, cfg.overwrite)
     tokens_path = str(Path(cfg.tokens).resolve())
     counts_path = str(Path(cfg.counts).resolve())
-    params = _resume_params(cfg, store)
+    params = _resume_params(cfg, store, counts_meta)
     _check_resumable(out, params, cfg.overwrite)
     write_json_atomic(out / PARAMS_NAME, params)
     for leftover in out.glob(".tags-*.tmp"):  # from a worker killed mid-write
@@ -260,34 +265,39 @@ def run_tag(cfg: TagConfig) -> dict:
 
     docs = DocTable.from_store(store)
     # Worker processes forked from here inherit these (copy-on-write) instead of rebuilding the
-    # counts' hash table each; under "spawn" they open their own.
-    _OPEN[f"store:{tokens_path}"] = store
-    _OPEN[f"docs:{tokens_path}"] = docs
-    _OPEN[f"counts:{counts_path}"] = counts
-    windows = window_table(store.n_tokens, cfg.window)
-    write_window_table(out / WINDOWS_NAME, store.n_tokens, cfg.window)
-    tasks = part_tasks(cfg, len(windows["window_id"]), tokens_path, counts_path, str(out.resolve()))
-    done = [t for t in tasks if part_is_complete(t, windows["n_targets"])]
-    todo = [t for t in tasks if t not in done]
-    n_targets = int(windows["n_targets"].sum(dtype=np.int64))
-    results = {t.index: counts_of_part(t.path, docs.subset_names) for t in done}
-    workers = min(cfg.workers or default_workers(), max(1, len(todo)))
-    log.info(
-        "tagging %d targets in %d windows of %d: %d parts (%d already done), %d workers",
-        n_targets,
-        len(windows["window_id"]),
-        cfg.window,
-        len(tasks),
-        len(done),
-        workers,
-    )
-    t_work = time.time()
-    with tqdm(total=n_targets, unit="tok", unit_scale=True, desc="tag", disable=None) as bar:
-        bar.update(sum(r["rows"] for r in results.values()))
-        for task, result in LocalExecutor(workers).map_unordered(tag_part, todo):
-            results[task.index] = result
-            bar.update(result["rows"])
-    work_s = time.time() - t_work
+    # counts' lookup table each; under "spawn" they open their own.
+    keys = (f"store:{tokens_path}", f"docs:{tokens_path}", f"counts:{counts_path}")
+    _OPEN.update(zip(keys, (store, docs, counts)))
+    try:
+        windows = window_table(store.n_tokens, cfg.window)
+        write_window_table(out / WINDOWS_NAME, store.n_tokens, cfg.window)
+        tasks = part_tasks(
+            cfg, len(windows["window_id"]), tokens_path, counts_path, str(out.resolve())
+        )
+        done = [t for t in tasks if part_is_complete(t, windows["n_targets"])]
+        todo = [t for t in tasks if t not in done]
+        n_targets = int(windows["n_targets"].sum(dtype=np.int64))
+        results = {t.index: counts_of_part(t.path, docs.subset_names) for t in done}
+        workers = min(cfg.workers or default_workers(), max(1, len(todo)))
+        log.info(
+            "tagging %d targets in %d windows of %d: %d parts (%d already done), %d workers",
+            n_targets,
+            len(windows["window_id"]),
+            cfg.window,
+            len(tasks),
+            len(done),
+            workers,
+        )
+        t_work = time.time()
+        with tqdm(total=n_targets, unit="tok", unit_scale=True, desc="tag", disable=None) as bar:
+            bar.update(sum(r["rows"] for r in results.values()))
+            for task, result in LocalExecutor(workers).map_unordered(tag_part, todo):
+                results[task.index] = result
+                bar.update(result["rows"])
+        work_s = time.time() - t_work
+    finally:
+        for key in keys:
+            _OPEN.pop(key, None)
 
     names: list[str | None] = [None, *docs.subset_names]
     totals = {

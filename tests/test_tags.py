@@ -217,7 +217,7 @@ def cases(draw, max_vocab=5):
     return documents, subsets, window, counts, threshold, reset
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(case=cases(), batch_windows=st.integers(1, 4))
 def test_core_matches_naive_reference(case, batch_windows):
     documents, subsets, window, counts, threshold, reset = case
@@ -233,7 +233,7 @@ def test_core_matches_naive_reference(case, batch_windows):
         2**31,  # too large to pack beside the index: the batch's own ids are ranked first
     ],
 )
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(case=cases())
 def test_core_with_large_vocabularies(vocab_size, case):
     documents, subsets, window, counts, threshold, reset = case
@@ -364,8 +364,8 @@ def test_streams_of_one_and_two_tokens(tmp_path):
 # ---- the stage: real text, files, mismatch, resume, workers, CLI ------------------------------------
 
 
-@pytest.fixture
-def real_text_run(tmp_path, bpe_tokenizer, stdlib_texts):
+@pytest.fixture(scope="module")
+def real_text_run(tmp_path_factory, bpe_tokenizer, stdlib_texts):
     """Stdlib sources tokenized by the trained BPE: 30 for training counts, 10 for validation."""
     from ar_slicing.tokenizer import describe
 
@@ -373,6 +373,7 @@ def real_text_run(tmp_path, bpe_tokenizer, stdlib_texts):
     train = [bpe_tokenizer.encode(t).ids for t in stdlib_texts[:30]]
     val = [bpe_tokenizer.encode(t).ids[:3000] for t in stdlib_texts[30:40]]
     subsets = ["code" if k % 3 else "docs" for k in range(len(val))]
+    tmp_path = tmp_path_factory.mktemp("real-text")
     store = write_token_store(tmp_path / "val", val, tokenizer_info=info, subsets=subsets)
     train_stream = [t for doc in train for t in [*doc, info["eos_id"]]]
     pairs = Counter(zip(train_stream, train_stream[1:]))

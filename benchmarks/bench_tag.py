@@ -1,0 +1,366 @@
+"""Tag throughput: `arslice tag` against the straightforward DuckDB formulation, in the same run.
+
+Data (generated once under bench-data/tag/, reused by later runs): a validation token store of
+100 M tokens (4 M with --quick) and the exact bigram counts (`arslice count`'s own code) of a
+training store of the same size. Tokens are Zipf-distributed over a GPT-2-sized vocabulary of
+50 304 ids, with spans copied from earlier in the same document (as text quotes itself) so that
+in-context repeats occur; documents have geometric lengths (mean 1 500 tokens) and Pile subsets.
+
+Contenders, each in its own process (peak memory = sampled RSS of that process and its workers):
+  ours    `run_tag` (the whole stage: open the store and counts, tag on all cores, write the
+          Parquet parts and meta.json)
+  duckdb  one SQL statement: the targets (stream index, window_id, pos, token, prev; prepared
+          beforehand as Parquet, not timed), `lag(pos) OVER (PARTITION BY window_id, prev, token
+          ORDER BY pos)` for prev_pos, a LEFT JOIN with bigrams.parquet for train_count and an
+          ASOF JOIN with docs.parquet for doc_id and subset, written sorted to Parquet
+Both outputs are then compared column by column.
+
+    .venv/bin/python benchmarks/bench_tag.py [--quick] [--tokens N] [--workers N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from ar_slicing.executor import default_workers  # noqa: E402
+
+DATA = REPO / "bench-data" / "tag"
+VOCAB = 50304  # GPT-2's vocabulary padded to a multiple of 64, as the Pythia models use
+EOS = 50256
+WINDOW = 2048
+SUBSETS = ["Pile-CC", "Github", "ArXiv", "PubMed Central", "Wikipedia (en)", None]
+TARGET_TOKENS_PER_S = 20e6
+TARGET_RATIO = 5.0
+
+
+# ---- data ---------------------------------------------------------------------------------------
+
+
+def synthetic_documents(n_tokens: int, seed: int) -> tuple[list[np.ndarray], list[str | None]]:
+    """Documents totalling about `n_tokens` stream tokens (EOS included), and their subsets."""
+    rng = np.random.default_rng(seed)
+    ids = rng.permutation(np.array([t for t in range(VOCAB) if t != EOS], dtype=np.uint16))
+    lengths = []
+    total = 0
+    while total < n_tokens:
+        k = int(min(rng.geometric(1 / 1500), 20000))
+        k = min(k, n_tokens - total - 1) if n_tokens - total > 1 else 0
+        lengths.append(k)
+        total += k + 1
+    documents = []
+    for k in lengths:
+        doc = ids[(rng.zipf(1.2, size=k) - 1) % len(ids)]
+        # quote earlier text: about one copied span (8-64 tokens, from up to 1500 back) per 150
+        n_copies = rng.binomial(k, 1 / 150) if k > 64 else 0
+        starts = rng.integers(16, k - 8, size=n_copies) if n_copies else []
+        for start in starts:
+            length = int(rng.integers(8, 65))
+            back = int(rng.integers(length, 1500))
+            src = start - back
+            if src >= 0 and start + length <= k:
+                doc[start : start + length] = doc[src : src + length].copy()
+        documents.append(doc)
+    subsets = [SUBSETS[i] for i in rng.integers(0, len(SUBSETS), size=len(documents))]
+    return documents, subsets
+
+
+def make_store(path: Path, n_tokens: int, seed: int):
+    from ar_slicing.io import is_complete
+    from ar_slicing.store import TokenStore, write_token_store
+
+    if is_complete(path):
+        return TokenStore.open(path)
+    t0 = time.time()
+    documents, subsets = synthetic_documents(n_tokens, seed)
+    info = {"name": "synthetic-zipf", "fingerprint": "5" * 64, "vocab_size": VOCAB, "eos_id": EOS}
+    store = write_token_store(
+        path, documents, tokenizer_info=info, subsets=subsets, source="synthetic"
+    )
+    print(
+        f"  made {path} ({store.n_tokens:,} tokens, {store.n_docs:,} docs) in {time.time() - t0:.1f}s"
+    )
+    return store
+
+
+def prepare(n_tokens: int, workers: int) -> Path:
+    """Validation store, training store, counts and the baseline's targets table."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ar_slicing.counts import count_stores
+    from ar_slicing.io import is_complete
+
+    root = DATA / f"n{n_tokens}"
+    val = make_store(root / "val", n_tokens, seed=1)
+    make_store(root / "train", n_tokens, seed=2)
+    if not is_complete(root / "counts"):
+        t0 = time.time()
+        count_stores([root / "train"], root / "counts", workers=workers, progress=False)
+        print(f"  counted the training bigrams in {time.time() - t0:.1f}s")
+    targets = root / "targets.parquet"
+    if not targets.exists():
+        tok = np.asarray(val.tokens)
+        with pq.ParquetWriter(targets, schema=targets_schema()) as writer:
+            for a in range(1, val.n_tokens, 1 << 24):
+                i = np.arange(a, min(a + (1 << 24), val.n_tokens), dtype=np.int64)
+                writer.write_table(
+                    pa.table(
+                        {
+                            "i": i,
+                            "window_id": ((i - 1) // WINDOW).astype(np.int32),
+                            "pos": ((i - 1) % WINDOW + 1).astype(np.int32),
+                            "token": tok[i].astype(np.int32),
+                            "prev": tok[i - 1].astype(np.int32),
+                        },
+                        schema=targets_schema(),
+                    )
+                )
+    return root
+
+
+def targets_schema():
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            ("i", pa.int64()),
+            ("window_id", pa.int32()),
+            ("pos", pa.int32()),
+            ("token", pa.int32()),
+            ("prev", pa.int32()),
+        ]
+    )
+
+
+# ---- contenders (each run in a child process) --------------------------------------------------
+
+
+def run_ours(root: Path, out: Path, workers: int) -> dict:
+    from pipeline.tag import TagConfig, run_tag
+
+    t0 = time.perf_counter()
+    meta = run_tag(
+        TagConfig(
+            tokens=str(root / "val"),
+            counts=str(root / "counts"),
+            out=str(out),
+            window=WINDOW,
+            workers=workers,
+            overwrite=True,
+        )
+    )
+    return {"seconds": time.perf_counter() - t0, "rows": meta["counts"]["tokens"]}
+
+
+DUCKDB_SQL = """
+COPY (
+    WITH tagged AS (
+        SELECT t.window_id, t.pos, d.doc_id, t.token, t.prev,
+               coalesce(c.count, 0) AS train_count,
+               lag(t.pos) OVER (PARTITION BY t.window_id, t.prev, t.token ORDER BY t.pos) AS prev_pos,
+               d.subset
+        FROM read_parquet($targets) AS t
+        ASOF JOIN read_parquet($docs) AS d ON t.i >= d."offset"
+        LEFT JOIN read_parquet($bigrams) AS c ON c.prev = t.prev AND c.next = t.token
+    )
+    SELECT window_id, pos, doc_id, token, prev, train_count::BIGINT AS train_count,
+           prev_pos::INTEGER AS prev_pos,
+           prev_pos IS NOT NULL AS is_repeat,
+           prev_pos IS NOT NULL AND train_count <= $threshold AS is_ar_hit,
+           subset
+    FROM tagged
+    ORDER BY window_id, pos
+) TO '{out}' (FORMAT parquet)
+"""
+
+
+def run_duckdb(root: Path, out: Path, workers: int, memory: str) -> dict:
+    import duckdb
+
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "tags.parquet"
+    t0 = time.perf_counter()
+    con = duckdb.connect(
+        config={
+            "threads": int(workers),
+            "memory_limit": memory,
+            "temp_directory": str(out / "spill"),
+        }
+    )
+    # COPY's target is not a bindable parameter; the path is ours, made above
+    con.execute(
+        DUCKDB_SQL.replace("{out}", str(path).replace("'", "''")),
+        {
+            "targets": str(root / "targets.parquet"),
+            "docs": str(root / "val" / "docs.parquet"),
+            "bigrams": str(root / "counts" / "bigrams.parquet"),
+            "threshold": 1250,
+        },
+    )
+    rows = con.execute("SELECT count(*) FROM read_parquet($p)", {"p": str(path)}).fetchone()[0]
+    seconds = time.perf_counter() - t0
+    con.close()
+    shutil.rmtree(out / "spill", ignore_errors=True)
+    return {"seconds": seconds, "rows": rows}
+
+
+# ---- measuring ----------------------------------------------------------------------------------
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of `pid` and all its descendants (from /proc)."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            ppid, pages = int(fields[1]), int(fields[21])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+        rss[int(entry)] = pages * os.sysconf("SC_PAGE_SIZE")
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        total += rss.get(p, 0)
+        stack += children.get(p, [])
+    return total
+
+
+def measured(args: list[str]) -> dict:
+    """Run this script as a child with `args`; its JSON result plus the sampled peak RSS."""
+    proc = subprocess.Popen(
+        [sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
+    peak = 0
+    stop = threading.Event()
+
+    def sample():
+        nonlocal peak
+        while not stop.is_set():
+            peak = max(peak, tree_rss(proc.pid))
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)  # usage includes the child's reaped workers
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    stop.set()
+    sampler.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"child {args[:2]} failed with status {proc.returncode}")
+    result = json.loads(out.strip().splitlines()[-1])
+    result["peak_rss"] = peak
+    result["cpu_s"] = usage.ru_utime + usage.ru_stime
+    return result
+
+
+def compare(ours: Path, duck: Path) -> tuple[bool, str]:
+    """Column-by-column equality of our parts and DuckDB's file (both sorted by window_id, pos)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ar_slicing.tags import TAG_COLUMNS
+
+    parts = sorted(ours.glob("tags-*.parquet"))
+    for name in TAG_COLUMNS:
+        a = pa.concat_tables([pq.read_table(p, columns=[name]) for p in parts]).column(name)
+        b = pq.read_table(duck / "tags.parquet", columns=[name]).column(name)
+        if a.type != b.type:
+            b = b.cast(a.type)
+        if len(a) != len(b):
+            return False, f"{len(a):,} rows against {len(b):,}"
+        if not a.equals(b):
+            return False, f"column {name} differs"
+        del a, b
+    return True, f"{len(TAG_COLUMNS)} columns equal"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="4 M tokens instead of 100 M")
+    parser.add_argument(
+        "--tokens", type=int, default=None, help="validation tokens (default 100 M)"
+    )
+    parser.add_argument(
+        "--workers", type=int, default=default_workers(), help="cores for both contenders"
+    )
+    parser.add_argument(
+        "--duckdb-memory", default="8GB", help="DuckDB memory_limit (it spills beyond)"
+    )
+    parser.add_argument("--child", choices=["ours", "duckdb"], help=argparse.SUPPRESS)
+    parser.add_argument("--root", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.child:
+        root = Path(args.root)
+        if args.child == "ours":
+            result = run_ours(root, root / "out-ours", args.workers)
+        else:
+            result = run_duckdb(root, root / "out-duckdb", args.workers, args.duckdb_memory)
+        print(json.dumps(result))
+        return
+
+    n_tokens = args.tokens or (4_000_000 if args.quick else 100_000_000)
+    print(f"bench_tag: {n_tokens:,} validation tokens, window {WINDOW}, {args.workers} workers")
+    root = prepare(n_tokens, args.workers)
+    child = [
+        "--root",
+        str(root),
+        "--workers",
+        str(args.workers),
+        "--duckdb-memory",
+        args.duckdb_memory,
+    ]
+    ours = measured(["--child", "ours", *child])
+    duck = measured(["--child", "duckdb", *child])
+    equal, detail = compare(root / "out-ours", root / "out-duckdb")
+
+    meta = json.loads((root / "out-ours" / "meta.json").read_text())
+    c = meta["counts"]
+    print(
+        f"  data: {c['repeats'] / c['tokens']:.1%} repeats, {c['ar_hits'] / c['tokens']:.1%} AR hits "
+        f"(threshold 1250), {meta['inputs']['counts'].get('distinct_bigrams', 0):,} distinct training bigrams"
+    )
+    rows = []
+    for name, r in (("ours (arslice tag)", ours), ("duckdb formulation", duck)):
+        rate = r["rows"] / r["seconds"]
+        rows.append(rate)
+        print(
+            f"  {name:<20} {r['rows']:>13,} tokens  {r['seconds']:7.2f} s  {rate / 1e6:7.2f} M tokens/s  "
+            f"CPU {r['cpu_s']:7.1f} s ({r['cpu_s'] / r['rows'] * 1e9:5.0f} ns/token)  "
+            f"peak RSS {r['peak_rss'] / 2**30:5.2f} GiB"
+        )
+    ratio = rows[0] / rows[1]
+    print(
+        f"  ratio ours/duckdb: {ratio:.2f}x   results equal: {'yes' if equal else 'NO'} ({detail})"
+    )
+    print(
+        f"  targets: >= {TARGET_TOKENS_PER_S / 1e6:.0f} M tokens/s ({'met' if rows[0] >= TARGET_TOKENS_PER_S else 'not met'}), "
+        f">= {TARGET_RATIO:.0f}x duckdb ({'met' if ratio >= TARGET_RATIO else 'not met'})"
+    )
+    if not equal:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
