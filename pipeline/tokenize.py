@@ -168,15 +168,13 @@ def part_schema():
 _TOKENIZER_CACHE: dict[tuple, object] = {}
 
 
-def _worker_tokenizer(path: str, threads: int):
-    """The tokenizer at `path`, loaded once per process (the file is keyed by its mtime and size too,
-    so a store redone with another tokenizer under the same path never sees a stale one)."""
+def cached_tokenizer(path: str):
+    """The tokenizer at `path`, loaded once per process (keyed by the file's mtime and size too, so
+    a store redone with another tokenizer under the same path never sees a stale one). The stage
+    loads it before starting its workers, so forked workers inherit it instead of parsing it."""
     st = os.stat(path)
     key = (path, st.st_mtime_ns, st.st_size)
     if key not in _TOKENIZER_CACHE:
-        if threads <= 1:
-            # One encoder thread per process: the processes already use every core.
-            os.environ["TOKENIZERS_PARALLELISM"] = "false"
         from tokenizers import Tokenizer
 
         _TOKENIZER_CACHE.clear()
@@ -189,7 +187,10 @@ def encode_shard(task: ShardTask) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    tok = _worker_tokenizer(task.tokenizer_path, task.threads)
+    if task.threads <= 1:
+        # One encoder thread per worker process: the processes already use every core.
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    tok = cached_tokenizer(task.tokenizer_path)
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # no offsets: faster
     encodings = encode(task.texts, add_special_tokens=False)
     dtype = np.dtype(task.dtype)
@@ -371,6 +372,8 @@ def run_text(cfg: TokenizeConfig) -> dict:
                 threads=threads,
             )
 
+    cached_tokenizer(str(tokenizer_path))
+    _load_pyarrow_pandas_shim()
     try:
         for _task, counts in LocalExecutor(workers).map_unordered(encode_shard, tasks()):
             account(counts)
@@ -425,6 +428,14 @@ def run_text(cfg: TokenizeConfig) -> dict:
     return summary
 
 
+def _load_pyarrow_pandas_shim() -> None:
+    """Build one small Arrow array now: pyarrow imports pandas on its first conversion (about a
+    CPU-second), and doing it before the workers fork spares each of them that import."""
+    import pyarrow as pa
+
+    pa.array([0], pa.int32())
+
+
 def _assemble(out: Path, parts_dir: Path, n_shards: int, dtype: np.dtype) -> tuple[int, int]:
     """Concatenate the parts, in shard order, into tokens.bin and docs.parquet."""
     import pyarrow as pa
@@ -438,7 +449,7 @@ def _assemble(out: Path, parts_dir: Path, n_shards: int, dtype: np.dtype) -> tup
         ):
             for index in range(n_shards):
                 tokens_path, docs_path = part_paths(parts_dir, index)
-                part = pq.read_table(docs_path)
+                part = pq.ParquetFile(docs_path).read()  # (read_table would import pyarrow.dataset)
                 lengths = part.column("n_tokens").to_numpy().astype(np.int64)
                 expected = int((lengths + 1).sum()) * dtype.itemsize
                 if tokens_path.stat().st_size != expected:
