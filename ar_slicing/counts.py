@@ -140,6 +140,12 @@ def merge_counted(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarra
     if len(parts) == 1:
         k, c = parts[0]
         return np.ascontiguousarray(k), np.asarray(c, dtype=np.int64)
+    compiled = kernels()
+    if compiled is not None and parts[0][0].dtype == np.uint32:
+        bounds = np.cumsum([0] + [k.size for k, _ in parts]).astype(np.int64)
+        keys = np.concatenate([k for k, _ in parts])
+        counts = np.concatenate([np.asarray(c, dtype=np.int64) for _, c in parts])
+        return compiled["merge_u32"](keys, counts, bounds)
     if parts[0][0].dtype == np.uint32 and all(int(c.max()) < 1 << 32 for _, c in parts):
         packed = np.empty(sum(k.size for k, _ in parts), dtype=np.uint64)
         at = 0
@@ -163,6 +169,173 @@ def merge_counted(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarra
     np.not_equal(keys[1:], keys[:-1], out=starts[1:])
     idx = np.flatnonzero(starts)
     return keys[idx], np.add.reduceat(counts, idx)
+
+
+# ---- compiled kernels (numba) -----------------------------------------------------------------
+#
+# The same algorithms run in plain numpy when numba is missing or ARSLICE_NO_NUMBA=1; the
+# kernels only avoid numpy's full sort and its extra passes. They are compiled on first use
+# and cached on disk beside this file.
+
+
+def _count_u16_kernel(tokens, row, phase):
+    """Counts of the pairs (tokens[j], tokens[j+1]) of a uint16 shard, sorted by key.
+
+    A counting sort by `prev` (histogram, then scatter of `next` into per-prev segments), then
+    each segment counted in a 65536-entry scratch table that stays in cache. With `row` > 0,
+    pair j is skipped when (phase + j + 1) % row == 0 (phase = stream index of tokens[0] % row).
+    """
+    n = tokens.size - 1
+    hist = np.zeros(65537, np.int64)
+    c = phase
+    for j in range(n):
+        if row > 0:
+            c += 1
+            if c == row:
+                c = 0
+                continue
+        hist[np.int64(tokens[j]) + 1] += 1
+    for p in range(65536):
+        hist[p + 1] += hist[p]
+    m = hist[65536]
+    pos = hist[:65536].copy()
+    nexts = np.empty(m, np.uint16)
+    c = phase
+    for j in range(n):
+        if row > 0:
+            c += 1
+            if c == row:
+                c = 0
+                continue
+        p = tokens[j]
+        nexts[pos[p]] = tokens[j + 1]
+        pos[p] += 1
+    scratch = np.zeros(65536, np.int64)
+    touched = np.empty(65536, np.uint16)
+    out_keys = np.empty(m, np.uint32)
+    out_counts = np.empty(m, np.int64)
+    d = 0
+    for p in range(65536):
+        a = hist[p]
+        b = hist[p + 1]
+        if a == b:
+            continue
+        nt = 0
+        for i in range(a, b):
+            x = nexts[i]
+            if scratch[x] == 0:
+                touched[nt] = x
+                nt += 1
+            scratch[x] += 1
+        d = _emit_segment(p, scratch, touched, nt, out_keys, out_counts, d)
+    return out_keys[:d].copy(), out_counts[:d].copy()
+
+
+def _emit_segment(p, scratch, touched, nt, out_keys, out_counts, d):
+    """Write the nonzero scratch entries of prev `p` in `next` order and clear them."""
+    base = np.uint32(p) << np.uint32(16)
+    if nt > 4096:  # dense: one sweep of the table beats sorting the touched list
+        for x in range(65536):
+            if scratch[x] != 0:
+                out_keys[d] = base | np.uint32(x)
+                out_counts[d] = scratch[x]
+                scratch[x] = 0
+                d += 1
+    else:
+        for x in np.sort(touched[:nt]):
+            out_keys[d] = base | np.uint32(x)
+            out_counts[d] = scratch[x]
+            scratch[x] = 0
+            d += 1
+    return d
+
+
+def _merge_u32_kernel(keys, counts, bounds):
+    """Merge sorted uint32-key runs keys[bounds[i]:bounds[i+1]], adding counts of equal keys.
+
+    Walks `prev` values in order; each run's entries of one prev are contiguous, so they are
+    added into the scratch table and emitted sorted, as in the map kernel. Linear in the input.
+    """
+    k = bounds.size - 1
+    cur = bounds[:-1].copy()
+    p_lo = np.int64(1 << 16)
+    p_hi = np.int64(-1)
+    for i in range(k):
+        if bounds[i] < bounds[i + 1]:
+            p_lo = min(p_lo, np.int64(keys[bounds[i]] >> 16))
+            p_hi = max(p_hi, np.int64(keys[bounds[i + 1] - 1] >> 16))
+    scratch = np.zeros(65536, np.int64)
+    touched = np.empty(65536, np.uint16)
+    out_keys = np.empty(keys.size, np.uint32)
+    out_counts = np.empty(keys.size, np.int64)
+    d = 0
+    for p in range(p_lo, p_hi + 1):
+        nt = 0
+        for i in range(k):
+            j = cur[i]
+            end = bounds[i + 1]
+            while j < end and np.int64(keys[j] >> 16) == p:
+                x = keys[j] & 0xFFFF
+                if scratch[x] == 0:
+                    touched[nt] = x
+                    nt += 1
+                scratch[x] += counts[j]
+                j += 1
+            cur[i] = j
+        if nt:
+            d = _emit_segment(p, scratch, touched, nt, out_keys, out_counts, d)
+    return out_keys[:d].copy(), out_counts[:d].copy()
+
+
+def _probe_kernel(table_keys, table_values, size, shift, prev, nxt, out):
+    """Hash-table lookups (see BigramCounts): out[i] = count of (prev[i], nxt[i]) or 0."""
+    limit = np.int64(1) << shift
+    for i in range(prev.size):
+        p = np.int64(prev[i])
+        q = np.int64(nxt[i])
+        if p < 0 or p >= limit or q < 0 or q >= limit:
+            out[i] = 0
+            continue
+        key = (np.uint64(p) << np.uint64(shift)) | np.uint64(q)
+        h = (key * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(32)
+        s = np.int64((h * np.uint64(size)) >> np.uint64(32))
+        while True:
+            v = table_values[s]
+            if v == 0:
+                out[i] = 0
+                break
+            if np.uint64(table_keys[s]) == key:
+                out[i] = np.int64(v)
+                break
+            s += 1
+
+
+_KERNELS: dict | None = None
+
+
+def kernels() -> dict | None:
+    """The compiled kernels, or None (numpy fallback) without numba or with ARSLICE_NO_NUMBA=1."""
+    global _KERNELS
+    import os
+
+    if os.environ.get("ARSLICE_NO_NUMBA"):
+        return None
+    if _KERNELS is None:
+        try:
+            import numba
+        except ImportError:
+            log.info("numba is not installed: counting with numpy only (slower)")
+            _KERNELS = {}
+            return None
+        jit = numba.njit(cache=True, nogil=True)
+        global _emit_segment
+        _emit_segment = jit(_emit_segment)
+        _KERNELS = {
+            "count_u16": jit(_count_u16_kernel),
+            "merge_u32": jit(_merge_u32_kernel),
+            "probe": jit(_probe_kernel),
+        }
+    return _KERNELS or None
 
 
 # ---- map -------------------------------------------------------------------------------------
@@ -194,9 +367,14 @@ def count_shard(task: MapTask) -> dict:
     mm = np.memmap(task.tokens_path, dtype=dtype, mode="r", shape=(task.n_tokens,))
     tokens = np.asarray(mm[task.start : task.stop + 1])
     del mm
-    keys = pair_keys(tokens, task.shift, task.stream_offset + task.start, task.row)
-    del tokens
-    keys, counts = count_keys(keys)
+    k = kernels()
+    if k is not None and tokens.dtype.itemsize == 2:
+        phase = (task.stream_offset + task.start) % task.row if task.row else 0
+        keys, counts = k["count_u16"](tokens, task.row or 0, phase)
+    else:
+        keys = pair_keys(tokens, task.shift, task.stream_offset + task.start, task.row)
+        del tokens
+        keys, counts = count_keys(keys)
     pairs = int(counts.sum())
     offsets = np.searchsorted(keys, bucket_bounds(task.shift, task.vocab_size).astype(keys.dtype))
     offsets = np.append(offsets, keys.size).astype(np.int64)
@@ -458,6 +636,19 @@ class BigramCounts:
         return out
 
     def _lookup_flat(self, prev: np.ndarray, nxt: np.ndarray) -> np.ndarray:
+        compiled = kernels()
+        if compiled is not None:
+            out = np.empty(prev.size, dtype=np.int64)
+            compiled["probe"](
+                self._keys,
+                self._values,
+                self._size,
+                self.shift,
+                np.ascontiguousarray(prev),
+                np.ascontiguousarray(nxt),
+                out,
+            )
+            return out
         limit = 1 << self.shift
         p64 = prev.astype(np.int64, copy=False)
         n64 = nxt.astype(np.int64, copy=False)

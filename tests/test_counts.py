@@ -65,6 +65,17 @@ def check_output(out, stream, row):
 # ---- property tests against the naive reference -----------------------------------------------
 
 
+@pytest.fixture(params=["compiled", "numpy"])
+def engine(request, monkeypatch):
+    """Run a test with the numba kernels and again with the plain-numpy fallback."""
+    if request.param == "numpy":
+        monkeypatch.setenv("ARSLICE_NO_NUMBA", "1")
+    else:
+        monkeypatch.delenv("ARSLICE_NO_NUMBA", raising=False)
+        pytest.importorskip("numba")
+    return request.param
+
+
 @st.composite
 def corpora(draw):
     """1-3 stores of random documents, uint16 or uint32 (vocabulary above 65536), a unit, a shard size."""
@@ -83,9 +94,13 @@ def corpora(draw):
     return vocab, stores, unit, shard_tokens
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(corpora())
-def test_counts_equal_counter_of_pairwise_stream(case):
+@settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(case=corpora())
+def test_counts_equal_counter_of_pairwise_stream(engine, case):
     vocab, documents_per_store, unit, shard_tokens = case
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -129,7 +144,7 @@ def test_worked_example_and_row_unit(tmp_path):
 # ---- shards, workers, several stores ---------------------------------------------------------
 
 
-def test_many_shards_and_workers_equal_single_pass(tmp_path):
+def test_many_shards_and_workers_equal_single_pass(tmp_path, engine):
     rng = np.random.default_rng(0)
     # Zipf-like ids so some pairs repeat across shards and some occur once
     docs = [(rng.zipf(1.3, size=rng.integers(1, 400)) % 3000).tolist() for _ in range(60)]
@@ -243,7 +258,7 @@ def write_counts_dir(tmp_path, pairs: dict, name="c"):
 
 
 @pytest.mark.parametrize("wide", [False, True])
-def test_lookup_matches_counts_including_unseen(tmp_path, wide):
+def test_lookup_matches_counts_including_unseen(tmp_path, wide, engine):
     rng = np.random.default_rng(2)
     base = 70_000 if wide else 0
     pairs = {
@@ -266,7 +281,7 @@ def test_lookup_matches_counts_including_unseen(tmp_path, wide):
     assert len(counts) == len(expected) and counts.total_pairs == sum(expected.values())
 
 
-def test_lookup_large_counts_and_empty_table(tmp_path):
+def test_lookup_large_counts_and_empty_table(tmp_path, engine):
     import pyarrow as pa
 
     from ar_slicing.io import build_meta, write_meta
