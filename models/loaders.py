@@ -305,8 +305,10 @@ def load_state_dict_checked(model, state: Mapping[str, Any], source: str, tied: 
 def _load_hf(spec: str, target: str, device, dtype, fast_rwkv: bool) -> LoadedModel:
     import torch
 
-    path = Path(target)
+    path = Path(target).expanduser()
     looks_local = target.startswith((".", "/", "~")) or path.exists()
+    if looks_local:
+        target = str(path)
     if looks_local and not path.is_dir():
         raise ArSliceError(
             f"{spec}: {path} is not a directory (expected one saved by save_pretrained)"
