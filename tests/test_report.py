@@ -399,3 +399,22 @@ def test_default_reference():
         default_reference([("h", "h", "HyenaLM"), ("p", "pythia-70m", "GPTNeoXForCausalLM")]) == "p"
     )
     assert default_reference([("z", None, "hyena"), ("y", None, "rwkv")]) == "y"
+
+
+def test_report_of_a_single_model(tiny_run, capsys):  # noqa: F811
+    """No gap to explain: Table 1 has the reference only, passages fall back to the most AR hits."""
+    import shutil
+
+    from pipeline.report import ReportConfig, run_report
+
+    shutil.rmtree(tiny_run / "losses" / "attention")
+    shutil.rmtree(tiny_run / "losses" / QUOTED)
+    meta = run_report(ReportConfig(run=str(tiny_run), bootstrap=100, passages=3))
+    assert meta["reference"] == "hyena" and meta["counts"]["passages"] == 2
+    t1 = read_csv(tiny_run / "report" / "table1.csv")
+    assert [r["model"] for r in t1] == ["hyena"]
+    assert float(t1[0]["ppl_ar"]) == pytest.approx(math.exp(3.0))
+    assert read_csv(tiny_run / "report" / "examples.csv") == []
+    facts = HtmlFacts()
+    facts.feed((tiny_run / "report" / "report.html").read_text())
+    assert facts.passages == [0, 1]  # window 0 has 2 AR hits, window 1 has 1
