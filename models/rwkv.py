@@ -138,8 +138,8 @@ def _wkv_log_matrix(time_decay, time_first, k, v, chunk_size: int = 16):
 
 
 def _wkv_factorised(time_decay, time_first, k, v, C: int):
-    """WKV with the intra-chunk weights factorised as e^{k_i + i w} e^{-(j-1) w}: two cumulative sums
-    per chunk and a scan over chunks, O(B T D) work. fp64 and keys shifted so max_t k = 0 keep every
+    """WKV with the intra-chunk weights factorised as e^{k_i + i w} e^{-(j-1) w}: prefix sums inside
+    each chunk and a scan over chunks, O(B T C D) multiply-adds done as small matmuls. fp64 and keys shifted so max_t k = 0 keep every
     factor in range while C w <= _EXP_BUDGET and keys spread over less than ~100.
     """
     B, T, D = k.shape
@@ -160,33 +160,34 @@ def _wkv_factorised(time_decay, time_first, k, v, C: int):
     j = torch.arange(C, device=k.device, dtype=f64)[:, None]  # (C, 1) position inside the chunk
     ek = torch.exp(k + j * w)  # (B, N, C, D): e^{k_i + i w}
     ekv = ek * v
-    # exclusive sums over i < j, built from shifted copies rather than by subtracting the i = j
-    # term: that term carries an extra e^{w} and would swamp the others for fast channels
-    cum_k = torch.cumsum(F.pad(ek, (0, 0, 1, -1)), dim=2)
-    cum_kv = torch.cumsum(F.pad(ekv, (0, 0, 1, -1)), dim=2)
+    # exclusive prefix sums over i < j as one small matmul with a strictly lower-triangular 0/1
+    # matrix: no shifted copies, and never "inclusive minus the i = j term", which carries an
+    # extra e^{w} and would swamp the others for fast channels
+    before = torch.ones(C, C, dtype=f64, device=k.device).tril(-1)  # (C_out, C_in)
+    cum_k = torch.matmul(before, ek)  # (B, N, C, D)
+    cum_kv = torch.matmul(before, ekv)
 
     # state at each chunk start: earlier chunks' sums, decayed by C w per chunk (a scan of N steps)
     to_next_start = torch.exp(-(C - 1) * w)  # (D,)
     chunk_kv = (cum_kv[:, :, -1] + ekv[:, :, -1]) * to_next_start  # (B, N, D)
     chunk_k = (cum_k[:, :, -1] + ek[:, :, -1]) * to_next_start
     per_chunk = torch.exp(-C * w)
-    state_kv = torch.zeros(B, N, D, dtype=f64, device=k.device)
-    state_k = torch.zeros_like(state_kv)
-    a = torch.zeros(B, D, dtype=f64, device=k.device)
-    b = torch.zeros_like(a)
+    states_kv, states_k = (
+        [torch.zeros(B, D, dtype=f64, device=k.device)],
+        [torch.zeros(B, D, dtype=f64, device=k.device)],
+    )
     for n in range(1, N):
-        a = a * per_chunk + chunk_kv[:, n - 1]
-        b = b * per_chunk + chunk_k[:, n - 1]
-        state_kv[:, n] = a
-        state_k[:, n] = b
+        states_kv.append(states_kv[-1] * per_chunk + chunk_kv[:, n - 1])
+        states_k.append(states_k[-1] * per_chunk + chunk_k[:, n - 1])
     # the state reaches row j after j steps: e^{-j w} = e^{-(j-1) w} e^{-w}, so it joins the sums
-    cum_kv = cum_kv + (state_kv * torch.exp(-w))[:, :, None]
-    cum_k = cum_k + (state_k * torch.exp(-w))[:, :, None]
+    step = torch.exp(-w)
+    cum_kv = cum_kv + (torch.stack(states_kv, 1) * step)[:, :, None]
+    cum_k = cum_k + (torch.stack(states_k, 1) * step)[:, :, None]
 
     decay_to_row = torch.exp(-(j - 1) * w)  # (C, D): e^{-(j-1) w}
-    bonus = torch.exp(u + k)  # (B, N, C, D): the current token's e^{u + k_j}
+    bonus = ek * torch.exp(u - j * w)  # (B, N, C, D): the current token's e^{u + k_j}
     num = torch.addcmul(cum_kv * decay_to_row, bonus, v)
-    den = cum_k * decay_to_row + bonus
+    den = torch.addcmul(bonus, cum_k, decay_to_row)
     return (num / den).view(B, N * C, D)[:, :T].float()
 
 
