@@ -182,7 +182,8 @@ def _count_u16_kernel(tokens, row, phase):
     """Counts of the pairs (tokens[j], tokens[j+1]) of a uint16 shard, sorted by key.
 
     A counting sort by `prev` (histogram, then scatter of `next` into per-prev segments), then
-    each segment counted in a 65536-entry scratch table that stays in cache. With `row` > 0,
+    each segment counted in a 65536-entry scratch table that stays in cache, and emitted in
+    `next` order by walking a two-level bitmap of the entries it touched (no sorting at all). With `row` > 0,
     pair j is skipped when (phase + j + 1) % row == 0 (phase = stream index of tokens[0] % row).
     """
     n = tokens.size - 1
@@ -211,7 +212,8 @@ def _count_u16_kernel(tokens, row, phase):
         nexts[pos[p]] = tokens[j + 1]
         pos[p] += 1
     scratch = np.zeros(65536, np.int64)
-    touched = np.empty(65536, np.uint16)
+    bits = np.zeros(1024, np.uint64)
+    summary = np.zeros(16, np.uint64)
     out_keys = np.empty(m, np.uint32)
     out_counts = np.empty(m, np.int64)
     d = 0
@@ -220,33 +222,51 @@ def _count_u16_kernel(tokens, row, phase):
         b = hist[p + 1]
         if a == b:
             continue
-        nt = 0
         for i in range(a, b):
-            x = nexts[i]
+            x = np.int64(nexts[i])
             if scratch[x] == 0:
-                touched[nt] = x
-                nt += 1
+                _touch(x, bits, summary)
             scratch[x] += 1
-        d = _emit_segment(p, scratch, touched, nt, out_keys, out_counts, d)
+        d = _emit_segment(p, scratch, bits, summary, out_keys, out_counts, d)
     return out_keys[:d].copy(), out_counts[:d].copy()
 
 
-def _emit_segment(p, scratch, touched, nt, out_keys, out_counts, d):
-    """Write the nonzero scratch entries of prev `p` in `next` order and clear them."""
+_DEBRUIJN = np.uint64(0x03F79D71B4CB0A89)
+# _CTZ[(lowest_bit * _DEBRUIJN) >> 58] = index of that bit (count of trailing zeros)
+_CTZ = np.zeros(64, dtype=np.int64)
+for _i in range(64):
+    _CTZ[((1 << _i) * int(_DEBRUIJN) % (1 << 64)) >> 58] = _i
+del _i
+
+
+def _touch(x, bits, summary):
+    """Mark `next` = x as seen in the two-level bitmap (1024 words, 16 summary words)."""
+    w = x >> 6
+    if bits[w] == 0:
+        summary[w >> 6] |= np.uint64(1) << np.uint64(w & 63)
+    bits[w] |= np.uint64(1) << np.uint64(x & 63)
+
+
+def _emit_segment(p, scratch, bits, summary, out_keys, out_counts, d):
+    """Write prev `p`'s nonzero scratch entries in `next` order (bitmap walk), clearing them."""
     base = np.uint32(p) << np.uint32(16)
-    if nt > 4096:  # dense: one sweep of the table beats sorting the touched list
-        for x in range(65536):
-            if scratch[x] != 0:
+    for sw in range(16):
+        s = summary[sw]
+        while s != 0:
+            low = s & (~s + np.uint64(1))
+            w = sw * 64 + _CTZ[(low * _DEBRUIJN) >> np.uint64(58)]
+            b = bits[w]
+            while b != 0:
+                lb = b & (~b + np.uint64(1))
+                x = w * 64 + _CTZ[(lb * _DEBRUIJN) >> np.uint64(58)]
                 out_keys[d] = base | np.uint32(x)
                 out_counts[d] = scratch[x]
                 scratch[x] = 0
                 d += 1
-    else:
-        for x in np.sort(touched[:nt]):
-            out_keys[d] = base | np.uint32(x)
-            out_counts[d] = scratch[x]
-            scratch[x] = 0
-            d += 1
+                b ^= lb
+            bits[w] = 0
+            s ^= low
+        summary[sw] = 0
     return d
 
 
@@ -254,7 +274,7 @@ def _merge_u32_kernel(keys, counts, bounds):
     """Merge sorted uint32-key runs keys[bounds[i]:bounds[i+1]], adding counts of equal keys.
 
     Walks `prev` values in order; each run's entries of one prev are contiguous, so they are
-    added into the scratch table and emitted sorted, as in the map kernel. Linear in the input.
+    added into the scratch table and emitted in order, as in the map kernel. Linear in the input.
     """
     k = bounds.size - 1
     cur = bounds[:-1].copy()
@@ -265,25 +285,30 @@ def _merge_u32_kernel(keys, counts, bounds):
             p_lo = min(p_lo, np.int64(keys[bounds[i]] >> 16))
             p_hi = max(p_hi, np.int64(keys[bounds[i + 1] - 1] >> 16))
     scratch = np.zeros(65536, np.int64)
-    touched = np.empty(65536, np.uint16)
+    bits = np.zeros(1024, np.uint64)
+    summary = np.zeros(16, np.uint64)
     out_keys = np.empty(keys.size, np.uint32)
     out_counts = np.empty(keys.size, np.int64)
     d = 0
     for p in range(p_lo, p_hi + 1):
-        nt = 0
+        seen = False
         for i in range(k):
             j = cur[i]
             end = bounds[i + 1]
-            while j < end and np.int64(keys[j] >> 16) == p:
-                x = keys[j] & 0xFFFF
+            while j < end:
+                key = np.int64(keys[j])
+                if key >> 16 != p:
+                    break
+                x = key & 0xFFFF
                 if scratch[x] == 0:
-                    touched[nt] = x
-                    nt += 1
+                    _touch(x, bits, summary)
                 scratch[x] += counts[j]
                 j += 1
+            if j != cur[i]:
+                seen = True
             cur[i] = j
-        if nt:
-            d = _emit_segment(p, scratch, touched, nt, out_keys, out_counts, d)
+        if seen:
+            d = _emit_segment(p, scratch, bits, summary, out_keys, out_counts, d)
     return out_keys[:d].copy(), out_counts[:d].copy()
 
 
@@ -328,7 +353,8 @@ def kernels() -> dict | None:
             _KERNELS = {}
             return None
         jit = numba.njit(cache=True, nogil=True)
-        global _emit_segment
+        global _emit_segment, _touch
+        _touch = jit(_touch)
         _emit_segment = jit(_emit_segment)
         _KERNELS = {
             "count_u16": jit(_count_u16_kernel),
