@@ -15,8 +15,9 @@ How it runs:
     cross-entropy stays fp32 and chunked (`models.nll.per_token_nll`).
   * `--batch-size auto` starts from a guess for the device and, on CUDA out-of-memory, halves the
     batch and retries it, keeping the smaller size for the rest of the run.
-  * `--max-windows N` evaluates windows `0..N-1` only; its meta.json says `"partial": true`, and
-    a later run on the same `--out` covering more windows resumes it instead of skipping.
+  * `--max-windows N` evaluates windows `0..N-1` only; its meta.json says `"partial": true` and
+    `windows_evaluated`, `files` lists the loss files of those windows, and a later run on the
+    same `--out` covering more windows resumes it instead of skipping.
 
 Windowing:
   * `fixed` (default, the paper's): the model reads the tag windows themselves, `S[w*L : w*L+n]`,
@@ -36,7 +37,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -264,7 +265,7 @@ def rolling_sequences(tags: TagsInput, w0: int, w1: int) -> list[Sequence]:
     hi = int(tags.starts[w1 - 1] + tags.n_targets[w1 - 1])  # last target stream index
     offsets = store.doc_offsets
     ends = np.append(offsets[1:], store.n_tokens)  # a document's segment: its tokens and its EOS
-    first_doc = max(int(np.searchsorted(ends, lo, side="right")), 0)
+    first_doc = int(np.searchsorted(ends, lo, side="right"))  # the segment holding `lo`
     last_doc = int(np.searchsorted(offsets, hi, side="right")) - 1
     eos = store.eos_id
     trailing_eos = store.eos_appended
@@ -602,6 +603,8 @@ def run_eval(cfg: EvalConfig) -> dict:
                 "skipped": True,
             }
     out.mkdir(parents=True, exist_ok=True)
+    for tmp in out.glob(".losses-*.tmp"):  # left by a run killed while writing a chunk
+        tmp.unlink(missing_ok=True)
 
     chunks = chunk_bounds(n_windows, cfg.chunk_windows)
     chunk_rows = [int(tags.n_targets[w0:w1].sum()) for w0, w1 in chunks]
@@ -655,9 +658,6 @@ def run_eval(cfg: EvalConfig) -> dict:
         bar.close()
 
     total_rows = int(tags.n_targets[:n_windows].sum())
-    stale = [p for p in sorted(out.glob(LOSSES_GLOB)) if int(p.stem.split("-")[1]) >= len(chunks)]
-    for p in stale:  # chunks beyond the evaluated windows (an earlier, longer run) do not belong
-        p.unlink()
     wall = time.time() - t0
     tokens_per_s = scored / t_compute if t_compute > 0 else 0.0
     meta = build_meta(
@@ -702,7 +702,7 @@ def run_eval(cfg: EvalConfig) -> dict:
         partial=partial,
         windows_evaluated=n_windows,
         windows_total=tags.n_windows,
-        files=sorted(p.name for p in out.glob(LOSSES_GLOB)),
+        files=[chunk_path(out, c).name for c in range(len(chunks))],
     )
     write_meta(out, meta)
     rate = f"{tokens_per_s:,.0f} tokens/s" if todo else "all chunks reused"
@@ -711,14 +711,6 @@ def run_eval(cfg: EvalConfig) -> dict:
         f"{' (partial)' if partial else ''} -> {out} ({rate}, {wall:.1f} s)"
     )
     return {"out": str(out), "name": name, "tokens": total_rows, "tokens_per_s": tokens_per_s}
-
-
-def iter_losses(out_dir: str | Path) -> Iterator:
-    """The losses of a complete eval directory, one pyarrow Table per file, in order."""
-    import pyarrow.parquet as pq
-
-    for p in sorted(Path(out_dir).glob(LOSSES_GLOB)):
-        yield pq.read_table(p)
 
 
 COMMAND = Command(
