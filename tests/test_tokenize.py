@@ -17,6 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 from conftest import stdlib_files
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ar_slicing.errors import BadInput
 from ar_slicing.io import stable_meta
@@ -285,3 +287,73 @@ def test_rerun_with_skip_after_a_bad_record_resumes(tmp_path, bpe_tokenizer_path
 def _decoded(store):
     tok = store.load_tokenizer()
     return [tok.decode(ids.tolist()) for _, ids in store.iter_documents()]
+
+
+def _naive_stream(tokenizer, texts, eos):
+    """The reference: encode each document alone, EOS after each."""
+    out = []
+    for text in texts:
+        out += tokenizer.encode(text, add_special_tokens=False).ids + [eos]
+    return out
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    picks=st.lists(
+        st.tuples(st.integers(0, 39), st.integers(0, 3000), st.integers(0, 400)), max_size=25
+    ),
+    shard_docs=st.integers(1, 7),
+    shard_mb=st.sampled_from([0.0005, 0.002, 1.0]),
+)
+def test_any_sharding_gives_the_naive_stream(
+    tmp_path_factory, stdlib_texts, bpe_tokenizer_path, bpe_tokenizer, picks, shard_docs, shard_mb
+):
+    """Random documents (slices of real sources, some empty) and random shard sizes."""
+    texts = [stdlib_texts[i][a : a + n] for i, a, n in picks]
+    tmp = tmp_path_factory.mktemp("prop")
+    src = tmp / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    cfg = TokenizeConfig(
+        source=[str(src)],
+        tokenizer=str(bpe_tokenizer_path),
+        out=str(tmp / "s"),
+        workers=1,
+        shard_docs=shard_docs,
+        shard_mb=shard_mb,
+    )
+    run_tokenize(cfg)
+    store = TokenStore.open(tmp / "s")
+    kept = [t for t in texts if t]
+    eos = bpe_tokenizer.token_to_id("<|endoftext|>")
+    assert store.tokens.tolist() == _naive_stream(bpe_tokenizer, kept, eos)
+    assert store.n_docs == len(kept) and store.meta["counts"]["empty"] == len(texts) - len(kept)
+
+
+@pytest.mark.slow
+def test_standard_library_top_level_with_two_workers(tmp_path, bpe_tokenizer_path, bpe_tokenizer):
+    """Every top-level .py file of the standard library (~4.7 MB), two workers, against the naive
+    reference."""
+    from conftest import STDLIB
+
+    cfg = TokenizeConfig(
+        source=[str(STDLIB)],
+        glob="*.py",
+        tokenizer=str(bpe_tokenizer_path),
+        out=str(tmp_path / "s"),
+        workers=2,
+    )
+    summary = run_tokenize(cfg)
+    store = TokenStore.open(tmp_path / "s")
+    files = sorted(
+        (p.relative_to(STDLIB).as_posix(), p) for p in STDLIB.glob("*.py") if p.is_file()
+    )
+    texts = [p.read_bytes().decode("utf-8", "replace") for _, p in files]
+    kept = [t for t in texts if t]
+    eos = bpe_tokenizer.token_to_id("<|endoftext|>")
+    assert summary["shards"] > 2
+    assert store.tokens.tolist() == _naive_stream(bpe_tokenizer, kept, eos)
+    assert store.docs.column("source").to_pylist() == [
+        str(p) for (_, p), t in zip(files, texts) if t
+    ]
