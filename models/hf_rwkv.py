@@ -93,8 +93,14 @@ class FastRwkv(nn.Module):
                 tensor = tensor * 2 ** (block // config.rescale_every)
             state[".".join(parts)] = tensor
         load_state_dict_checked(fast, state, source=f"transformers {type(hf_model).__name__}")
-        dtype = next(hf_model.parameters()).dtype
-        return fast.to(dtype=dtype).eval()
+        dtype = hf_model.rwkv.embeddings.weight.dtype
+        fast = fast.to(dtype=dtype).eval()
+        for (
+            block
+        ) in fast.rwkv.blocks:  # as transformers does, decays stay fp32 in a bf16/fp16 model
+            block.attention.time_decay.data = block.attention.time_decay.data.float()
+            block.attention.time_first.data = block.attention.time_first.data.float()
+        return fast
 
     def hidden_and_head(self, input_ids: torch.Tensor):
         return self.rwkv(input_ids), self.head.weight, None

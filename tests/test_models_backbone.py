@@ -17,6 +17,16 @@ from models.backbone import LanguageModel, ModelConfig
 from models.native import load_native, save_native
 from models.nll import chunked_nll, per_token_nll
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one intra-op thread avoids OpenMP stalls on a busy machine (restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # The state-dict keys of a 2-layer Zoology attention LM (zoology/model.py + mixers/attention.py + mlp.py).
 ZOOLOGY_ATTENTION_KEYS = [
     "backbone.embeddings.word_embeddings.weight",

@@ -13,6 +13,16 @@ from models import load_model
 from models.backbone import LanguageModel, ModelConfig
 from models.nll import per_token_nll
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one intra-op thread avoids OpenMP stalls on a busy machine (restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 ZOOLOGY_MIXERS = {
     "attention": ("zoology.mixers.attention.MHA", {"num_heads": 2}),
     "base_conv": ("zoology.mixers.base_conv.BaseConv", {"l_max": 32, "kernel_size": 3}),

@@ -9,6 +9,16 @@ from models.backbone import LanguageModel, ModelConfig
 from models.base_conv import BaseConv
 from models.hyena import Hyena, fft_causal_conv
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one intra-op thread avoids OpenMP stalls on a busy machine (restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 IMPLICIT_FILTER_KEYS = [
     "pos_emb.z", "pos_emb.t", "modulation.deltas", "bias",
     "implicit_filter.0.weight", "implicit_filter.0.bias", "implicit_filter.1.freq",

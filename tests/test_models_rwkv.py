@@ -14,6 +14,16 @@ from models.hf_rwkv import FastRwkv
 from models.nll import per_token_nll
 from models.rwkv import wkv_chunked, wkv_sequential
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one intra-op thread avoids OpenMP stalls on a busy machine (restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # Tolerances: fp32 recurrence vs fp64 factorised sums differ by float32 rounding of outputs ~1.
 WKV_ATOL = 2e-5
 # Whole-model logits (a few layers of fp32 matmuls on top of the WKV difference).
@@ -46,7 +56,7 @@ def test_sequential_recurrence_matches_the_definition():
     )
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(
     B=st.integers(1, 3),
     T=st.integers(1, 70),
