@@ -9,6 +9,10 @@ order into `tokens.bin` and `docs.parquet`, writes `tokenizer.json`, `meta.json`
 the parts. So the store's bytes do not depend on the worker count, and a killed run resumes at
 shard granularity (it re-reads the sources but encodes only the shards not yet done).
 
+Documents are encoded without the tokenizer's own added special tokens (no BOS); an EOS string
+written literally in a document's text is encoded as the tokenizer encodes it (as EOS, for GPT-2
+style tokenizers, as GPT-NeoX's preprocessing did) and counted in meta.json as `eos_in_text`.
+
 Pre-tokenized sources (Megatron/GPT-NeoX `.bin` + `.idx`, raw uint16/uint32 files) are copied
 into a store as they are, without appending anything (`eos_appended: false`).
 """
@@ -50,6 +54,7 @@ log = logging.getLogger(__name__)
 
 PARTS_DIR = ".parts"
 PLAN_NAME = "plan.json"
+PARTS_FORMAT = 2  # bump when the parts' layout changes, so older parts are never reused
 SOURCE_FORMATS = ("raw-uint16", "raw-uint32", "megatron")
 # Config fields that decide the shards' contents: finished shards are reused only when all agree.
 # Tokens per read/convert/write step of an import, and docs.parquet rows per batch.
@@ -136,6 +141,18 @@ class TokenizeConfig:
     shard_docs: int = field(default=10_000, metadata={"help": "most documents per shard"})
     shard_mb: float = field(default=1.0, metadata={"help": "most MB of text per shard"})
     overwrite: bool = field(default=False, metadata={"help": "redo a complete store"})
+    executor: str = field(
+        default="local",
+        metadata={
+            "help": "where shards are encoded: local processes, or a Ray cluster, one task per "
+            "shard (every node must see --out under the same path; the sources are read here)",
+            "choices": ["local", "ray"],
+        },
+    )
+    ray_address: str | None = field(
+        default=None,
+        metadata={"help": "Ray cluster to join (default: RAY_ADDRESS, else a local cluster)"},
+    )
 
 
 @dataclass(frozen=True)
@@ -162,7 +179,14 @@ def part_paths(parts_dir: str | Path, index: int) -> tuple[Path, Path]:
 def part_schema():
     import pyarrow as pa
 
-    return pa.schema([("n_tokens", pa.int32()), ("source", pa.string()), ("subset", pa.string())])
+    return pa.schema(
+        [
+            ("n_tokens", pa.int32()),
+            ("source", pa.string()),
+            ("subset", pa.string()),
+            ("eos_in_text", pa.int32()),  # EOS ids the text itself produced (a literal EOS string)
+        ]
+    )
 
 
 _TOKENIZER_CACHE: dict[tuple, object] = {}
@@ -195,10 +219,13 @@ def encode_shard(task: ShardTask) -> dict:
     encodings = encode(task.texts, add_special_tokens=False)
     dtype = np.dtype(task.dtype)
     eos = np.array([task.eos_id], dtype=dtype)
-    pieces, lengths = [], np.empty(len(encodings), dtype=np.int32)
+    pieces = []
+    lengths = np.empty(len(encodings), dtype=np.int32)
+    eos_in_text = np.empty(len(encodings), dtype=np.int32)
     for i, enc in enumerate(encodings):
         ids = np.array(enc.ids, dtype=dtype)
         lengths[i] = ids.size
+        eos_in_text[i] = np.count_nonzero(ids == task.eos_id)
         pieces.append(ids)
         pieces.append(eos)
     stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
@@ -210,6 +237,7 @@ def encode_shard(task: ShardTask) -> dict:
             "n_tokens": pa.array(lengths, pa.int32()),
             "source": pa.array(task.sources, pa.string()),
             "subset": pa.array(task.subsets, pa.string()),
+            "eos_in_text": pa.array(eos_in_text, pa.int32()),
         },
         schema=part_schema(),
     )
@@ -294,7 +322,7 @@ def run_text(cfg: TokenizeConfig) -> dict:
     """Tokenize text sources into a store (see the module docstring)."""
     from tqdm import tqdm
 
-    from ar_slicing.executor import LocalExecutor, default_workers
+    from ar_slicing.executor import default_workers, get_executor
 
     if cfg.tokenizer is None:
         raise ArSliceError(
@@ -311,9 +339,11 @@ def run_text(cfg: TokenizeConfig) -> dict:
     tok, info = _load_tokenizer_info(cfg)
     dtype = dtype_for_vocab(info["vocab_size"])
     tokenizer_json = tok.to_str(pretty=True)
-    workers = cfg.workers or default_workers()
+    executor = get_executor(cfg.executor, cfg.workers or None, address=cfg.ray_address)
+    workers = executor.workers
     parts_dir = out / PARTS_DIR
     plan = {
+        "parts_format": PARTS_FORMAT,
         "tokenizer": info["fingerprint"],
         "eos_id": info["eos_id"],
         "dtype": dtype.name,
@@ -338,6 +368,8 @@ def run_text(cfg: TokenizeConfig) -> dict:
         stats=stats,
     )
     threads = max(1, default_workers() // workers) if workers > 1 else default_workers()
+    if cfg.executor != "local":
+        threads = 1  # one task per CPU of the cluster
     progress = tqdm(desc="tokenize", unit=" docs", mininterval=1.0, dynamic_ncols=True)
     totals = {"docs": 0, "tokens": 0, "shards": 0, "resumed": 0}
 
@@ -375,16 +407,28 @@ def run_text(cfg: TokenizeConfig) -> dict:
     cached_tokenizer(str(tokenizer_path))
     _load_pyarrow_pandas_shim()
     try:
-        for _task, counts in LocalExecutor(workers).map_unordered(encode_shard, tasks()):
+        for _task, counts in executor.map_unordered(encode_shard, tasks()):
             account(counts)
     finally:
         progress.close()
     n_shards = totals["shards"]
-    n_tokens, n_docs = _assemble(out, parts_dir, n_shards, dtype)
+    n_tokens, n_docs, eos_in_text = _assemble(out, parts_dir, n_shards, dtype)
+    if eos_in_text:
+        log.warning(
+            "%d end-of-document tokens came from the documents' own text (a literal %s); "
+            "they stay in the stream, as the tokenizer encodes them",
+            eos_in_text,
+            cfg.eos_token or "end-of-document string",
+        )
     with atomic_path(out / TOKENIZER_NAME) as tmp:
         tmp.write_text(tokenizer_json)
     wall = time.time() - t0
-    counts = {**stats.as_counts(), "tokens": n_tokens, "shards": n_shards}
+    counts = {
+        **stats.as_counts(),
+        "tokens": n_tokens,
+        "shards": n_shards,
+        "eos_in_text": eos_in_text,
+    }
     meta = build_meta(
         "tokenize",
         config=config_to_dict(cfg),
@@ -421,6 +465,7 @@ def run_text(cfg: TokenizeConfig) -> dict:
         "bad_records": stats.bad_records,
         "empty": stats.empty,
         "invalid_utf8": stats.invalid_utf8,
+        "eos_in_text": eos_in_text,
         "wall_time_s": wall,
         "tokens_per_s": n_tokens / max(wall, 1e-9),
     }
@@ -436,12 +481,14 @@ def _load_pyarrow_pandas_shim() -> None:
     pa.array([0], pa.int32())
 
 
-def _assemble(out: Path, parts_dir: Path, n_shards: int, dtype: np.dtype) -> tuple[int, int]:
-    """Concatenate the parts, in shard order, into tokens.bin and docs.parquet."""
+def _assemble(out: Path, parts_dir: Path, n_shards: int, dtype: np.dtype) -> tuple[int, int, int]:
+    """Concatenate the parts, in shard order, into tokens.bin and docs.parquet.
+
+    Returns (tokens, documents, EOS ids that came from document text)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    offset, doc_id = 0, 0
+    offset, doc_id, eos_in_text = 0, 0, 0
     with atomic_path(out / TOKENS_NAME) as tokens_tmp, atomic_path(out / DOCS_NAME) as docs_tmp:
         with (
             open(tokens_tmp, "wb") as tokens_file,
@@ -477,9 +524,10 @@ def _assemble(out: Path, parts_dir: Path, n_shards: int, dtype: np.dtype) -> tup
                 )
                 offset += int((lengths + 1).sum())
                 doc_id += n
+                eos_in_text += int(part.column("eos_in_text").to_numpy().sum())
             if n_shards == 0:
                 writer.write_table(docs_schema().empty_table())
-    return offset, doc_id
+    return offset, doc_id, eos_in_text
 
 
 def _print_summary(s: dict) -> None:
@@ -721,6 +769,7 @@ COMMAND = Command(
     examples="""
   arslice tokenize --source val.jsonl.zst --tokenizer gpt2 --out runs/pile/tokens/val
   arslice tokenize --source 00.jsonl.zst 01.jsonl.zst --tokenizer tokenizer.json --out runs/pile/tokens/train --workers 16
+  arslice tokenize --source /shared/pile/train --glob '*.jsonl.zst' --tokenizer gpt2 --out /shared/pile/tokens/train --executor ray --ray-address auto
   arslice tokenize --source /usr/lib/python3.11 --glob '**/*.py' --split-fraction 0.1 --split-part val \\
       --tokenizer runs/demo/tokenizer.json --out runs/demo/tokens/val
   arslice tokenize --source data.parquet --text-field content --on-bad-record skip --tokenizer t.json --out store

@@ -357,3 +357,17 @@ def test_standard_library_top_level_with_two_workers(tmp_path, bpe_tokenizer_pat
     assert store.docs.column("source").to_pylist() == [
         str(p) for (_, p), t in zip(files, texts) if t
     ]
+
+
+def test_literal_eos_in_text_is_counted(tmp_path, bpe_tokenizer_path):
+    src = tmp_path / "e.jsonl"
+    src.write_text(
+        json.dumps({"text": "a <|endoftext|> b"}) + "\n" + json.dumps({"text": "c"}) + "\n"
+    )
+    cfg = TokenizeConfig(
+        source=[str(src)], tokenizer=str(bpe_tokenizer_path), out=str(tmp_path / "s"), workers=1
+    )
+    assert run_tokenize(cfg)["eos_in_text"] == 1
+    store = TokenStore.open(tmp_path / "s")
+    assert store.meta["counts"]["eos_in_text"] == 1
+    assert int((store.tokens == store.eos_id).sum()) == store.n_docs + 1
