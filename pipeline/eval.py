@@ -34,6 +34,7 @@ Windowing:
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import time
@@ -53,14 +54,14 @@ from ar_slicing.io import (
     write_meta,
 )
 from ar_slicing.tokenizer import require_same_fingerprint
+from ar_slicing.windows import WINDOWS_NAME
 from pipeline.config import Command
 
 log = logging.getLogger(__name__)
 
-WINDOWS_NAME = "windows.parquet"
 LOSSES_GLOB = "losses-*.parquet"
 PLAN_KEY = b"ar_slicing.eval_plan"
-# CPU matmuls gain little from more than a few thousand tokens per batch, and memory grows with it.
+# On CPU a few windows per batch amortise per-op overhead; more only grows memory.
 CPU_TOKENS_PER_BATCH = 8192
 # A first guess on CUDA (back-off halves it when it does not fit): 128 windows of 2048 tokens.
 CUDA_TOKENS_PER_BATCH = 1 << 18
@@ -123,6 +124,22 @@ class EvalConfig:
         default=256, metadata={"help": "windows per output file (the unit of resuming)"}
     )
     overwrite: bool = field(default=False, metadata={"help": "redo a complete output directory"})
+    executor: str = field(
+        default="local",
+        metadata={
+            "help": "local = this process; ray = chunks spread over Ray actors, one per GPU of the "
+            "cluster (every node must see --tags, the store and --out under the same paths)",
+            "choices": ["local", "ray"],
+        },
+    )
+    ray_address: str | None = field(
+        default=None,
+        metadata={"help": "Ray cluster to join (default: RAY_ADDRESS, else a local cluster)"},
+    )
+    ray_actors: int = field(
+        default=0,
+        metadata={"help": "Ray actors (0 = one per GPU of the cluster; one per CPU without GPUs)"},
+    )
 
 
 # ---- inputs -------------------------------------------------------------------------------------
@@ -501,6 +518,42 @@ def write_chunk(path: Path, window_id, pos, nll: np.ndarray, plan: dict) -> None
         pq.write_table(table, tmp)
 
 
+class ChunkEvaluator:
+    """Computes and writes loss chunks `(c, w0, w1)` with one model held for many chunks: in the
+    driver of a local run, or in each Ray actor of `--executor ray` (which loads its own model
+    and tags from the paths in `cfg`)."""
+
+    def __init__(self, cfg: EvalConfig, plan: dict, batch_size: int, loaded=None, tags=None):
+        import torch
+
+        self.tags = tags if tags is not None else open_tags(cfg.tags, cfg.tokens)
+        if loaded is None:
+            from models import load_model
+
+            loaded = load_model(cfg.model, device=plan["device"])
+        self.out = Path(cfg.out)
+        self.plan = plan
+        forward = make_forward(loaded, plan["device"], plan["dtype"])
+        self.runner = BatchRunner(forward, batch_size, on_oom=torch.cuda.empty_cache)
+        self.make_sequences = rolling_sequences if cfg.windowing == "rolling" else fixed_sequences
+
+    def __call__(self, task: tuple[int, int, int], progress=None) -> dict:
+        c, w0, w1 = task
+        t = time.time()
+        rows = int(self.tags.n_targets[w0:w1].sum())
+        nll = np.full(rows, np.nan, dtype=np.float32)
+        read = self.runner.run(self.make_sequences(self.tags, w0, w1), nll, progress)
+        window_id, pos = chunk_keys(self.tags, w0, w1)
+        write_chunk(chunk_path(self.out, c), window_id, pos, nll, self.plan)
+        return {
+            "rows": rows,
+            "read": read,
+            "seconds": time.time() - t,
+            "batch_size": self.runner.batch_size,
+            "backoffs": self.runner.backoffs,
+        }
+
+
 # ---- checks -------------------------------------------------------------------------------------
 
 
@@ -568,10 +621,17 @@ def run_eval(cfg: EvalConfig) -> dict:
     n_windows = tags.n_windows if cfg.max_windows is None else min(cfg.max_windows, tags.n_windows)
     partial = n_windows < tags.n_windows
 
-    import torch
+    executor = None
+    if cfg.executor != "local":
+        from ar_slicing.executor import get_executor
 
-    device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
+        executor = get_executor(cfg.executor, address=cfg.ray_address)
+        # the actors' device, not this process's: CUDA when the cluster has GPUs
+        device = cfg.device if cfg.device != "auto" else "cuda" if executor.cluster_gpus else "cpu"
+        dtype = cfg.dtype if cfg.dtype != "auto" else "bf16" if device == "cuda" else "fp32"
+    else:
+        device = resolve_device(cfg.device)
+        dtype = resolve_dtype(cfg.dtype, device)
     plan = {
         "spec": cfg.model,
         "tags": str(tags.dir.resolve()),
@@ -621,16 +681,11 @@ def run_eval(cfg: EvalConfig) -> dict:
 
     from models import load_model
 
-    loaded = load_model(cfg.model, device=device)
+    # with Ray the model is loaded here only for the checks and meta.json; the actors load their own
+    loaded = load_model(cfg.model, device=device if executor is None else "cpu")
     check_model_fits(loaded, tags, n_windows, cfg)
     batch_size = resolve_batch_size(cfg.batch_size, device, tags.window)
-
-    def on_oom():
-        torch.cuda.empty_cache()
-
-    runner = BatchRunner(make_forward(loaded, device, dtype), batch_size, on_oom=on_oom)
-    make_sequences = rolling_sequences if cfg.windowing == "rolling" else fixed_sequences
-    scored = read = 0
+    scored = read = backoffs = 0
     t_compute = 0.0
     from tqdm import tqdm
 
@@ -642,20 +697,29 @@ def run_eval(cfg: EvalConfig) -> dict:
         desc=f"eval {name}",
         dynamic_ncols=True,
     )
+    tasks = [(c, *chunks[c]) for c in todo]
+    t_loop = time.time()
+    if executor is None:
+        evaluator = ChunkEvaluator(cfg, plan, batch_size, loaded=loaded, tags=tags)
+        results = ((task, evaluator(task, bar.update)) for task in tasks)
+    else:
+        make_evaluator = functools.partial(ChunkEvaluator, cfg, plan, batch_size)
+        results = executor.map_actors(make_evaluator, tasks, n_actors=cfg.ray_actors or None)
     try:
-        for c in todo:
-            w0, w1 = chunks[c]
-            t_chunk = time.time()
-            nll = np.full(chunk_rows[c], np.nan, dtype=np.float32)
-            read += runner.run(make_sequences(tags, w0, w1), nll, bar.update)
-            window_id, pos = chunk_keys(tags, w0, w1)
-            write_chunk(chunk_path(out, c), window_id, pos, nll, plan)
-            t_compute += time.time() - t_chunk
-            scored += chunk_rows[c]
+        for (_c, w0, w1), result in results:
+            if executor is not None:
+                bar.update(result["rows"])
+            read += result["read"]
+            t_compute += result["seconds"]
+            batch_size = min(batch_size, result["batch_size"])
+            backoffs = max(backoffs, result["backoffs"])  # each evaluator counts its own
+            scored += result["rows"]
             windows_done += w1 - w0
             bar.set_postfix_str(f"windows {windows_done}/{n_windows}")
     finally:
         bar.close()
+    if executor is not None:  # actors work side by side: the rate is the whole loop's
+        t_compute = time.time() - t_loop if tasks else 0.0
 
     total_rows = int(tags.n_targets[:n_windows].sum())
     wall = time.time() - t0
@@ -678,7 +742,7 @@ def run_eval(cfg: EvalConfig) -> dict:
             "chunks_computed": len(todo),
             "chunks_reused": reused,
             "input_tokens_read": read,
-            "oom_backoffs": runner.backoffs,
+            "oom_backoffs": backoffs,
         },
         skipped={"windows_beyond_max_windows": tags.n_windows - n_windows},
         wall_time_s=wall,
@@ -689,7 +753,7 @@ def run_eval(cfg: EvalConfig) -> dict:
         n_params=int(loaded.n_params),
         dtype=dtype,
         device=device,
-        batch_size=runner.batch_size,
+        batch_size=batch_size,
         batch_size_requested=str(cfg.batch_size),
         tokens=total_rows,
         tokens_store=str(Path(tags.store.path).resolve()),
