@@ -1,0 +1,130 @@
+"""Helpers of the reliability tests (faults, determinism, bad input, verify): a tiny real run built
+by the real stages through the CLI, and ways to compare output directories."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from conftest import stdlib_files
+
+from pipeline.cli import main as cli_main
+
+REPO = Path(__file__).resolve().parent.parent
+WINDOW = 64  # tag window of the tiny runs: short, so there are many windows and parts
+
+
+def copy_sources(dest: Path, n: int, skip: int = 0) -> Path:
+    """`n` real standard-library files copied into `dest` (a directory text source)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for p in stdlib_files(skip + n, max_bytes=30_000)[skip:]:
+        (dest / p.name).write_bytes(p.read_bytes())
+    return dest
+
+
+def cli(*argv: str) -> int:
+    """Run `arslice ARGV` in this process; returns the exit status."""
+    return cli_main([str(a) for a in argv])
+
+
+def arslice_argv(*argv) -> list[str]:
+    return [sys.executable, "-m", "pipeline.cli", *[str(a) for a in argv]]
+
+
+def run_subprocess(*argv, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        arslice_argv(*argv), cwd=REPO, env=env, capture_output=True, text=True, **kw
+    )
+
+
+def save_tiny_native(out: Path, tokenizer_path: Path, *, vocab: int = 1024, l_max: int = 128):
+    """A real native checkpoint (2-block attention LM) with the tokenizer beside it."""
+    import torch
+
+    from models.backbone import LanguageModel, ModelConfig
+    from models.native import save_native
+
+    torch.manual_seed(3)
+    model = LanguageModel(
+        ModelConfig(
+            vocab_size=vocab,
+            d_model=32,
+            n_layers=2,
+            sequence_mixer_kwargs={"num_heads": 2},
+            l_max=l_max,
+        )
+    ).eval()
+    save_native(model, out, tokenizer_json=tokenizer_path)
+    return out
+
+
+def build_run(root: Path, tokenizer_path: Path, *, n_train: int = 24, n_val: int = 3) -> dict:
+    """A complete tiny run under `root/run`: stores, counts, tags and one model's losses.
+
+    The model (a real native checkpoint, untrained: training has its own tests) lies outside
+    the run, as a checkpoint a user brings would.
+
+    Every stage goes through `arslice` (in this process), as a user would run it.
+    """
+    run = root / "run"
+    src_train = copy_sources(root / "src-train", n_train)
+    src_val = copy_sources(root / "src-val", n_val, skip=n_train)
+    tok = str(tokenizer_path)
+    for part, src in (("train", src_train), ("val", src_val)):
+        rc = cli("tokenize", "--source", src, "--glob", "*.py", "--tokenizer", tok,
+                 "--workers", "1", "--out", run / "tokens" / part)  # fmt: skip
+        assert rc == 0
+    assert (
+        cli("count", "--tokens", run / "tokens/train", "--out", run / "counts", "--workers", "1")
+        == 0
+    )
+    assert cli("tag", "--tokens", run / "tokens/val", "--counts", run / "counts",
+               "--out", run / "tags", "--window", WINDOW, "--workers", "1", "--threshold", "4") == 0  # fmt: skip
+    model = save_tiny_native(root / "model", tokenizer_path)
+    assert cli("eval", "--model", f"native:{model}", "--tags", run / "tags",
+               "--out", run / "losses/attention", "--device", "cpu", "--batch-size", "16",
+               "--chunk-windows", "16") == 0  # fmt: skip
+    return {"run": run, "src_train": src_train, "src_val": src_val, "model": model}
+
+
+def final_files(out: Path) -> dict[str, Path]:
+    """Files under `out` at their final names: no path part hidden (dot) or ending in `.tmp`.
+
+    Stages keep unfinished work under hidden names (`.parts/`, `.work/`, `.x.tmp`); anything
+    else a reader may pick up as finished output.
+    """
+    if not out.exists():
+        return {}
+    found = {}
+    for p in sorted(out.rglob("*")):
+        rel = p.relative_to(out)
+        if p.is_file() and not any(s.startswith(".") or s.endswith(".tmp") for s in rel.parts):
+            found[str(rel)] = p
+    return found
+
+
+def kill_when(argv: list, ready: Callable[[], bool], *, timeout: float = 120.0) -> tuple[bool, str]:
+    """Start `arslice ARGV` in a subprocess and SIGKILL it as soon as `ready()` holds.
+
+    Returns (killed before it finished, its stderr).
+    """
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        arslice_argv(*argv), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    deadline = time.time() + timeout
+    while proc.poll() is None and time.time() < deadline:
+        if ready():
+            break
+        time.sleep(0.001)
+    killed = proc.poll() is None
+    if killed:
+        proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return killed, proc.stderr.read().decode()

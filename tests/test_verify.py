@@ -1,0 +1,144 @@
+"""`arslice verify`: a complete real run passes; each broken invariant is found and named."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from reliability import build_run, cli
+
+from ar_slicing.errors import ArSliceError
+from pipeline.verify import VerifyConfig, verify_run
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, bpe_tokenizer_path):
+    return build_run(tmp_path_factory.mktemp("verify"), bpe_tokenizer_path)["run"]
+
+
+@pytest.fixture
+def run_copy(tiny_run, tmp_path):
+    dest = tmp_path / "run"
+    shutil.copytree(tiny_run, dest)
+    return dest
+
+
+def failures_of(run) -> str:
+    with pytest.raises(ArSliceError) as err:
+        verify_run(VerifyConfig(run=str(run)))
+    return str(err.value)
+
+
+def rewrite(path, fn):
+    """Replace a Parquet file by fn(its table), keeping its schema."""
+    table = pq.read_table(path)
+    pq.write_table(fn(table).cast(table.schema), path)
+
+
+def test_a_complete_run_passes(tiny_run, capsys):
+    summary = verify_run(VerifyConfig(run=str(tiny_run)))
+    out = capsys.readouterr().out
+    assert summary["failed"] == 0 and "FAIL" not in out
+    for what in ("counts sum to total_pairs", "cover every target exactly once",
+                 "one loss row per tag row", "every nll finite", "one tokenizer fingerprint"):  # fmt: skip
+        assert what in out
+    assert cli("verify", "--run", tiny_run) == 0
+
+
+def test_truncated_tokens_bin(run_copy, capsys):
+    path = run_copy / "tokens/val/tokens.bin"
+    path.write_bytes(path.read_bytes()[:-2])
+    assert "tokens.bin" in failures_of(run_copy) and "bytes" in failures_of(run_copy)
+    assert cli("verify", "--run", run_copy) == 2
+    assert "check(s) failed" in capsys.readouterr().err
+
+
+def test_counts_not_summing_to_total_pairs(run_copy):
+    meta_path = run_copy / "counts/meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["total_pairs"] += 1
+    meta_path.write_text(json.dumps(meta))
+    assert "counts sum to total_pairs" in failures_of(run_copy)
+
+
+def test_unsorted_or_duplicated_bigrams(run_copy):
+    path = run_copy / "counts/bigrams.parquet"
+    original = pq.read_table(path)
+    rewrite(path, lambda t: pa.concat_tables([t.slice(1, 1), t.slice(0, 1), t.slice(2)]))
+    assert "sorted and unique" in failures_of(run_copy)
+    rewrite(path, lambda t: pa.concat_tables([original.slice(0, 1), original]))
+    message = failures_of(run_copy)
+    assert "sorted and unique" in message and "distinct_bigrams" in message
+
+
+def test_missing_and_duplicated_tag_rows(run_copy):
+    part = run_copy / "tags/tags-00000.parquet"
+    original = pq.read_table(part)
+    rewrite(part, lambda t: pa.concat_tables([t.slice(0, 10), t.slice(11)]))
+    assert "exactly once" in failures_of(run_copy)
+    rewrite(part, lambda t: pa.concat_tables([original.slice(0, 11), original.slice(10)]))
+    assert "not strictly increasing" in failures_of(run_copy)
+
+
+def test_wrong_ar_hit_and_train_count(run_copy):
+    part = run_copy / "tags/tags-00000.parquet"
+
+    def flip(t):
+        hit = t.column("is_ar_hit").to_numpy(zero_copy_only=False).copy()
+        hit[5] = not hit[5]
+        counts = t.column("train_count").to_numpy().copy()
+        counts[7] += 1
+        t = t.set_column(t.schema.get_field_index("is_ar_hit"), "is_ar_hit", pa.array(hit))
+        return t.set_column(
+            t.schema.get_field_index("train_count"), "train_count", pa.array(counts)
+        )
+
+    rewrite(part, flip)
+    message = failures_of(run_copy)
+    assert "is_ar_hit of every row" in message and "train_count of every row" in message
+
+
+def test_tags_from_another_run(run_copy, tmp_path, bpe_tokenizer_path):
+    """Tags of another validation store (same tokenizer) put into this run."""
+    other = build_run(tmp_path / "other", bpe_tokenizer_path, n_train=3, n_val=2)["run"]
+    shutil.rmtree(run_copy / "tags")
+    shutil.copytree(other / "tags", run_copy / "tags")
+    message = failures_of(run_copy)
+    assert "tags from another run" in message
+
+
+def test_missing_loss_rows_and_non_finite_losses(run_copy):
+    part = sorted((run_copy / "losses/attention").glob("losses-*.parquet"))[-1]
+    original = pq.read_table(part)
+    rewrite(part, lambda t: t.slice(0, t.num_rows - 1))
+    assert "one loss row per tag row" in failures_of(run_copy)
+
+    def poison(t):
+        nll = t.column("nll").to_numpy().copy()
+        nll[3] = np.nan
+        return t.set_column(t.schema.get_field_index("nll"), "nll", pa.array(nll))
+
+    rewrite(part, lambda t: poison(original))
+    message = failures_of(run_copy)
+    assert "every nll finite" in message and "NaN" in message
+    assert "one loss row per tag row" not in message
+
+
+def test_fingerprint_disagreement_names_both(run_copy):
+    meta_path = run_copy / "losses/attention/meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["fingerprint"] = "0" * 64
+    meta_path.write_text(json.dumps(meta))
+    message = failures_of(run_copy)
+    assert "fingerprints differ" in message and "000000000000" in message
+    assert "losses/attention" in message and "tags" in message
+
+
+def test_incomplete_outputs_are_noted_not_failed(run_copy, capsys):
+    (run_copy / "losses/attention/meta.json").unlink()
+    summary = verify_run(VerifyConfig(run=str(run_copy)))
+    assert any("losses/attention" in n and "incomplete" in n for n in summary["notes"])
