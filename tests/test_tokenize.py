@@ -124,8 +124,8 @@ def test_killed_run_resumes_to_the_same_bytes(tmp_path, bpe_tokenizer_path):
     """SIGKILL a real `arslice tokenize` mid-run; the rerun redoes only unfinished shards."""
     src = tmp_path / "lib"
     src.mkdir()
-    files = stdlib_files(60, max_bytes=30_000)
-    assert len(files) == 60
+    files = stdlib_files(30, max_bytes=30_000)
+    assert len(files) == 30
     for p in files:
         (src / p.name).write_bytes(p.read_bytes())
     args = ["--source", str(src), "--glob", "*.py", "--tokenizer", str(bpe_tokenizer_path)]
@@ -139,12 +139,12 @@ def test_killed_run_resumes_to_the_same_bytes(tmp_path, bpe_tokenizer_path):
         stderr=subprocess.DEVNULL,
     )
     deadline = time.time() + 60
-    while len(_done_parts(out)) < 5 and time.time() < deadline and proc.poll() is None:
+    while len(_done_parts(out)) < 3 and time.time() < deadline and proc.poll() is None:
         time.sleep(0.002)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     done = len(_done_parts(out))
-    assert 5 <= done < len(files), "the run should have been killed part-way"
+    assert 3 <= done < len(files), "the run should have been killed part-way"
     # nothing under a final name until the run completes
     assert not any((out / n).exists() for n in ("meta.json", "tokens.bin", "docs.parquet"))
 
