@@ -408,16 +408,20 @@ class BatchRunner:
         read = 0
         while i < len(order):
             batch = [seqs[j] for j in order[i : i + self.batch_size]]
+            nll = None
             try:
                 nll = self.forward(*self._pad(batch))
             except Exception as err:  # torch raises OutOfMemoryError (RuntimeError before 2.1)
                 if not _is_out_of_memory(err):
                     raise
+            if nll is None:
+                # Handled outside the except block: the traceback it holds keeps the failed
+                # batch's activations alive, and freeing them first is what makes the retry fit.
                 if self.batch_size == 1:
                     raise ArSliceError(
                         f"out of memory with a single sequence of {len(batch[0].inputs)} tokens; "
                         "use --dtype bf16, a smaller model or a shorter window"
-                    ) from None
+                    )
                 self.batch_size = max(1, self.batch_size // 2)
                 self.backoffs += 1
                 log.warning("out of memory; retrying with batch size %d", self.batch_size)
