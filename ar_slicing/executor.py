@@ -56,6 +56,10 @@ def get_executor(name: str = "local", workers: int | None = None, **options: Any
     """The executor called `name` ("local"; other engines register here)."""
     if name == "local":
         return LocalExecutor(workers)
+    if name == "ray":  # options: address, num_cpus, num_gpus, max_retries (see ray_executor)
+        from ar_slicing.ray_executor import RayExecutor
+
+        return RayExecutor(workers, **options)
     from ar_slicing.errors import ArSliceError
 
-    raise ArSliceError(f"unknown executor {name!r}; available: local")
+    raise ArSliceError(f"unknown executor {name!r}; available: local, ray")

@@ -39,15 +39,32 @@ class CountConfig:
         metadata={"help": "tokens per map shard: resume granularity; ~16 bytes of memory each"},
     )
     overwrite: bool = field(default=False, metadata={"help": "redo a complete output directory"})
+    executor: str = field(
+        default="local",
+        metadata={
+            "help": "where map and reduce tasks run: local processes, or a Ray cluster (every "
+            "node must see --tokens and --out under the same paths)",
+            "choices": ["local", "ray"],
+        },
+    )
+    ray_address: str | None = field(
+        default=None,
+        metadata={"help": "Ray cluster to join (default: RAY_ADDRESS, else a local cluster)"},
+    )
 
 
 def run_count(cfg: CountConfig) -> dict:
     from ar_slicing.counts import count_stores
-    from ar_slicing.executor import default_workers
+    from ar_slicing.executor import default_workers, get_executor
     from ar_slicing.io import is_complete
 
-    workers = cfg.workers if cfg.workers > 0 else default_workers()
     was_complete = is_complete(cfg.out) and not cfg.overwrite
+    executor = None
+    if cfg.executor != "local" and not was_complete:
+        executor = get_executor(cfg.executor, cfg.workers or None, address=cfg.ray_address)
+    workers = (
+        executor.workers if executor else cfg.workers if cfg.workers > 0 else default_workers()
+    )
     meta = count_stores(
         list(cfg.tokens),
         cfg.out,
@@ -56,6 +73,7 @@ def run_count(cfg: CountConfig) -> dict:
         shard_tokens=cfg.shard_tokens,
         overwrite=cfg.overwrite,
         config=config_to_dict(cfg),
+        executor=executor,
     )
     if was_complete:
         print(f"count: {cfg.out} is complete ({meta['total_pairs']:,} pairs); --overwrite to redo")
@@ -76,5 +94,6 @@ COMMAND = Command(
     examples="""\
   arslice count --tokens runs/pile/tokens/train --out runs/pile/counts
   arslice count --tokens runs/pile/tokens/train-00 runs/pile/tokens/train-01 --out runs/pile/counts
-  arslice count --tokens runs/pythia/tokens/train --unit row:2049 --workers 16 --out runs/pythia/counts""",
+  arslice count --tokens runs/pythia/tokens/train --unit row:2049 --workers 16 --out runs/pythia/counts
+  arslice count --tokens /shared/pile/tokens/train --out /shared/pile/counts --executor ray --ray-address auto""",
 )
