@@ -270,6 +270,12 @@ def _source_identity(spec: str) -> dict:
     return {"source": spec}
 
 
+def _remove_stale_tmp_files(out: Path) -> None:
+    """Temporary files a killed run left behind (atomic writes that never got renamed)."""
+    for tmp in out.glob(".*.tmp"):
+        tmp.unlink(missing_ok=True)
+
+
 def _prepare_parts(parts_dir: Path, plan: dict) -> None:
     """Keep finished shards only if they were made under the same plan; else start afresh."""
     plan_path = parts_dir / PLAN_NAME
@@ -342,6 +348,7 @@ def run_text(cfg: TokenizeConfig) -> dict:
     executor = get_executor(cfg.executor, cfg.workers or None, address=cfg.ray_address)
     workers = executor.workers
     parts_dir = out / PARTS_DIR
+    _remove_stale_tmp_files(out)
     plan = {
         "parts_format": PARTS_FORMAT,
         "tokenizer": info["fingerprint"],

@@ -147,6 +147,9 @@ def test_killed_run_resumes_to_the_same_bytes(tmp_path, bpe_tokenizer_path):
     assert 3 <= done < len(files), "the run should have been killed part-way"
     # nothing under a final name until the run completes
     assert not any((out / n).exists() for n in ("meta.json", "tokens.bin", "docs.parquet"))
+    # what a kill during the final assembly would leave: a temporary file, never renamed
+    stale = out / ".tokens.bin.99999.tmp"
+    stale.write_bytes(b"half-written")
 
     cfg = TokenizeConfig(
         source=[str(src)],
@@ -159,6 +162,7 @@ def test_killed_run_resumes_to_the_same_bytes(tmp_path, bpe_tokenizer_path):
     summary = run_tokenize(cfg)
     assert summary["shards_resumed"] >= done  # finished shards were not encoded again
     assert summary["n_docs"] == len(files)
+    assert not stale.exists() and not (out / PARTS_DIR).exists()
     fresh = run_tokenize(replace(cfg, out=str(tmp_path / "fresh")))
     assert fresh["shards_resumed"] == 0
     for name in ("tokens.bin", "docs.parquet"):
