@@ -88,13 +88,17 @@ def build_inputs(root: Path, n_windows: int):
             show_progress=False,
         ),
     )
-    need, docs = n_windows * WINDOW + 1, []
-    for enc in tok.encode_batch(texts):
-        room = need - sum(len(d) + 1 for d in docs) - 1
-        docs.append(enc.ids[:room])
-        if room <= len(enc.ids):
+    need, docs, have = n_windows * WINDOW + 1, [], 0
+    for i in range(0, len(texts), 64):  # encode only as much text as the windows need
+        for enc in tok.encode_batch(texts[i : i + 64]):
+            room = need - have - 1
+            docs.append(enc.ids[:room])
+            have += len(docs[-1]) + 1
+            if have >= need:
+                break
+        if have >= need:
             break
-    if sum(len(d) + 1 for d in docs) < need:
+    if have < need:
         raise SystemExit(
             f"gpu_eval: the standard library has too little text for {n_windows} windows"
         )

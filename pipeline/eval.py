@@ -285,10 +285,12 @@ def rolling_sequences(tags: TagsInput, w0: int, w1: int) -> list[Sequence]:
     first_doc = int(np.searchsorted(ends, lo, side="right"))  # the segment holding `lo`
     last_doc = int(np.searchsorted(offsets, hi, side="right")) - 1
     eos = store.eos_id
-    trailing_eos = store.eos_appended
     out = []
     for d in range(first_doc, last_doc + 1):
         o, e = int(offsets[d]), int(ends[d])
+        # The EOS after a document (appended by `tokenize`, or already in an imported stream)
+        # gets the trailing-EOS rule; a segment without one is all document.
+        trailing_eos = e > o and int(store.tokens[e - 1]) == eos
         n_doc = e - o - 1 if trailing_eos else e - o
         for a, b, k in rolling_windows(n_doc, tags.window, trailing_eos):
             # E[j] is stream index o + j - 1 (E[0] is the EOS prefix); outputs t predict E[a + 1 + t].
@@ -708,7 +710,12 @@ def run_eval(cfg: EvalConfig) -> dict:
         results = ((task, evaluator(task, bar.update)) for task in tasks)
     else:
         make_evaluator = functools.partial(ChunkEvaluator, cfg, plan, batch_size)
-        results = executor.map_actors(make_evaluator, tasks, n_actors=cfg.ray_actors or None)
+        results = executor.map_actors(
+            make_evaluator,
+            tasks,
+            n_actors=cfg.ray_actors or None,
+            num_gpus=1 if device == "cuda" else 0,  # one GPU per actor; none for CPU evaluation
+        )
     try:
         for (_c, w0, w1), result in results:
             if executor is not None:
