@@ -302,7 +302,7 @@ def _naive_stream(tokenizer, texts, eos):
 
 
 @settings(
-    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
     picks=st.lists(
