@@ -6,7 +6,8 @@ training store of the same size. Tokens are Zipf-distributed over a GPT-2-sized 
 50 304 ids, with spans copied from earlier in the same document (as text quotes itself) so that
 in-context repeats occur; documents have geometric lengths (mean 1 500 tokens) and Pile subsets.
 
-Contenders, each in its own process (peak memory = sampled RSS of that process and its workers):
+Contenders, each in its own process (peak memory = the sampled proportional set size of that
+process and its workers, so pages the workers share are counted once):
   ours    `run_tag` (the whole stage: open the store and counts, tag on all cores, write the
           Parquet parts and meta.json)
   duckdb  one SQL statement: the targets (stream index, window_id, pos, token, prev; prepared
@@ -51,8 +52,11 @@ TARGET_RATIO = 5.0
 
 def synthetic_documents(n_tokens: int, seed: int) -> tuple[list[np.ndarray], list[str | None]]:
     """Documents totalling about `n_tokens` stream tokens (EOS included), and their subsets."""
+    # the same ids are frequent in every store made here (training and validation alike)
+    ids = np.random.default_rng(0).permutation(
+        np.array([t for t in range(VOCAB) if t != EOS], np.uint16)
+    )
     rng = np.random.default_rng(seed)
-    ids = rng.permutation(np.array([t for t in range(VOCAB) if t != EOS], dtype=np.uint16))
     lengths = []
     total = 0
     while total < n_tokens:
@@ -101,9 +105,9 @@ def prepare(n_tokens: int, workers: int) -> Path:
     import pyarrow.parquet as pq
 
     from ar_slicing.counts import count_stores
-    from ar_slicing.io import is_complete
+    from ar_slicing.io import atomic_path, is_complete
 
-    root = DATA / f"n{n_tokens}"
+    root = DATA / f"v2-n{n_tokens}"
     val = make_store(root / "val", n_tokens, seed=1)
     make_store(root / "train", n_tokens, seed=2)
     if not is_complete(root / "counts"):
@@ -113,7 +117,7 @@ def prepare(n_tokens: int, workers: int) -> Path:
     targets = root / "targets.parquet"
     if not targets.exists():
         tok = np.asarray(val.tokens)
-        with pq.ParquetWriter(targets, schema=targets_schema()) as writer:
+        with atomic_path(targets) as tmp, pq.ParquetWriter(tmp, schema=targets_schema()) as writer:
             for a in range(1, val.n_tokens, 1 << 24):
                 i = np.arange(a, min(a + (1 << 24), val.n_tokens), dtype=np.int64)
                 writer.write_table(
@@ -220,25 +224,30 @@ def run_duckdb(root: Path, out: Path, workers: int, memory: str) -> dict:
 # ---- measuring ----------------------------------------------------------------------------------
 
 
-def tree_rss(pid: int) -> int:
-    """Resident bytes of `pid` and all its descendants (from /proc)."""
+def tree_pss(pid: int) -> int:
+    """Proportional set size of `pid` and all its descendants (from /proc): memory shared by
+    forked workers (the counts table, the memory-mapped store) is counted once, not per worker."""
     children: dict[int, list[int]] = {}
-    rss: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            ppid, pages = int(fields[1]), int(fields[21])
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue
         children.setdefault(ppid, []).append(int(entry))
-        rss[int(entry)] = pages * os.sysconf("SC_PAGE_SIZE")
     total, stack = 0, [pid]
     while stack:
         p = stack.pop()
-        total += rss.get(p, 0)
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+        except OSError:
+            pass
         stack += children.get(p, [])
     return total
 
@@ -254,8 +263,8 @@ def measured(args: list[str]) -> dict:
     def sample():
         nonlocal peak
         while not stop.is_set():
-            peak = max(peak, tree_rss(proc.pid))
-            time.sleep(0.05)
+            peak = max(peak, tree_pss(proc.pid))
+            time.sleep(0.1)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -267,7 +276,7 @@ def measured(args: list[str]) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"child {args[:2]} failed with status {proc.returncode}")
     result = json.loads(out.strip().splitlines()[-1])
-    result["peak_rss"] = peak
+    result["peak_pss"] = peak
     result["cpu_s"] = usage.ru_utime + usage.ru_stime
     return result
 
@@ -348,7 +357,7 @@ def main() -> None:
         print(
             f"  {name:<20} {r['rows']:>13,} tokens  {r['seconds']:7.2f} s  {rate / 1e6:7.2f} M tokens/s  "
             f"CPU {r['cpu_s']:7.1f} s ({r['cpu_s'] / r['rows'] * 1e9:5.0f} ns/token)  "
-            f"peak RSS {r['peak_rss'] / 2**30:5.2f} GiB"
+            f"peak memory (PSS) {r['peak_pss'] / 2**30:5.2f} GiB"
         )
     ratio = rows[0] / rows[1]
     print(

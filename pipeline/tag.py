@@ -225,7 +225,7 @@ def _check_resumable(out: Path, params: dict, overwrite: bool) -> None:
 def run_tag(cfg: TagConfig) -> dict:
     from tqdm import tqdm
 
-    from ar_slicing.counts import BigramCounts
+    from ar_slicing.counts import BigramCounts, warm_kernels
     from ar_slicing.executor import LocalExecutor, default_workers
     from ar_slicing.io import build_meta, is_complete, prepare_out_dir, write_meta
     from ar_slicing.store import TokenStore
@@ -254,6 +254,7 @@ def run_tag(cfg: TagConfig) -> dict:
         f"counts {cfg.counts}",
     )
     counts = BigramCounts.open(cfg.counts)
+    warm_kernels()  # compiled lookup code, loaded once here and inherited by the workers
     prepare_out_dir(out, cfg.overwrite)
     tokens_path = str(Path(cfg.tokens).resolve())
     counts_path = str(Path(cfg.counts).resolve())
