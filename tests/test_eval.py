@@ -34,7 +34,7 @@ DOC_LENGTHS = [45, 5, 31, 0, 32, 100, 12, 64, 7]
 VOCAB = 1024
 
 
-# ---- fixtures: a real store and its tags, tiny real models -------------------------
+# ---- fixtures: a real store and its tags, tiny real models --------------------------------------
 
 
 @pytest.fixture(scope="module")
