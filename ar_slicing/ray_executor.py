@@ -176,8 +176,17 @@ class RayExecutor:
             num_gpus = 1 if self.cluster_gpus else 0
         if num_cpus is None:
             num_cpus = 1
+        if num_gpus and self.cluster_gpus < num_gpus:
+            raise ArSliceError(
+                f"the Ray cluster has {self.cluster_gpus} GPUs, an actor needs {num_gpus}; "
+                "add GPU nodes or evaluate on CPUs (--device cpu)"
+            )
         if n_actors is None or n_actors < 1:
-            n_actors = self.cluster_gpus if num_gpus else self.cluster_cpus // max(int(num_cpus), 1)
+            n_actors = (
+                self.cluster_gpus // num_gpus
+                if num_gpus
+                else self.cluster_cpus // max(num_cpus, 1e-9)
+            )
         n_actors = max(1, int(n_actors))
         tasks = list(tasks)
         n_actors = min(n_actors, max(1, len(tasks)))

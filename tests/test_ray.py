@@ -170,6 +170,61 @@ def test_count_retries_killed_map_and_reduce_tasks(cluster, train_stores, tmp_pa
     same_bytes(tmp_path / "local", tmp_path / "ray", ["bigrams.parquet"])
 
 
+class FailingOnLastShard:
+    """A RayExecutor whose map task for the last shard raises: a run that stops part-way."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.workers = inner.workers
+
+    def map_unordered(self, fn, tasks):
+        tasks = list(tasks)
+        last = tasks[-1]
+
+        def run(task):
+            if task == last and fn.__name__ == "count_shard":
+                raise BadInput(f"{task.out}: unreadable shard")
+            return fn(task)
+
+        yield from self.inner.map_unordered(run, tasks)
+
+
+def test_count_rerun_on_ray_skips_finished_shards(cluster, train_stores, tmp_path):
+    from ar_slicing.counts import count_stores
+    from ar_slicing.ray_executor import RayExecutor
+
+    kw = dict(shard_tokens=10000, progress=False)
+    local = count_stores(train_stores, tmp_path / "local", workers=1, **kw)
+    n = local["counts"]["shards"]
+    assert n >= 8
+    with pytest.raises(BadInput, match="unreadable shard"):
+        count_stores(
+            train_stores, tmp_path / "ray", executor=FailingOnLastShard(RayExecutor(1)), **kw
+        )
+    assert not (tmp_path / "ray" / "meta.json").exists()
+    again = count_stores(train_stores, tmp_path / "ray", executor=RayExecutor(1), **kw)
+    # the last shard was submitted after all but the 2 tasks in flight had finished
+    assert again["counts"]["shards_resumed"] >= n - 3
+    same_bytes(tmp_path / "local", tmp_path / "ray", ["bigrams.parquet"])
+
+
+def test_actors_build_their_state_once(cluster, tmp_path):
+    """map_actors: one state per actor, built in the actor's process, serving many tasks."""
+    from ar_slicing.ray_executor import RayExecutor
+
+    def make_state():
+        pid = os.getpid()
+        (tmp_path / f"built-{pid}").touch()
+        return lambda task: (task, pid)
+
+    results = list(RayExecutor().map_actors(make_state, range(12), n_actors=2))
+    assert sorted(task for task, _ in results) == list(range(12))
+    assert all(value[0] == task for task, value in results)
+    pids = {value[1] for _, value in results}
+    assert pids <= {int(p.name.split("-")[1]) for p in tmp_path.glob("built-*")}
+    assert len(list(tmp_path.glob("built-*"))) == 2 and len(pids) <= 2
+
+
 def test_a_task_error_reaches_the_driver_as_itself(cluster, tmp_path):
     """A bad input fails the same way on every attempt: not retried, re-raised as BadInput."""
     from ar_slicing.ray_executor import RayExecutor
