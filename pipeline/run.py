@@ -45,7 +45,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import logging
+import math
+import re
 import sysconfig
 import time
 
@@ -149,38 +152,51 @@ def load_pipeline_config(path: str | Path) -> dict:
 # ---- writing the resolved config ----------------------------------------------------------------
 
 
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
 def _toml_key(key: str) -> str:
-    bare = key and all(c.isalnum() or c in "-_" for c in key)
-    return key if bare else _toml_value(key)
+    return key if _BARE_KEY.fullmatch(key) else _toml_value(key)
 
 
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, (int, float)):
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return {math.inf: "inf", -math.inf: "-inf"}.get(value, "nan")
         return repr(value)
     if isinstance(value, str):
-        escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-        return f'"{escaped}"'
+        # JSON's escapes (\" \\ \n \t \uXXXX) are all valid in a TOML basic string; DEL is
+        # the one control character JSON leaves raw and TOML does not allow
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {value!r} ({type(value).__name__}) to TOML")
 
 
 def dumps_toml(mapping: Mapping[str, Any], _prefix: str = "") -> str:
-    """A TOML document for `mapping` (tables, strings, numbers, bools and lists of them)."""
-    lines = []
-    tables = []
+    """A TOML document for `mapping` (tables, strings, numbers, bools and lists of them).
+
+    None values are left out (TOML has no null; a missing key means the stage's default).
+    """
+    lines = [
+        f"{_toml_key(k)} = {_toml_value(v)}"
+        for k, v in mapping.items()
+        if v is not None and not isinstance(v, Mapping)
+    ]
     for key, value in mapping.items():
         if isinstance(value, Mapping):
-            tables.append((key, value))
-        elif value is not None:
-            lines.append(f"{_toml_key(key)} = {_toml_value(value)}")
-    for key, value in tables:
-        name = f"{_prefix}{_toml_key(key)}"
-        body = dumps_toml(value, name + ".")
-        lines.append(f"\n[{name}]" + ("\n" + body if body else ""))
-    return "\n".join(lines).lstrip("\n") + ("\n" if lines else "")
+            name = f"{_prefix}{_toml_key(key)}"
+            if lines:
+                lines.append("")
+            lines.append(f"[{name}]")
+            body = dumps_toml(value, name + ".")
+            if body:
+                lines.append(body.rstrip("\n"))
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 # ---- building and running each stage ------------------------------------------------------------
