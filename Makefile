@@ -12,7 +12,7 @@ RUN := $(shell sed -n 's/^run_dir *= *"\([^"]*\)".*/\1/p' $(CONFIG) 2>/dev/null)
 RUNFLAGS := $(if $(OVERWRITE),--overwrite,)
 STAGE = $(ARSLICE) run --config $(CONFIG) $(RUNFLAGS) --stage
 
-.PHONY: install test test-slow test-gpu lint format bench bench-gpu all tokenizer tokenize counts tags train eval report readme-demo clean-run
+.PHONY: install test test-slow test-demo test-gpu lint format bench bench-gpu all tokenizer tokenize counts tags train eval report readme-demo clean-run
 
 install:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ test:
 
 test-slow:
 	$(PY) -m pytest -m "slow and not gpu" -q
+
+# `make all` end to end on a reduced demo config (also part of test-slow).
+test-demo:
+	$(PY) -m pytest -m slow tests/test_demo_e2e.py -q
 
 test-gpu:
 	$(PY) -m pytest -m gpu -q
@@ -74,6 +78,13 @@ $(RUN)/losses/meta.json: $(RUN)/tags/meta.json $(RUN)/models/meta.json
 report: $(RUN)/report/report.html
 $(RUN)/report/report.html: $(RUN)/tags/meta.json $(RUN)/losses/meta.json
 	$(STAGE) report
+
+# The README's demo table and frequency curve, regenerated from a real `make all` run.
+readme-demo: all
+	mkdir -p docs
+	sed -n '/^## Table 1/,/^!\[/p' $(RUN)/report/report.md | sed '$$d' > docs/demo-table1.md
+	cp $(RUN)/report/frequency_curve.png docs/demo-frequency-curve.png
+	@echo "docs/demo-table1.md and docs/demo-frequency-curve.png updated from $(RUN)"
 
 clean-run:
 	rm -rf $(RUN)
