@@ -27,6 +27,7 @@ open-addressing hash table built from it once (numpy gathers, ~2 probes per look
 
 from __future__ import annotations
 
+import itertools
 import logging
 import shutil
 from dataclasses import dataclass
@@ -312,18 +313,89 @@ def _merge_u32_kernel(keys, counts, bounds):
     return out_keys[:d].copy(), out_counts[:d].copy()
 
 
-def _probe_kernel(table_keys, table_values, size, shift, prev, nxt, out):
-    """Hash-table lookups (see BigramCounts): out[i] = count of (prev[i], nxt[i]) or 0."""
+def _home_slot(key, size):
+    """Top 32 bits of the key's Fibonacci hash, scaled to the table size (as `_slots`)."""
+    h = (np.uint64(key) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(32)
+    return np.int64((h * np.uint64(size)) >> np.uint64(32))
+
+
+def _build_packed_kernel(keys, counts, size):
+    """Linear-probing table of uint64 slots `key << 32 | count` (0 = empty), wrapping around."""
+    table = np.zeros(size, np.uint64)
+    for i in range(keys.size):
+        s = _home_slot(keys[i], size)
+        while table[s] != 0:
+            s += 1
+            if s == size:
+                s = 0
+        table[s] = (np.uint64(keys[i]) << np.uint64(32)) | np.uint64(counts[i])
+    return table
+
+
+def _build_split_kernel(keys, counts, table_keys, table_values):
+    """Linear-probing table of separate key and count arrays (count 0 = empty)."""
+    size = table_keys.size
+    for i in range(keys.size):
+        s = _home_slot(keys[i], size)
+        while table_values[s] != 0:
+            s += 1
+            if s == size:
+                s = 0
+        table_keys[s] = keys[i]
+        table_values[s] = counts[i]
+
+
+def _probe_packed_kernel(table, home_size, prev, nxt, out):
+    """out[i] = count of (prev[i], nxt[i]) in a packed table of 16-bit ids, or 0.
+
+    Queries go in blocks of 32: first every block's home slot is loaded (independent loads, so
+    the cache misses overlap), then each query is resolved, probing on only where needed.
+    """
+    size = table.size
+    block = 32
+    keys = np.empty(block, np.uint64)
+    slots = np.empty(block, np.int64)
+    first = np.empty(block, np.uint64)
+    for a in range(0, prev.size, block):
+        b = min(prev.size, a + block)
+        for j in range(b - a):
+            p = prev[a + j]
+            q = nxt[a + j]
+            if p < 0 or p >= 65536 or q < 0 or q >= 65536:
+                slots[j] = -1
+                continue
+            keys[j] = (np.uint64(p) << np.uint64(16)) | np.uint64(q)
+            slots[j] = _home_slot(keys[j], home_size)
+            first[j] = table[slots[j]]
+        for j in range(b - a):
+            s = slots[j]
+            out[a + j] = 0
+            if s < 0:
+                continue
+            v = first[j]
+            key = keys[j]
+            while v != 0:
+                if (v >> np.uint64(32)) == key:
+                    out[a + j] = np.int64(v & np.uint64(0xFFFFFFFF))
+                    break
+                s += 1
+                if s == size:
+                    s = 0
+                v = table[s]
+
+
+def _probe_split_kernel(table_keys, table_values, home_size, shift, prev, nxt, out):
+    """out[i] = count of (prev[i], nxt[i]) in a split table, or 0."""
+    size = table_keys.size
     limit = np.int64(1) << shift
     for i in range(prev.size):
-        p = np.int64(prev[i])
-        q = np.int64(nxt[i])
+        p = prev[i]
+        q = nxt[i]
         if p < 0 or p >= limit or q < 0 or q >= limit:
             out[i] = 0
             continue
         key = (np.uint64(p) << np.uint64(shift)) | np.uint64(q)
-        h = (key * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(32)
-        s = np.int64((h * np.uint64(size)) >> np.uint64(32))
+        s = _home_slot(key, home_size)
         while True:
             v = table_values[s]
             if v == 0:
@@ -333,6 +405,8 @@ def _probe_kernel(table_keys, table_values, size, shift, prev, nxt, out):
                 out[i] = np.int64(v)
                 break
             s += 1
+            if s == size:
+                s = 0
 
 
 _KERNELS: dict | None = None
@@ -353,15 +427,42 @@ def kernels() -> dict | None:
             _KERNELS = {}
             return None
         jit = numba.njit(cache=True, nogil=True)
-        global _emit_segment, _touch
+        global _emit_segment, _touch, _home_slot
         _touch = jit(_touch)
         _emit_segment = jit(_emit_segment)
+        _home_slot = jit(_home_slot)
         _KERNELS = {
             "count_u16": jit(_count_u16_kernel),
             "merge_u32": jit(_merge_u32_kernel),
-            "probe": jit(_probe_kernel),
+            "build_packed": jit(_build_packed_kernel),
+            "build_split": jit(_build_split_kernel),
+            "probe_packed": jit(_probe_packed_kernel),
+            "probe_split": jit(_probe_split_kernel),
         }
     return _KERNELS or None
+
+
+def warm_kernels() -> None:
+    """Compile (or load from the cache) every kernel now, in this process.
+
+    Called before the worker pool forks, so workers inherit the machine code instead of each
+    loading it again (seconds per worker on a busy machine).
+    """
+    k = kernels()
+    if k is None:
+        return
+    tokens = np.array([1, 2, 1], dtype=np.uint16)
+    k["count_u16"](tokens, 0, 0)
+    k["merge_u32"](np.array([1, 1], np.uint32), np.ones(2, np.int64), np.array([0, 1, 2], np.int64))
+    one = np.ones(1, np.int64)
+    k["build_packed"](np.array([1], np.uint32), one, 2)
+    k["probe_packed"](np.zeros(2, np.uint64), 2, one, one, np.zeros(1, np.int64))
+    for key_dtype, value_dtype in itertools.product((np.uint32, np.uint64), (np.uint32, np.int64)):
+        table_keys, table_values = np.zeros(2, key_dtype), np.zeros(2, value_dtype)
+        k["build_split"](
+            np.array([1], key_dtype), one.astype(value_dtype), table_keys, table_values
+        )
+        k["probe_split"](table_keys, table_values, 2, 16, one, one, np.zeros(1, np.int64))
 
 
 # ---- map -------------------------------------------------------------------------------------
@@ -567,8 +668,9 @@ _LOOKUP_CHUNK = 1 << 22
 class BigramCounts:
     """The counts of a complete counts directory, with vectorised `lookup(prev, next)`.
 
-    The table is held in memory as an open-addressing hash table (linear probing, load <= 0.6):
-    a lookup is one multiply-shift and, on average, fewer than two gathers per query.
+    The table is held in memory as an open-addressing hash table (linear probing, load 0.5):
+    a lookup is one multiply-shift and, on average, 1.5 probes. With 16-bit ids each slot
+    packs key and count into one uint64 (16 bytes of memory per distinct bigram).
     """
 
     def __init__(
@@ -624,28 +726,47 @@ class BigramCounts:
     def __len__(self) -> int:
         return self.n_distinct
 
-    def _slots(self, keys: np.ndarray) -> np.ndarray:
+    def _slots(self, keys: np.ndarray, size: int) -> np.ndarray:
         """Home slot of each key: the top 32 bits of a Fibonacci hash, scaled to the table size."""
         h = (keys.astype(np.uint64) * _FIB) >> np.uint64(32)
-        return ((h * np.uint64(self._size)) >> np.uint64(32)).view(np.int64)
+        return ((h * np.uint64(size)) >> np.uint64(32)).view(np.int64)
 
     def _build(self, keys: np.ndarray, counts: np.ndarray) -> None:
+        """Fill the table. Load factor 0.5 (16 bytes per bigram when packed)."""
         self._total = int(counts.sum())
         n = keys.size
-        self._size = max(16, int(n / 0.6) + 1)
-        home = self._slots(keys)
-        # Linear probing built without a loop: place keys in order of home slot; each lands on
-        # max(its home, the previous key's slot + 1). With g_i = slot_i - i that is a running max.
+        size = max(16, 2 * n)
+        self._size = size  # home slots are scaled to this; the arrays may be longer
+        # 16-bit ids and counts below 2**32: key and count share one uint64 slot, so a lookup
+        # touches one cache line; otherwise keys and counts are separate arrays.
+        self._packed = self.shift == 16 and (n == 0 or int(counts.max()) < 1 << 32)
+        value_dtype = np.uint32 if n == 0 or int(counts.max()) < 1 << 32 else np.int64
+        compiled = kernels()
+        if compiled is not None:
+            if self._packed:
+                self._table = compiled["build_packed"](keys, counts, size)
+            else:
+                self._keys = np.zeros(size, dtype=keys.dtype)
+                self._values = np.zeros(size, dtype=value_dtype)
+                compiled["build_split"](keys, counts.astype(value_dtype), self._keys, self._values)
+            return
+        # numpy: place keys in order of home slot; each lands on max(its home, the previous
+        # key's slot + 1), i.e. with g_i = slot_i - i a running max. No wrap-around is needed:
+        # the table gets a tail past the last used slot (probes may still wrap; they stop
+        # at an empty slot first).
+        home = self._slots(keys, size)
         order = np.argsort(home, kind="stable")
         ramp = np.arange(n, dtype=np.int64)
         slot = np.maximum.accumulate(home[order] - ramp) + ramp if n else ramp
-        length = (int(slot[-1]) if n else 0) + 2  # the tail past the last slot stays empty
-        length = max(length, self._size + 1)
-        value_dtype = np.uint32 if self._total < 1 << 32 else np.int64
-        self._keys = np.zeros(length, dtype=keys.dtype)
-        self._values = np.zeros(length, dtype=value_dtype)  # 0 = empty (every stored count >= 1)
-        self._keys[slot] = keys[order]
-        self._values[slot] = counts[order]
+        length = max((int(slot[-1]) if n else 0) + 2, size + 1)
+        table_keys = np.zeros(length, dtype=keys.dtype)
+        table_values = np.zeros(length, dtype=value_dtype)  # 0 = empty (stored counts are >= 1)
+        table_keys[slot] = keys[order]
+        table_values[slot] = counts[order]
+        if self._packed:
+            self._table = (table_keys.astype(np.uint64) << np.uint64(32)) | table_values
+        else:
+            self._keys, self._values = table_keys, table_values
 
     def lookup(self, prev: np.ndarray, nxt: np.ndarray) -> np.ndarray:
         """Training count of each bigram (prev[i], nxt[i]) as int64; 0 for pairs never seen."""
@@ -665,40 +786,41 @@ class BigramCounts:
         compiled = kernels()
         if compiled is not None:
             out = np.empty(prev.size, dtype=np.int64)
-            compiled["probe"](
-                self._keys,
-                self._values,
-                self._size,
-                self.shift,
-                np.ascontiguousarray(prev),
-                np.ascontiguousarray(nxt),
-                out,
-            )
+            # int64 ids: one compiled signature whatever the caller's dtype
+            p = np.ascontiguousarray(prev, dtype=np.int64)
+            q = np.ascontiguousarray(nxt, dtype=np.int64)
+            if self._packed:
+                compiled["probe_packed"](self._table, self._size, p, q, out)
+            else:
+                compiled["probe_split"](self._keys, self._values, self._size, self.shift, p, q, out)
             return out
         limit = 1 << self.shift
         p64 = prev.astype(np.int64, copy=False)
         n64 = nxt.astype(np.int64, copy=False)
         valid = (p64 >= 0) & (p64 < limit) & (n64 >= 0) & (n64 < limit)
-        kd = self._keys.dtype
-        keys = (
-            (np.where(valid, p64, 0).astype(np.uint64) << np.uint64(self.shift))
-            | np.where(valid, n64, 0).astype(np.uint64)
-        ).astype(kd)
-        slot = self._slots(keys)
-        found_keys = self._keys[slot]
-        values = self._values[slot].astype(np.int64)
-        hit = found_keys == keys
-        out = np.where(hit, values, 0)
-        # keep probing where the slot is taken by another key; an empty slot (value 0) ends it
-        todo = np.flatnonzero(~hit & (values != 0))
-        keys, slot = keys[todo], slot[todo]
+        keys = (np.where(valid, p64, 0).astype(np.uint64) << np.uint64(self.shift)) | np.where(
+            valid, n64, 0
+        ).astype(np.uint64)
+        if self._packed:
+            length = self._table.size
+        else:
+            length = self._keys.size
+            keys = keys.astype(self._keys.dtype)
+        slot = self._slots(keys, self._size)
+        out = np.zeros(prev.size, dtype=np.int64)
+        todo = np.arange(prev.size)
         while todo.size:
-            slot += 1
-            values = self._values[slot].astype(np.int64)
-            hit = self._keys[slot] == keys
+            if self._packed:
+                v = self._table[slot]
+                values = (v & np.uint64(0xFFFFFFFF)).view(np.int64)
+                hit = (v >> np.uint64(32)) == keys
+            else:
+                values = self._values[slot].astype(np.int64)
+                hit = self._keys[slot] == keys
             out[todo[hit]] = values[hit]
+            # keep probing where the slot holds another key; an empty slot (0) ends the probe
             more = ~hit & (values != 0)
-            todo, keys, slot = todo[more], keys[more], slot[more]
+            todo, keys, slot = todo[more], keys[more], (slot[more] + 1) % length
         out[~valid] = 0
         return out
 
@@ -824,6 +946,7 @@ def count_stores(
     (work / "reduced").mkdir(parents=True, exist_ok=True)
     write_json_atomic(work / "plan.json", plan)
 
+    warm_kernels()
     executor = executor or LocalExecutor(workers)
     tasks = plan_map_tasks(stores, work, row, shard_tokens, shift, vocab_size)
     todo = [t for t in tasks if not Path(t.out).is_file()]
