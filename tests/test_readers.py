@@ -284,3 +284,17 @@ def test_directory_of_jsonl_shards_is_read_record_by_record(tmp_path):
         "train/01.jsonl.zst:1",
         "train/01.jsonl.zst:2",
     ]
+
+
+def test_corrupt_compressed_files(tmp_path):
+    good = gzip.compress(jsonl_bytes(PILE_RECORDS))
+    bad_gz = write(tmp_path / "bad.jsonl.gz", good[:12] + bytes(b ^ 0x5A for b in good[12:]))
+    with pytest.raises(
+        BadInput, match=r"bad\.jsonl\.gz: compressed stream is truncated or corrupt"
+    ):
+        read_all([bad_gz])
+    not_zstd = write(tmp_path / "plain.jsonl.zst", jsonl_bytes(PILE_RECORDS))
+    with pytest.raises(
+        BadInput, match=r"plain\.jsonl\.zst: corrupt zstd data near compressed byte"
+    ):
+        read_all([not_zstd])
