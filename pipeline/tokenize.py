@@ -153,6 +153,13 @@ class TokenizeConfig:
         default=None,
         metadata={"help": "Ray cluster to join (default: RAY_ADDRESS, else a local cluster)"},
     )
+    shard_by_file: bool = field(
+        default=False,
+        metadata={
+            "help": "one task per input file, which reads its own file (nothing is read here: "
+            "for clusters); the same tokens, docs.parquet row groups follow the files"
+        },
+    )
 
 
 @dataclass(frozen=True)
@@ -206,6 +213,24 @@ def cached_tokenizer(path: str):
     return _TOKENIZER_CACHE[key]
 
 
+def encode_texts(tok, texts: list[str], dtype: np.dtype, eos_id: int):
+    """(stream: every text's ids then EOS, lengths int32, EOS ids inside each text int32)."""
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # no offsets: faster
+    encodings = encode(texts, add_special_tokens=False)
+    eos = np.array([eos_id], dtype=dtype)
+    pieces = []
+    lengths = np.empty(len(encodings), dtype=np.int32)
+    eos_in_text = np.empty(len(encodings), dtype=np.int32)
+    for i, enc in enumerate(encodings):
+        ids = np.array(enc.ids, dtype=dtype)
+        lengths[i] = ids.size
+        eos_in_text[i] = np.count_nonzero(ids == eos_id)
+        pieces.append(ids)
+        pieces.append(eos)
+    stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
+    return stream, lengths, eos_in_text
+
+
 def encode_shard(task: ShardTask) -> dict:
     """Encode one shard and write its tokens part, then its docs part (the completion marker)."""
     import pyarrow as pa
@@ -215,20 +240,7 @@ def encode_shard(task: ShardTask) -> dict:
         # One encoder thread per worker process: the processes already use every core.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tok = cached_tokenizer(task.tokenizer_path)
-    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # no offsets: faster
-    encodings = encode(task.texts, add_special_tokens=False)
-    dtype = np.dtype(task.dtype)
-    eos = np.array([task.eos_id], dtype=dtype)
-    pieces = []
-    lengths = np.empty(len(encodings), dtype=np.int32)
-    eos_in_text = np.empty(len(encodings), dtype=np.int32)
-    for i, enc in enumerate(encodings):
-        ids = np.array(enc.ids, dtype=dtype)
-        lengths[i] = ids.size
-        eos_in_text[i] = np.count_nonzero(ids == task.eos_id)
-        pieces.append(ids)
-        pieces.append(eos)
-    stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
+    stream, lengths, eos_in_text = encode_texts(tok, task.texts, np.dtype(task.dtype), task.eos_id)
     tokens_path, docs_path = part_paths(task.parts_dir, task.index)
     with atomic_path(tokens_path) as tmp:
         stream.tofile(tmp)
@@ -337,6 +349,11 @@ def run_text(cfg: TokenizeConfig) -> dict:
     if cfg.shard_docs < 1 or cfg.shard_mb <= 0:
         raise ArSliceError("--shard-docs and --shard-mb must be positive")
     check_split_options(cfg.split_fraction, cfg.split_part)
+    if cfg.shard_by_file and cfg.max_docs is not None:
+        raise ArSliceError(
+            "--max-docs counts documents across the sources in order; it does not go with "
+            "--shard-by-file"
+        )
     out = Path(cfg.out)
     if not prepare_out_dir(out, cfg.overwrite):
         print(f"tokenize: {out} is already complete; pass --overwrite to redo it")
@@ -358,6 +375,7 @@ def run_text(cfg: TokenizeConfig) -> dict:
         # on_bad_record is left out on purpose: the shards finished before a run stopped at a bad
         # record hold the same documents under --on-bad-record skip, so that rerun resumes.
         **{k: getattr(cfg, k) for k in PLAN_KEYS},
+        **({"shard_by_file": True} if cfg.shard_by_file else {}),  # parts are files, not shards
     }
     _prepare_parts(parts_dir, plan)
     tokenizer_path = parts_dir / TOKENIZER_NAME
@@ -414,8 +432,15 @@ def run_text(cfg: TokenizeConfig) -> dict:
     cached_tokenizer(str(tokenizer_path))
     _load_pyarrow_pandas_shim()
     try:
-        for _task, counts in executor.map_unordered(encode_shard, tasks()):
-            account(counts)
+        if cfg.shard_by_file:
+            from pipeline.tokenize_by_file import encode_by_file
+
+            totals["resumed"] = encode_by_file(
+                cfg, executor, parts_dir, tokenizer_path, dtype, int(info["eos_id"]), stats, account
+            )
+        else:
+            for _task, counts in executor.map_unordered(encode_shard, tasks()):
+                account(counts)
     finally:
         progress.close()
     n_shards = totals["shards"]
@@ -513,7 +538,8 @@ def _assemble(out: Path, parts_dir: Path, n_shards: int, dtype: np.dtype) -> tup
                     )
                 with open(tokens_path, "rb") as f:
                     shutil.copyfileobj(f, tokens_file, 1 << 22)
-                offsets = offset + np.concatenate([[0], np.cumsum(lengths + 1)[:-1]]).astype(
+                # (a part may hold no documents: an input file with none kept, --shard-by-file)
+                offsets = offset + np.concatenate([[0], np.cumsum(lengths + 1)])[:-1].astype(
                     np.int64
                 )
                 n = len(lengths)
@@ -776,7 +802,7 @@ COMMAND = Command(
     examples="""
   arslice tokenize --source val.jsonl.zst --tokenizer gpt2 --out runs/pile/tokens/val
   arslice tokenize --source 00.jsonl.zst 01.jsonl.zst --tokenizer tokenizer.json --out runs/pile/tokens/train --workers 16
-  arslice tokenize --source /shared/pile/train --glob '*.jsonl.zst' --tokenizer gpt2 --out /shared/pile/tokens/train --executor ray --ray-address auto
+  arslice tokenize --source /shared/pile/train --glob '*.jsonl.zst' --tokenizer gpt2 --out /shared/pile/tokens/train --executor ray --ray-address auto --shard-by-file
   arslice tokenize --source /usr/lib/python3.11 --glob '**/*.py' --split-fraction 0.1 --split-part val \\
       --tokenizer runs/demo/tokenizer.json --out runs/demo/tokens/val
   arslice tokenize --source data.parquet --text-field content --on-bad-record skip --tokenizer t.json --out store

@@ -126,6 +126,87 @@ def test_tokenize_retries_a_killed_task(
     same_bytes(tmp_path / "local", tmp_path / "ray", ["tokens.bin", "docs.parquet"])
 
 
+def mixed_sources(root: Path, texts: list[str]) -> list[str]:
+    """A directory (nested .txt files, an empty one, a Pile-style .jsonl.gz with a bad line) and a
+    .jsonl file source after it."""
+    import gzip
+
+    corpus = root / "corpus"
+    (corpus / "b").mkdir(parents=True)
+    for i, text in enumerate(texts[:6]):
+        (corpus / ("b" if i % 2 else "") / f"{i:02d}.txt").write_text(text)
+    (corpus / "b" / "empty.txt").write_text("")
+    with gzip.open(corpus / "b" / "pile.jsonl.gz", "wt") as f:
+        for i, text in enumerate(texts[6:16]):
+            f.write(json.dumps({"text": text, "meta": {"pile_set_name": f"set{i % 3}"}}) + "\n")
+            if i == 4:
+                f.write("{not json\n")
+    single = root / "single.jsonl"
+    single.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[16:22]))
+    return [str(corpus), str(single)]
+
+
+def test_tokenize_by_file_on_ray_equals_the_default(
+    cluster, stdlib_texts, bpe_tokenizer_path, tmp_path, monkeypatch
+):
+    """--shard-by-file (tasks read their own files) keeps the same documents and tokens as the
+    driver-read default, with the same read stats; on Ray and locally it writes the same bytes,
+    also when a task dies mid-way."""
+    from ar_slicing.ray_executor import RayExecutor
+
+    common = dict(
+        source=mixed_sources(tmp_path, stdlib_texts),
+        tokenizer=str(bpe_tokenizer_path),
+        glob="**/*",
+        on_bad_record="skip",
+        split_fraction=0.3,
+        split_part="train",
+        shard_docs=2,
+    )
+
+    def tokenize(name, **kw):
+        run_tokenize(TokenizeConfig(out=str(tmp_path / name), **common, **kw))
+        return json.loads((tmp_path / name / "meta.json").read_text())
+
+    default = tokenize("default", workers=2)
+    tokenize("by-file-local", workers=2, shard_by_file=True)
+    by_file_ray = tokenize("by-file-ray", executor="ray", shard_by_file=True)
+    killing = KillingExecutor(RayExecutor(), tmp_path)
+    monkeypatch.setattr("ar_slicing.executor.get_executor", lambda name, *a, **kw: killing)
+    tokenize("by-file-killed", executor="ray", shard_by_file=True)
+    assert (tmp_path / "encode_file.killed").exists()
+
+    assert by_file_ray["counts"]["shards"] == 9  # 8 files of the directory, then the .jsonl
+    for name in ("by-file-local", "by-file-ray", "by-file-killed"):
+        same_bytes(tmp_path / "default", tmp_path / name, ["tokens.bin", "tokenizer.json"])
+        assert pq.read_table(tmp_path / name / "docs.parquet").equals(
+            pq.read_table(tmp_path / "default" / "docs.parquet")
+        )
+        meta = json.loads((tmp_path / name / "meta.json").read_text())
+        for key in ("documents", "bytes", "bad_records", "empty", "other_split_part", "tokens"):
+            assert meta["counts"][key] == default["counts"][key], key
+        assert meta["bad_record_examples"] == default["bad_record_examples"]
+    assert default["counts"]["bad_records"] == 1 and default["counts"]["other_split_part"] > 0
+    same_bytes(tmp_path / "by-file-local", tmp_path / "by-file-ray", ["docs.parquet"])
+    same_bytes(tmp_path / "by-file-local", tmp_path / "by-file-killed", ["docs.parquet"])
+
+
+def test_tokenize_by_file_refuses_max_docs(tmp_path, bpe_tokenizer_path):
+    from ar_slicing.errors import ArSliceError
+
+    (tmp_path / "a.txt").write_text("text")
+    with pytest.raises(ArSliceError, match="--max-docs.*--shard-by-file"):
+        run_tokenize(
+            TokenizeConfig(
+                source=[str(tmp_path / "a.txt")],
+                tokenizer=str(bpe_tokenizer_path),
+                out=str(tmp_path / "out"),
+                max_docs=3,
+                shard_by_file=True,
+            )
+        )
+
+
 # ---- count ------------------------------------------------------------------------------------
 
 
