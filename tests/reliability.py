@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from conftest import stdlib_files
 
 from pipeline.cli import main as cli_main
@@ -64,32 +65,38 @@ def save_tiny_native(out: Path, tokenizer_path: Path, *, vocab: int = 1024, l_ma
     return out
 
 
+def run_commands(run: Path, src_train: Path, src_val: Path, tokenizer_path: Path, model: Path):
+    """The `arslice` commands (argv lists) that make a tiny run under `run`, in order."""
+    tok = str(tokenizer_path)
+    commands = [
+        ["tokenize", "--source", src, "--glob", "*.py", "--tokenizer", tok, "--workers", "1",
+         "--out", run / "tokens" / part]
+        for part, src in (("train", src_train), ("val", src_val))
+    ]  # fmt: skip
+    commands += [
+        ["count", "--tokens", run / "tokens/train", "--out", run / "counts", "--workers", "1"],
+        ["tag", "--tokens", run / "tokens/val", "--counts", run / "counts", "--out", run / "tags",
+         "--window", WINDOW, "--workers", "1", "--threshold", "4"],
+        ["eval", "--model", f"native:{model}", "--tags", run / "tags",
+         "--out", run / "losses/attention", "--device", "cpu", "--batch-size", "16",
+         "--chunk-windows", "16"],
+    ]  # fmt: skip
+    return [[str(a) for a in c] for c in commands]
+
+
 def build_run(root: Path, tokenizer_path: Path, *, n_train: int = 24, n_val: int = 3) -> dict:
     """A complete tiny run under `root/run`: stores, counts, tags and one model's losses.
 
     The model (a real native checkpoint, untrained: training has its own tests) lies outside
-    the run, as a checkpoint a user brings would.
-
-    Every stage goes through `arslice` (in this process), as a user would run it.
+    the run, as a checkpoint a user brings would. Every stage goes through `arslice` (in this
+    process), as a user would run it.
     """
     run = root / "run"
     src_train = copy_sources(root / "src-train", n_train)
     src_val = copy_sources(root / "src-val", n_val, skip=n_train)
-    tok = str(tokenizer_path)
-    for part, src in (("train", src_train), ("val", src_val)):
-        rc = cli("tokenize", "--source", src, "--glob", "*.py", "--tokenizer", tok,
-                 "--workers", "1", "--out", run / "tokens" / part)  # fmt: skip
-        assert rc == 0
-    assert (
-        cli("count", "--tokens", run / "tokens/train", "--out", run / "counts", "--workers", "1")
-        == 0
-    )
-    assert cli("tag", "--tokens", run / "tokens/val", "--counts", run / "counts",
-               "--out", run / "tags", "--window", WINDOW, "--workers", "1", "--threshold", "4") == 0  # fmt: skip
     model = save_tiny_native(root / "model", tokenizer_path)
-    assert cli("eval", "--model", f"native:{model}", "--tags", run / "tags",
-               "--out", run / "losses/attention", "--device", "cpu", "--batch-size", "16",
-               "--chunk-windows", "16") == 0  # fmt: skip
+    for argv in run_commands(run, src_train, src_val, tokenizer_path, model):
+        assert cli(*argv) == 0, argv
     return {"run": run, "src_train": src_train, "src_val": src_val, "model": model}
 
 
@@ -128,3 +135,9 @@ def kill_when(argv: list, ready: Callable[[], bool], *, timeout: float = 120.0) 
         proc.send_signal(signal.SIGKILL)
     proc.wait()
     return killed, proc.stderr.read().decode()
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, bpe_tokenizer_path) -> dict:
+    """One complete tiny run shared by the reliability tests (read it; copy it before changing)."""
+    return build_run(tmp_path_factory.mktemp("tiny-run"), bpe_tokenizer_path)

@@ -9,21 +9,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from reliability import build_run, cli
+from reliability import build_run, cli, tiny_run  # noqa: F401  (a fixture)
 
 from ar_slicing.errors import ArSliceError
 from pipeline.verify import VerifyConfig, verify_run
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory, bpe_tokenizer_path):
-    return build_run(tmp_path_factory.mktemp("verify"), bpe_tokenizer_path)["run"]
-
-
 @pytest.fixture
-def run_copy(tiny_run, tmp_path):
+def run_copy(tiny_run, tmp_path):  # noqa: F811
     dest = tmp_path / "run"
-    shutil.copytree(tiny_run, dest)
+    shutil.copytree(tiny_run["run"], dest)
     return dest
 
 
@@ -39,14 +34,14 @@ def rewrite(path, fn):
     pq.write_table(fn(table).cast(table.schema), path)
 
 
-def test_a_complete_run_passes(tiny_run, capsys):
-    summary = verify_run(VerifyConfig(run=str(tiny_run)))
+def test_a_complete_run_passes(tiny_run, capsys):  # noqa: F811
+    summary = verify_run(VerifyConfig(run=str(tiny_run["run"])))
     out = capsys.readouterr().out
     assert summary["failed"] == 0 and "FAIL" not in out
     for what in ("counts sum to total_pairs", "cover every target exactly once",
                  "one loss row per tag row", "every nll finite", "one tokenizer fingerprint"):  # fmt: skip
         assert what in out
-    assert cli("verify", "--run", tiny_run) == 0
+    assert cli("verify", "--run", tiny_run["run"]) == 0
 
 
 def test_truncated_tokens_bin(run_copy, capsys):
