@@ -109,7 +109,8 @@ def text_store(n_tokens: int) -> Path:
     path = DATA / f"text-{n_tokens}"
     if (path / "meta.json").exists():
         return path
-    files = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(f for f in stdlib.rglob("*.py") if "site-packages" not in f.parts)
     texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -127,7 +128,8 @@ def text_store(n_tokens: int) -> Path:
         pieces.append(np.asarray(enc.ids, dtype=np.uint16))
         pieces.append(np.array([eos], dtype=np.uint16))
     corpus = np.concatenate(pieces)
-    print(f"  text: {len(files)} stdlib files -> {corpus.size:,} tokens, repeated to {n_tokens:,}")
+    how = "repeated to" if n_tokens > corpus.size else "the first"
+    print(f"  text: {len(files)} stdlib files -> {corpus.size:,} tokens; {how} {n_tokens:,}")
 
     def fill(a, b):
         idx = np.arange(a, b, dtype=np.int64) % corpus.size
