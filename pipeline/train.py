@@ -22,6 +22,7 @@ killed run leaves no `meta.json`, and rerunning the same command resumes from th
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -151,6 +152,13 @@ class BatchOrder:
             out[sel] = self.epoch_order(int(epoch))[within[sel]]
         return out
 
+    def digest(self, steps: int) -> str:
+        """sha256 of the rows of batches 0..steps-1: equal digests, same tokens in the same order."""
+        h = hashlib.sha256(f"{self.n_tokens}:{self.seq_len}:{self.batch_size}".encode())
+        for step in range(steps):
+            h.update(self.rows(step).astype("<i8").tobytes())
+        return h.hexdigest()
+
     def batch(self, tokens: np.ndarray, step: int) -> np.ndarray:
         """(batch_size, seq_len + 1) int64 array of the rows of batch `step`."""
         starts = self.rows(step) * self.seq_len
@@ -276,17 +284,19 @@ def _identity(cfg: TrainConfig) -> dict:
 def save_state(state_dir: Path, model, optimizer, step: int, extra: dict) -> None:
     """Atomically replace the resumable checkpoint (model, optimizer, step) in `state_dir`."""
     import torch
-    from safetensors.torch import save_file
+    from safetensors.torch import save_model
 
     tmp = state_dir.with_name(state_dir.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    save_file(tensors, str(tmp / "model.safetensors"))
+    # save_model (not save_file) handles the tied embedding / output head
+    save_model(model, str(tmp / "model.safetensors"))
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     write_json_atomic(tmp / "state.json", {"step": step, **extra})
     old = state_dir.with_name(state_dir.name + ".old")
+    if old.exists():  # left by a run killed before it finished removing it
+        shutil.rmtree(old)
     if state_dir.exists():
         state_dir.rename(old)
     tmp.rename(state_dir)
@@ -297,17 +307,27 @@ def save_state(state_dir: Path, model, optimizer, step: int, extra: dict) -> Non
 def load_state(state_dir: Path, model, optimizer, identity: dict, device: str) -> dict | None:
     """Restore a saved state into `model` and `optimizer`; None when there is none to resume."""
     import torch
-    from safetensors.torch import load_file
+    from safetensors.torch import load_model
 
     if not (state_dir / "state.json").is_file():
-        return None
+        # A run killed between save_state's two renames left the new state in .tmp (state.json is
+        # written last, so it is complete when that file is there) and the previous one in .old.
+        for kept in (".tmp", ".old"):
+            candidate = state_dir.with_name(state_dir.name + kept)
+            if (candidate / "state.json").is_file():
+                if state_dir.exists():
+                    shutil.rmtree(state_dir)
+                candidate.rename(state_dir)
+                break
+        else:
+            return None
     state = read_json(state_dir / "state.json")
     if state.get("identity") != identity:
         raise ArSliceError(
             f"{state_dir}: holds an unfinished run with different settings; rerun with --overwrite "
             "to start over, or with the original settings to resume it"
         )
-    model.load_state_dict(load_file(str(state_dir / "model.safetensors"), device=device))
+    load_model(model, str(state_dir / "model.safetensors"), device=device)
     optimizer.load_state_dict(
         torch.load(state_dir / "optimizer.pt", map_location=device, weights_only=True)
     )
@@ -374,7 +394,10 @@ def train(cfg: TrainConfig) -> dict:
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
     model_cfg = model_config_for(cfg, store.vocab_size)
-    model = LanguageModel(model_cfg).to(device)
+    try:
+        model = LanguageModel(model_cfg).to(device)
+    except (TypeError, ValueError) as e:
+        raise ArSliceError(f"cannot build the model for --arch {cfg.arch}: {e}") from None
     n_params = count_parameters(model)
     optimizer = make_optimizer(model, cfg)
     autocast_ctx = (
@@ -508,6 +531,7 @@ def train(cfg: TrainConfig) -> dict:
             "resumed_from_step": start_step,
             "rows_per_epoch": order.n_rows,
         },
+        batch_order_digest=order.digest(cfg.steps),
         wall_time_s=wall,
         throughput={"train_tokens_per_s": trained_tokens / max(time.time() - t_loop, 1e-9)},
         arch=cfg.arch,
