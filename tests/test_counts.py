@@ -370,3 +370,12 @@ def test_complete_output_is_skipped_unless_overwrite(tmp_path):
     assert again == first and (out / "bigrams.parquet").stat().st_mtime_ns == mtime
     redo = count_stores([store.path], out, overwrite=True, progress=False)
     assert stable_meta(redo) == stable_meta(first)
+
+
+def test_uint16_and_uint32_stores_counted_together(tmp_path, engine):
+    # same tokenizer fingerprint, one store imported as uint32: keys must use the wide layout
+    narrow = store_at(tmp_path / "n", [[1, 2, 3], [60_000, 2]], vocab_size=65_536, eos=0)
+    wide = store_at(tmp_path / "w", [[2, 70_000, 2], [1, 2]], vocab_size=70_001, eos=0)
+    assert (narrow.dtype.name, wide.dtype.name) == ("uint16", "uint32")
+    count_stores([narrow.path, wide.path], tmp_path / "c", shard_tokens=3, progress=False)
+    check_output(tmp_path / "c", stream_of([narrow, wide]), None)
