@@ -523,3 +523,26 @@ def test_cuda_bf16_matches_cpu_fp32(corpus, models_dir, tmp_path):
     )
     bf16 = read_losses(tmp_path / "bf16").column("nll").to_numpy()
     assert np.abs(bf16 - cpu).mean() < 0.05 and np.abs(bf16 - cpu).max() < 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mixer", ["hyena", "base_conv", "rwkv"])
+def test_other_native_architectures_equal_plain_forward(
+    mixer, corpus, bpe_tokenizer_path, tmp_path
+):
+    from models.backbone import LanguageModel, ModelConfig
+    from models.native import save_native
+
+    torch.manual_seed(3)
+    model = LanguageModel(
+        ModelConfig(vocab_size=VOCAB, d_model=64, n_layers=2, sequence_mixer=mixer, l_max=64)
+    )
+    with torch.no_grad():
+        model.backbone.embeddings.word_embeddings.weight.normal_(0, 0.5)
+    spec = (
+        f"native:{save_native(model.eval(), tmp_path / mixer, tokenizer_json=bpe_tokenizer_path)}"
+    )
+    run_eval(config(corpus, spec, tmp_path / "out"))
+    got = read_losses(tmp_path / "out").column("nll").to_numpy()
+    np.testing.assert_allclose(got, plain_fixed_losses(spec, corpus["store"], L), rtol=0, atol=2e-4)
+    assert read_json(tmp_path / "out" / "meta.json")["architecture"] == mixer
