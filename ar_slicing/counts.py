@@ -535,9 +535,13 @@ def write_partial(
         [_PARTIAL_MAGIC, keys.dtype.itemsize, counts.dtype.itemsize, keys.size, offsets.size], "<i8"
     )
     tmp = out.with_name(f".{out.name}.tmp")
-    with open(tmp, "wb") as f:
-        for part in (header, offsets.astype("<i8", copy=False), keys, counts):
-            f.write(memoryview(np.ascontiguousarray(part)).cast("B"))
+    try:
+        with open(tmp, "wb") as f:
+            for part in (header, offsets.astype("<i8", copy=False), keys, counts):
+                f.write(memoryview(np.ascontiguousarray(part)).cast("B"))
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not keep holding the torn file's space
+        raise
     tmp.rename(out)
 
 

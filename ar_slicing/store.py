@@ -68,7 +68,7 @@ class TokenStore:
             )
         store = cls(path)
         expected = store.n_tokens * store.dtype.itemsize
-        actual = (path / TOKENS_NAME).stat().st_size if (path / TOKENS_NAME).exists() else -1
+        actual = (path / TOKENS_NAME).stat().st_size if (path / TOKENS_NAME).is_file() else -1
         if actual != expected:
             raise BadInput(
                 f"token store {path}: {TOKENS_NAME} has {actual} bytes but meta.json says "
@@ -127,6 +127,11 @@ class TokenStore:
         """docs.parquet as a pyarrow Table."""
         import pyarrow.parquet as pq
 
+        if not (self.path / DOCS_NAME).is_file():  # a directory would be read as an empty dataset
+            raise BadInput(
+                f"token store {self.path}: {DOCS_NAME} is missing or not a file; re-create the "
+                "store with `arslice tokenize --overwrite`"
+            )
         try:
             return pq.read_table(self.path / DOCS_NAME)
         except Exception as e:

@@ -7,6 +7,7 @@ without loading torch or transformers.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
 import sys
@@ -78,6 +79,18 @@ def build_parser(name: str):
     return parser, command
 
 
+def is_disk_full(err: OSError) -> bool:
+    """True for a write refused for lack of space. pyarrow puts the errno in the text only, and
+    numpy's `tofile` reports a short write ("N requested and M written") with no errno."""
+    codes = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    text = str(err).lower()
+    return (
+        err.errno in codes
+        or any(f"[errno {c}]" in text for c in codes)
+        or (err.errno is None and "requested and" in text and "written" in text)
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     from pipeline.config import config_from_namespace, print_config
 
@@ -110,6 +123,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"arslice {name}: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        print(
+            f"arslice {name}: error: the disk is full ({e}); free space or choose an output on a "
+            "larger disk, then rerun the same command (finished parts are kept)",
+            file=sys.stderr,
+        )
+        return 2
     return 0
 
 
