@@ -561,3 +561,26 @@ def test_cli_prints_a_summary_and_refuses_mismatches_without_traceback(tmp_path)
     )
     assert bad.returncode == 2
     assert "tokenizer mismatch" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_counts_made_by_the_count_stage_are_used_as_written(tmp_path, real_text_run):
+    from ar_slicing.counts import count_stores
+
+    store, _, val, subsets, _, info = real_text_run
+    # count the validation store itself: every bigram of the stream is then seen in "training"
+    count_stores([store.path], tmp_path / "counts", workers=1, progress=False)
+    stream = [t for doc in val for t in [*doc, info["eos_id"]]]
+    pairs = Counter(zip(stream, stream[1:]))
+    cfg = TagConfig(
+        tokens=str(store.path),
+        counts=str(tmp_path / "counts"),
+        out=str(tmp_path / "tags"),
+        window=300,
+        threshold=3,
+        reset_at_doc_boundary=True,
+        workers=1,
+    )
+    run_tag(cfg)
+    rows = read_tags(tmp_path / "tags")
+    assert rows == naive_tags(val, subsets, info["eos_id"], 300, pairs, 3, True)
+    assert all(r["train_count"] >= 1 for r in rows)
