@@ -8,7 +8,8 @@ Checks, stage by stage (each prints `ok` or `FAIL` with the file and the numbers
                positive, the counts sum to total_pairs and the rows number distinct_bigrams
   tags         windows.parquet is the window table of the validation stream; tag rows are sorted
                by (window_id, pos) and cover every target of the stream exactly once; token and
-               prev equal the stream; train_count equals the counts; is_ar_hit follows its rule
+               prev equal the stream; train_count equals the counts; is_ar_hit follows its rule;
+               a repeat's prev_pos is an earlier position of its window with the same bigram
   models/*     each model was trained on a store of the run's tokenizer
   losses/*     exactly one loss row per tag row (of the windows evaluated), every nll finite
   everywhere   one tokenizer fingerprint across stores, counts, tags, models and losses
@@ -263,8 +264,15 @@ def verify_tags(
 
         counts = BigramCounts.open(counts_dir)
     threshold = int(meta["threshold"])
-    mismatches: dict[str, int] = {"token": 0, "prev": 0, "train_count": 0, "is_ar_hit": 0}
+    mismatches: dict[str, int] = {
+        "token": 0,
+        "prev": 0,
+        "train_count": 0,
+        "is_ar_hit": 0,
+        "prev_pos": 0,
+    }
     columns = ["window_id", "pos", "token", "prev", "train_count", "is_repeat", "is_ar_hit"]
+    columns.append("prev_pos")
 
     def batches():
         for part in tqdm(parts, desc="verify tags", unit="part", leave=False):
@@ -278,10 +286,23 @@ def verify_tags(
                 rep = b.column(5).to_numpy(zero_copy_only=False)
                 hit = b.column(6).to_numpy(zero_copy_only=False)
                 mismatches["is_ar_hit"] += int(np.sum(hit != (rep & (train_count <= threshold))))
+                # A repeat names an earlier position of the same window holding the same bigram;
+                # a non-repeat names none.
+                has_prev = ~b.column(7).is_null().to_numpy(zero_copy_only=False)
+                prev_pos = b.column(7).fill_null(0).to_numpy().astype(np.int64)
+                mismatches["prev_pos"] += int(np.sum(has_prev != rep))
+                mismatches["prev_pos"] += int(
+                    np.sum(has_prev & ((prev_pos < 1) | (prev_pos >= pos)))
+                )
                 if tokens is not None:
                     i = starts[wid] + pos  # stream index of each target; keys were checked
                     mismatches["token"] += int(np.sum(tokens[i] != token))
                     mismatches["prev"] += int(np.sum(tokens[i - 1] != prev))
+                    sel = has_prev & (prev_pos >= 1) & (prev_pos < pos)
+                    j = (starts[wid] + prev_pos)[sel]
+                    mismatches["prev_pos"] += int(
+                        np.sum((tokens[j] != token[sel]) | (tokens[j - 1] != prev[sel]))
+                    )
                 if counts is not None:
                     mismatches["train_count"] += int(
                         np.sum(counts.lookup(prev, token) != train_count)
@@ -377,6 +398,12 @@ def verify_run(cfg: VerifyConfig) -> dict:
     fingerprints: dict[str, str | None] = {}
 
     print(f"verify {run}")
+    if (run / "tokenizer.json").is_file():  # the run's own tokenizer, when the run trained one
+        from ar_slicing.tokenizer import fingerprint, load_tokenizer
+
+        fingerprints[f"tokenizer {run / 'tokenizer.json'}"] = fingerprint(
+            load_tokenizer(run / "tokenizer.json")
+        )
     print("token stores")
     store_metas: dict[str, dict] = {}
     for d in _complete_dirs(run / "tokens", checks, "token store"):
@@ -431,6 +458,13 @@ def verify_run(cfg: VerifyConfig) -> dict:
     for d in loss_dirs:
         meta = read_json(d / "meta.json")
         fingerprints[f"losses {d}"] = meta.get("fingerprint")
+        model_fp = meta.get("model_tokenizer_fingerprint")
+        if model_fp and model_fp != meta.get("fingerprint"):
+            what = f"{d}: the model's own tokenizer {model_fp[:12]}… is not the tags' one"
+            if meta.get("skip_tokenizer_check"):
+                checks.note(what + " (evaluated with --skip-tokenizer-check)")
+            else:
+                checks.fail(what)
         if windows is None or tags_meta is None:
             checks.fail(f"{d}: losses but no valid tags to check them against")
             continue

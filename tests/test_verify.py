@@ -97,6 +97,22 @@ def test_wrong_ar_hit_and_train_count(run_copy):
     assert "is_ar_hit of every row" in message and "train_count of every row" in message
 
 
+def test_repeat_pointing_at_another_bigram(run_copy):
+    part = run_copy / "tags/tags-00000.parquet"
+
+    def shift(t):
+        prev_pos = t.column("prev_pos").to_pylist()
+        pos = t.column("pos").to_pylist()
+        # the first repeat whose position just before its prev_pos holds another bigram
+        i = next(k for k, p in enumerate(prev_pos) if p is not None and p > 1)
+        prev_pos[i] -= 1
+        assert pos[i] > prev_pos[i]
+        return t.set_column(t.schema.get_field_index("prev_pos"), "prev_pos", pa.array(prev_pos))
+
+    rewrite(part, shift)
+    assert "prev_pos of every row" in failures_of(run_copy)
+
+
 def test_tags_from_another_run(run_copy, tmp_path, bpe_tokenizer_path):
     """Tags of another validation store (same tokenizer) put into this run."""
     other = build_run(tmp_path / "other", bpe_tokenizer_path, n_train=3, n_val=2)["run"]
