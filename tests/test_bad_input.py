@@ -251,7 +251,14 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-@pytest.mark.parametrize("stage", ["tokenize", "count", "tag"])
+@pytest.mark.parametrize(
+    "stage",
+    [
+        "tokenize",
+        pytest.param("count", marks=pytest.mark.slow),
+        pytest.param("tag", marks=pytest.mark.slow),
+    ],
+)
 def test_full_disk_then_rerun(tiny_run, small_disk, stage):  # noqa: F811
     """The stage runs out of space: a clear error, nothing half-written; after space is freed the
     same command finishes with the files an unhindered run writes."""

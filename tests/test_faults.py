@@ -265,6 +265,7 @@ def test_killed_stage_reruns_to_the_uninterrupted_output(world, tmp_path, stage_
     assert_same_outputs(out, ref)
 
 
+@pytest.mark.slow
 def test_a_second_kill_during_the_resumed_run(world, tmp_path):
     """Kill, resume, kill again, resume: still the uninterrupted output (tag stage)."""
     stage, ref = world["stages"]["tag"], world["reference"]("tag")
