@@ -8,7 +8,8 @@ Streams (each written as a uint16 token store under bench-data/count/):
          (repetition keeps the distinct pairs of the real text; only counts grow)
 
 Engines, each in its own subprocess so its peak memory is its own (sampled from /proc every
-20 ms as the summed RSS of the process and its children, plus ru_maxrss of the children):
+20 ms as the summed RSS of the process and its worker processes, until the engine has its
+result; converting and checking the result afterwards is not counted):
   arslice   `count_stores` (map + reduce + bigrams.parquet), all cores
   duckdb    SELECT prev, next, count(*) FROM <arrow table of two uint16 columns> GROUP BY ALL
   polars    DataFrame(prev, next).group_by(prev, next).len()
@@ -26,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import threading
@@ -141,6 +141,11 @@ def text_store(n_tokens: int) -> Path:
 # ---- engines (run in subprocesses) -------------------------------------------------------------
 
 
+def counted(result: Path) -> None:
+    """Tell the parent the counting is over: memory used after this (checking) is not sampled."""
+    result.with_suffix(".done").touch()
+
+
 def run_engine(engine: str, store: Path, result: Path, workers: int) -> None:
     """Body of one subprocess: count `store` with `engine`, save sorted (prev, next, count)."""
     tokens = np.memmap(store / "tokens.bin", dtype="<u2", mode="r")
@@ -156,6 +161,7 @@ def run_engine(engine: str, store: Path, result: Path, workers: int) -> None:
         shutil.rmtree(out, ignore_errors=True)
         count_stores([store], out, workers=workers, progress=False)
         wall = time.perf_counter() - t0
+        counted(result)
         with open(out / "bigrams.parquet", "rb") as f:
             table = pq.read_table(f)
         prev, nxt, count = (table.column(c).to_numpy() for c in ("prev", "next", "count"))
@@ -171,6 +177,7 @@ def run_engine(engine: str, store: Path, result: Path, workers: int) -> None:
             "SELECT prev, next, count(*) AS count FROM tbl GROUP BY ALL"
         ).to_arrow_table()
         wall = time.perf_counter() - t0
+        counted(result)
         prev, nxt, count = (arrow.column(c).to_numpy() for c in ("prev", "next", "count"))
     elif engine == "polars":
         import polars as pl
@@ -178,6 +185,7 @@ def run_engine(engine: str, store: Path, result: Path, workers: int) -> None:
         df = pl.DataFrame({"prev": tokens[:-1], "next": tokens[1:]})
         out = df.group_by(["prev", "next"]).len()
         wall = time.perf_counter() - t0
+        counted(result)
         prev, nxt, count = (out[c].to_numpy() for c in ("prev", "next", "len"))
     else:
         raise SystemExit(f"unknown engine {engine}")
@@ -190,6 +198,8 @@ def measure(engine: str, store: Path, workers: int) -> dict:
     """Run one engine in a subprocess; its wall time and the peak of its process tree's RSS."""
     result = DATA / f"result-{engine}-{store.name}.npz"
     result.unlink(missing_ok=True)
+    done = result.with_suffix(".done")
+    done.unlink(missing_ok=True)
     env = dict(os.environ, POLARS_MAX_THREADS=str(workers))
     proc = subprocess.Popen(
         [
@@ -210,7 +220,7 @@ def measure(engine: str, store: Path, workers: int) -> dict:
     stop = threading.Event()
 
     def sample():
-        while not stop.is_set():
+        while not stop.is_set() and not done.exists():
             peak[0] = max(peak[0], tree_rss(proc.pid))
             stop.wait(0.02)
 
@@ -221,12 +231,11 @@ def measure(engine: str, store: Path, workers: int) -> dict:
     sampler.join()
     if rc != 0:
         raise SystemExit(f"{engine} failed on {store} (exit {rc})")
-    children_maxrss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     with np.load(result) as z:
         out = {"key": z["key"], "count": z["count"], "wall": float(z["wall"])}
     result.unlink()
+    done.unlink(missing_ok=True)
     out["peak_rss"] = peak[0]
-    out["children_maxrss"] = children_maxrss
     return out
 
 
@@ -351,6 +360,9 @@ def main() -> None:
     n = 5_000_000 if args.quick else args.tokens
     big = 0 if args.quick else args.big_tokens
     DATA.mkdir(parents=True, exist_ok=True)
+    from ar_slicing.counts import warm_kernels
+
+    warm_kernels()  # numba compiles once into its on-disk cache; the timed runs load it
     print(
         f"bench_count: {workers} workers, streams of {n:,} tokens (load average {os.getloadavg()[0]:.1f})"
     )
