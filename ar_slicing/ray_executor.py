@@ -3,8 +3,9 @@
 Tasks are the stages' own picklable functions and arguments (a `count_shard(MapTask)`, an
 `encode_shard(ShardTask)`, ...). They read their inputs from paths and write their outputs to
 paths, so every node must see the run directory under the same path: shared storage is a path
-(a local disk for a one-node cluster; NFS, Lustre or a mounted bucket for several nodes). Only
-small results (counts, timings) travel back through Ray.
+(a local disk for a one-node cluster; NFS, Lustre or a mounted bucket for several nodes). Tasks
+run in the driver's working directory, so relative paths resolve as they do in the driver (that
+directory must exist on every node too). Only small results (counts, timings) travel back.
 
   * `map_unordered(fn, tasks)` runs `fn(task)` as a `ray.remote` task with `max_retries`, so a
     task whose worker process or node dies is run again (the stages' tasks write their outputs
@@ -23,7 +24,9 @@ each node).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -59,25 +62,49 @@ def connect(address: str | None = None) -> Any:
         else:
             ray.init(include_dashboard=False)
     except ConnectionError as e:
+        where = (
+            f"--ray-address {address}"
+            if address
+            else f"RAY_ADDRESS={os.environ.get('RAY_ADDRESS')}"
+        )
         raise ArSliceError(
-            f"--ray-address {address}: cannot connect to a Ray cluster ({e}); start one with "
-            "`ray start --head` or leave --ray-address out for a local one"
+            f"{where}: cannot connect to a Ray cluster ({e}); start one with `ray start --head`, "
+            "or give neither for a local one"
         ) from None
     return ray
 
 
-def _call(fn: Callable[[Any], Any], task: Any) -> Any:
-    return fn(task)
+@contextlib.contextmanager
+def _in_dir(cwd: str):
+    """Run in the driver's working directory, so relative paths mean what they meant there
+    (the directory must exist under the same path on every node, like the run directory)."""
+    before = os.getcwd()
+    try:
+        os.chdir(cwd)
+    except OSError:
+        log.warning("%s: no such directory on this node; relative paths will not resolve", cwd)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+def _call(fn: Callable[[Any], Any], task: Any, cwd: str) -> Any:
+    with _in_dir(cwd):
+        return fn(task)
 
 
 class _StateActor:
     """Holds `make_state()` (built once, in the actor's process) and runs `state(task)`."""
 
-    def __init__(self, make_state: Callable[[], Callable[[Any], Any]]):
-        self.state = make_state()
+    def __init__(self, make_state: Callable[[], Callable[[Any], Any]], cwd: str):
+        self.cwd = cwd
+        with _in_dir(cwd):
+            self.state = make_state()
 
     def run(self, task: Any) -> Any:
-        return self.state(task)
+        with _in_dir(self.cwd):
+            return self.state(task)
 
 
 def _reraise(err: BaseException) -> None:
@@ -101,7 +128,8 @@ class RayExecutor:
     """Runs the map steps of a stage as Ray tasks (see the module docstring).
 
     `workers` bounds the tasks in flight (default: the cluster's CPUs divided by `num_cpus`) and
-    is what the stages size their work by, like `LocalExecutor.workers`.
+    is what the stages size their work by, like `LocalExecutor.workers`. The cluster is joined
+    on first use, so a stage refuses bad inputs before waiting for Ray to start.
     """
 
     name = "ray"
@@ -115,15 +143,36 @@ class RayExecutor:
         num_gpus: float = 0,
         max_retries: int = DEFAULT_MAX_RETRIES,
     ):
-        self.ray = connect(address)
+        self.address = address
         self.num_cpus = num_cpus
         self.num_gpus = num_gpus
         self.max_retries = max_retries
-        resources = self.ray.cluster_resources()
-        self.cluster_cpus = int(resources.get("CPU", 0))
-        self.cluster_gpus = int(resources.get("GPU", 0))
-        self.workers = workers or max(1, int(self.cluster_cpus // max(num_cpus, 1e-9)))
-        self._remote = self.ray.remote(_call)
+        self._workers = workers
+        self._ray = None
+
+    @property
+    def ray(self):
+        if self._ray is None:
+            self._ray = connect(self.address)
+            self._remote = self._ray.remote(_call)
+        return self._ray
+
+    def _resource(self, name: str) -> int:
+        return int(self.ray.cluster_resources().get(name, 0))
+
+    @property
+    def cluster_cpus(self) -> int:
+        return self._resource("CPU")
+
+    @property
+    def cluster_gpus(self) -> int:
+        return self._resource("GPU")
+
+    @property
+    def workers(self) -> int:
+        if self._workers is None:
+            self._workers = max(1, int(self.cluster_cpus // max(self.num_cpus, 1e-9)))
+        return self._workers
 
     def map_unordered(
         self, fn: Callable[[Any], Any], tasks: Iterable[Any]
@@ -134,11 +183,12 @@ class RayExecutor:
             num_cpus=self.num_cpus, num_gpus=self.num_gpus, max_retries=self.max_retries
         ).remote
         fn_ref = ray.put(fn)  # shipped once, not with every task
+        cwd = os.getcwd()
         tasks = iter(tasks)
         pending: dict[Any, Any] = {}
         try:
             for task in tasks:
-                pending[submit(fn_ref, task)] = task
+                pending[submit(fn_ref, task, cwd)] = task
                 if len(pending) >= 2 * self.workers:
                     break
             while pending:
@@ -152,7 +202,7 @@ class RayExecutor:
                     yield task, result
                     nxt = next(tasks, None)
                     if nxt is not None:
-                        pending[submit(fn_ref, nxt)] = nxt
+                        pending[submit(fn_ref, nxt, cwd)] = nxt
         finally:
             for ref in pending:  # the driver stopped early (an error, or the consumer left)
                 ray.cancel(ref)
@@ -199,7 +249,7 @@ class RayExecutor:
             max_task_retries=self.max_retries,
         )
         log.info("starting %d Ray actors (num_gpus=%s, num_cpus=%s)", n_actors, num_gpus, num_cpus)
-        actors = [actor_cls.remote(make_state) for _ in range(n_actors)]
+        actors = [actor_cls.remote(make_state, os.getcwd()) for _ in range(n_actors)]
         queue = iter(tasks)
         pending: dict[Any, tuple[Any, Any]] = {}
         try:

@@ -238,6 +238,21 @@ def test_count_on_ray_equals_local_through_the_cli(cluster, train_stores, tmp_pa
     assert on_ray["config"]["executor"] == "ray"
 
 
+def test_relative_paths_mean_the_drivers_working_directory(
+    cluster, train_stores, tmp_path, monkeypatch
+):
+    """Ray's workers started in another directory: relative --tokens/--out still resolve."""
+    from pipeline.cli import main
+
+    for i, store in enumerate(train_stores):
+        shutil.copytree(store, tmp_path / f"train{i}")
+    monkeypatch.chdir(tmp_path)
+    common = ["--tokens", "train0", "train1", "--shard-tokens", "20000", "--workers", "2"]
+    assert main(["count", *common, "--out", "local"]) == 0
+    assert main(["count", *common, "--out", "ray", "--executor", "ray"]) == 0
+    same_bytes(tmp_path / "local", tmp_path / "ray", ["bigrams.parquet"])
+
+
 def test_count_retries_killed_map_and_reduce_tasks(cluster, train_stores, tmp_path):
     from ar_slicing.counts import count_stores
     from ar_slicing.ray_executor import RayExecutor
