@@ -62,9 +62,7 @@ def run_count(cfg: CountConfig) -> dict:
     executor = None
     if cfg.executor != "local" and not was_complete:
         executor = get_executor(cfg.executor, cfg.workers or None, address=cfg.ray_address)
-    workers = (
-        executor.workers if executor else cfg.workers if cfg.workers > 0 else default_workers()
-    )
+    workers = cfg.workers if cfg.workers > 0 else default_workers()  # (the executor's, if given)
     meta = count_stores(
         list(cfg.tokens),
         cfg.out,
