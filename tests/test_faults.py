@@ -53,7 +53,7 @@ def world(tmp_path_factory, bpe_tokenizer_path):
     tok = str(bpe_tokenizer_path)
     src = copy_sources(root / "src", 40)  # the tokenize stage's own input
     train_src = copy_sources(root / "train-src", 12)
-    val_src = copy_sources(root / "val-src", 4, skip=40)
+    val_src = copy_sources(root / "val-src", 2, skip=40)
     train, val = root / "train", root / "val"
     assert cli("tokenize", "--source", val_src, "--glob", "*.py", "--tokenizer", tok,
                "--workers", "1", "--out", val) == 0  # fmt: skip
