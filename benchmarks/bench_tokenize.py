@@ -107,6 +107,13 @@ def cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def _autogroup_enabled() -> bool:
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        return False
+
+
 def peak_rss_mb() -> tuple[float, float]:
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
@@ -190,6 +197,19 @@ def main() -> int:
         f"CPU time: the stage spends {min(stage)[1] / min(base)[1]:.2f}x the baseline's CPU seconds "
         "for the same tokens"
     )
+    stage_cores = min(stage)[1] / min(stage)[0]
+    if stage_cores < 0.8 * min(workers, os.cpu_count() or 1):
+        print(
+            f"note: the stage got {stage_cores:.2f} cores, not {workers}: the machine is busy"
+            + (
+                " and the kernel's autogroup scheduler gives this session one share of the CPUs "
+                "however many processes it runs"
+                if _autogroup_enabled()
+                else ""
+            )
+            + ", so the wall-clock ratio understates the speed-up; the CPU-time line does not "
+            "depend on the load"
+        )
     print(f"peak RSS: {own_mb:.0f} MB (this process), {child_mb:.0f} MB (largest worker)")
     shutil.rmtree(out, ignore_errors=True)
     return 0
