@@ -939,6 +939,8 @@ def count_stores(
         for s in stores
     ]
     plan = {
+        # a store re-created in place must not reuse partials of the old one
+        "stores_created_at": [s.meta.get("created_at") for s in stores],
         "sources": sources,
         "unit": unit,
         "shard_tokens": shard_tokens,
