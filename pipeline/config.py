@@ -81,7 +81,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             (item,) = typing.get_args(tp)[:1]
             kwargs["nargs"] = "+"
             kwargs["type"] = item
-            if f.metadata.get("repeatable"):  # `--x a --x b` collects both instead of keeping the last
+            if f.metadata.get(
+                "repeatable"
+            ):  # `--x a --x b` collects both instead of keeping the last
                 kwargs["action"] = "extend"
         else:
             kwargs["type"] = tp if tp in (int, float, str) else str
@@ -136,6 +138,7 @@ def config_to_dict(cfg: Any) -> dict:
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
 
 
-def print_config(cfg: Any, file=sys.stdout) -> None:
-    """`--dry-run` output: the resolved config as JSON."""
-    print(json.dumps({type(cfg).__name__: config_to_dict(cfg)}, indent=2, default=str), file=file)
+def print_config(cfg: Any, file=None) -> None:
+    """`--dry-run` output: the resolved config as JSON (to stdout as it is at call time)."""
+    text = json.dumps({type(cfg).__name__: config_to_dict(cfg)}, indent=2, default=str)
+    print(text, file=file or sys.stdout)

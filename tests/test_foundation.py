@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -150,10 +151,18 @@ def test_every_config_field_has_help_text():
     from pipeline.cli import COMMANDS
 
     for name, (module, _) in COMMANDS.items():
-        try:
-            command = importlib.import_module(module).COMMAND
-        except ModuleNotFoundError:
-            continue
+        command = importlib.import_module(module).COMMAND
         for f in dataclasses.fields(command.config_cls):
             assert f.metadata.get("help"), f"arslice {name}: field {f.name} has no help text"
         assert command.examples.strip(), f"arslice {name}: --help shows no examples"
+
+
+def test_dry_run_prints_the_resolved_config_and_does_nothing(tmp_path, capsys):
+    from pipeline.cli import main
+
+    out = tmp_path / "counts"
+    assert main(["count", "--tokens", str(tmp_path / "store"), "--out", str(out), "--dry-run"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    (config,) = printed.values()
+    assert config["tokens"] == [str(tmp_path / "store")] and config["out"] == str(out)
+    assert not out.exists()
