@@ -191,7 +191,7 @@ def write_token_store(
     dtype = dtype_for_vocab(int(tokenizer_info["vocab_size"]))
     eos = int(tokenizer_info["eos_id"])
     lengths = np.array([len(d) for d in documents], dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lengths + 1)[:-1]]).astype(np.int64)
+    offsets = (np.cumsum(lengths + 1) - (lengths + 1)).astype(np.int64)  # start of each document
     parts = []
     for d in documents:
         parts.append(np.asarray(d, dtype=np.int64))

@@ -166,3 +166,9 @@ def test_dry_run_prints_the_resolved_config_and_does_nothing(tmp_path, capsys):
     (config,) = printed.values()
     assert config["tokens"] == [str(tmp_path / "store")] and config["out"] == str(out)
     assert not out.exists()
+
+
+def test_a_store_of_no_documents_is_empty_not_an_error(make_store):
+    store = make_store([], vocab_size=10)
+    assert store.n_tokens == 0 and store.n_docs == 0
+    assert store.tokens.tolist() == [] and store.doc_offsets.tolist() == []
