@@ -223,7 +223,7 @@ def _count_u16_kernel(tokens, row, phase):
     bits = np.zeros(1024, np.uint64)
     summary = np.zeros(16, np.uint64)
     out_keys = np.empty(m, np.uint32)
-    out_counts = np.empty(m, np.int64)
+    out_counts = np.empty(m, np.uint32)  # a shard has fewer than 2**32 pairs
     d = 0
     for p in range(65536):
         a = hist[p]
