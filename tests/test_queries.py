@@ -30,24 +30,12 @@ import pytest
 from ar_slicing.errors import ArSliceError, BadInput, TokenizerMismatch
 from ar_slicing.io import build_meta, write_meta
 from ar_slicing.store import write_token_store
+from ar_slicing.tags import tags_schema
 from ar_slicing.tokenizer import describe
 
 QUERIES = Path(__file__).resolve().parent.parent / "queries"
 
-TAG_SCHEMA = pa.schema(
-    [
-        ("window_id", pa.int32()),
-        ("pos", pa.int32()),
-        ("doc_id", pa.int64()),
-        ("token", pa.int32()),
-        ("prev", pa.int32()),
-        ("train_count", pa.int64()),
-        ("prev_pos", pa.int32()),
-        ("is_repeat", pa.bool_()),
-        ("is_ar_hit", pa.bool_()),
-        ("subset", pa.string()),
-    ]
-)
+TAG_SCHEMA = tags_schema()
 LOSS_SCHEMA = pa.schema([("window_id", pa.int32()), ("pos", pa.int32()), ("nll", pa.float32())])
 
 
