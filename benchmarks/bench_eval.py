@@ -5,14 +5,16 @@ a byte-level BPE trained here) with the same ~10 M-parameter GPT-NeoX (random we
 Pythia-like config, saved to a temporary directory and loaded with `hf:<dir>`):
 
   * eval   `pipeline.eval.run_eval` end to end: loading, batched forward passes under
-           inference_mode, chunked fp32 cross-entropy, Parquet output and meta.json.
+           inference_mode, tiled fp32 cross-entropy, Parquet output and meta.json. Twice: with
+           `--dtype auto` (the default: bf16 autocast on a CPU with native bf16, fp32 elsewhere)
+           and with `--dtype fp32` (exact fp32 throughout).
   * naive  what one writes first: the same model from `from_pretrained`, one window at a time
            (batch 1) under no_grad, full `(T, V)` fp32 `log_softmax`, gather.
 
 Each measurement runs in a fresh process (so peak memory and allocator state are its own), the two
 alternating `--repeat` times, best kept. Printed: tokens/s of each (loop only, and end to end with
-model loading and output), their ratio (target >= 2x), peak resident memory of each (VmHWM), and
-the largest |difference| between the two sets of losses.
+model loading and output), their ratio (target >= 2x for the default), peak resident memory of
+each (VmHWM), and the largest and mean |difference| of each eval's losses from the naive ones.
 
     .venv/bin/python benchmarks/bench_eval.py            # 8 windows
     .venv/bin/python benchmarks/bench_eval.py --quick    # 2 windows, a smoke run
@@ -37,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 WINDOW = 2048
 VOCAB = 50304  # Pythia's padded GPT-NeoX vocabulary: the output head is most of the work
 TOKENIZER_VOCAB = 8192
+METHODS = ("naive", "eval:auto", "eval:fp32")
 
 
 def reset_peak_rss() -> None:
@@ -160,6 +163,7 @@ def measure(method: str, root: Path, batch_size: str) -> dict:
                 tags=str(root / "tags"),
                 out=str(out),
                 device="cpu",
+                dtype=method.split(":")[1],
                 batch_size=batch_size,
                 overwrite=True,
             )
@@ -172,7 +176,7 @@ def measure(method: str, root: Path, batch_size: str) -> dict:
                 for p in sorted(out.glob("losses-*.parquet"))
             ]
         )
-        extra = {"batch_size": meta["batch_size"]}
+        extra = {"batch_size": meta["batch_size"], "dtype": meta["dtype"]}
     total_s = time.perf_counter() - t0
     np.save(root / f"{method}.npy", nll)
     return {
@@ -195,9 +199,9 @@ def main() -> None:
         "--repeat",
         type=int,
         default=1,
-        help="alternate the two this many times; keep each one's best",
+        help="alternate the methods this many times; keep each one's best",
     )
-    parser.add_argument("--measure", choices=["naive", "eval"], help=argparse.SUPPRESS)
+    parser.add_argument("--measure", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:  # child process: one measurement, as JSON on the last line
@@ -217,7 +221,7 @@ def main() -> None:
               f"{torch.get_num_threads()} threads")  # fmt: skip
         best: dict[str, dict] = {}
         for _ in range(args.repeat):
-            for method in ("naive", "eval"):
+            for method in METHODS:
                 # A fresh process each: peak memory and allocator state are the method's own.
                 proc = subprocess.run(
                     [sys.executable, __file__, "--measure", method, "--root", str(root),
@@ -226,29 +230,34 @@ def main() -> None:
                 )  # fmt: skip
                 got = json.loads(proc.stdout.strip().splitlines()[-1])
                 print(
-                    f"  {method:5s} loop {got['loop_s']:.2f} s, end to end {got['total_s']:.2f} s"
+                    f"  {method:9s} loop {got['loop_s']:.2f} s, end to end {got['total_s']:.2f} s"
                 )
                 if method not in best or got["loop_s"] < best[method]["loop_s"]:
                     best[method] = {
                         **got,
                         "total_s": min(got["total_s"], best.get(method, got)["total_s"]),
                     }
-        diff = np.abs(np.load(root / "eval.npy") - np.load(root / "naive.npy")).max()
+        naive = np.load(root / "naive.npy")
+        diffs = {m: np.abs(np.load(root / f"{m}.npy") - naive) for m in METHODS[1:]}
 
-    rows = best["eval"]["rows"]
-    ev, nv = best["eval"], best["naive"]
-    loop_ratio = nv["loop_s"] / ev["loop_s"]
+    nv = best["naive"]
+    rows = nv["rows"]
     print()
     print(f"{rows} targets in {n_windows} windows; best of {args.repeat}")
-    print(f"{'':24s}{'eval':>14s}{'naive':>14s}{'ratio':>9s}")
-    print(
-        f"{'tokens/s (loop)':24s}{rows / ev['loop_s']:14,.0f}{rows / nv['loop_s']:14,.0f}{loop_ratio:8.2f}x"
-    )
-    print(f"{'tokens/s (end to end)':24s}{rows / ev['total_s']:14,.0f}{rows / nv['total_s']:14,.0f}"
-          f"{nv['total_s'] / ev['total_s']:8.2f}x")  # fmt: skip
-    print(f"{'peak RSS (MiB)':24s}{ev['peak_mib']:14,.0f}{nv['peak_mib']:14,.0f}")
-    print(f"eval batch size {ev['batch_size']}; max |nll difference| {diff:.2e}")
-    print(f"target: eval >= 2x naive tokens/s (loop) -> {'met' if loop_ratio >= 2 else 'NOT met'}")
+    print(f"{'':34s}{'tokens/s':>10s}{'ratio':>8s}{'end to end':>12s}{'ratio':>8s}"
+          f"{'peak MiB':>10s}{'max|dNLL|':>11s}{'mean|dNLL|':>11s}")  # fmt: skip
+    for m in METHODS:
+        r = best[m]
+        label = "naive (batch 1, fp32 log_softmax)" if m == "naive" else f"eval --dtype {m[5:]}"
+        if m != "naive":
+            label += f" ({r['dtype']}, batch {r['batch_size']})"
+        d = diffs.get(m)
+        print(f"{label:34s}{rows / r['loop_s']:10,.0f}{nv['loop_s'] / r['loop_s']:7.2f}x"
+              f"{rows / r['total_s']:12,.0f}{nv['total_s'] / r['total_s']:7.2f}x{r['peak_mib']:10,.0f}"
+              + (f"{d.max():11.2e}{d.mean():11.2e}" if d is not None else ""))  # fmt: skip
+    ratio = nv["loop_s"] / best["eval:auto"]["loop_s"]
+    print(f"target: eval (default dtype) >= 2x naive tokens/s (loop) -> "
+          f"{'met' if ratio >= 2 else 'NOT met'} ({ratio:.2f}x)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ How it runs:
     records the settings that produced it (parquet schema metadata); resuming with different
     settings is refused.
   * Inside a chunk, sequences are batched longest first; the forward pass runs under
-    `torch.inference_mode`, with bf16/fp16 autocast when asked (the default on CUDA) while the
-    cross-entropy stays fp32 and chunked (`models.nll.per_token_nll`).
+    `torch.inference_mode`, with bf16/fp16 autocast when asked (the default on CUDA and on CPUs
+    with native bf16) while the cross-entropy stays fp32 and chunked (`models.nll.per_token_nll`).
   * `--batch-size auto` starts from a guess for the device and, on CUDA out-of-memory, halves the
     batch and retries it, keeping the smaller size for the rest of the run.
   * `--max-windows N` evaluates windows `0..N-1` only; its meta.json says `"partial": true` and
@@ -88,7 +88,8 @@ class EvalConfig:
         default="auto",
         metadata={
             "help": "autocast dtype of the forward pass; auto = bf16 on CUDA (fp16 without bf16 "
-            "support), fp32 on CPU. The cross-entropy is always fp32",
+            "support) and on CPUs with native bf16 (AVX512-BF16, AMX, Arm BF16), else fp32. "
+            "The cross-entropy is always fp32; --dtype fp32 for exact fp32 losses",
             "choices": ["auto", "bf16", "fp16", "fp32"],
         },
     )
@@ -322,14 +323,36 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """True when this CPU multiplies bf16 matrices in hardware (x86 AVX512-BF16 or AMX-BF16,
+    Arm BF16), where bf16 autocast runs the model's matrix products about twice as fast as fp32.
+    CPUs without it emulate bf16 more slowly than fp32. `cpuinfo` is /proc/cpuinfo's text."""
+    import torch
+
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            return False
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags = set(value.split())
+            native = bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+            return native and torch.backends.mkldnn.is_available()
+    return False
+
+
 def resolve_dtype(dtype: str, device: str) -> str:
+    """`auto`: bf16 on CUDA (fp16 where the GPU has no bf16) and on CPUs with native bf16 matrix
+    instructions, fp32 on other CPUs. The cross-entropy is fp32 whatever the dtype."""
     import torch
 
     if dtype != "auto":
         return dtype
     if device == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return "fp32"
+    return "bf16" if cpu_has_native_bf16() else "fp32"
 
 
 def resolve_batch_size(batch_size: str | int, device: str, window: int) -> int:
@@ -634,6 +657,7 @@ def run_eval(cfg: EvalConfig) -> dict:
         executor = get_executor(cfg.executor, address=cfg.ray_address)
         # the actors' device, not this process's: CUDA when the cluster has GPUs
         device = cfg.device if cfg.device != "auto" else "cuda" if executor.cluster_gpus else "cpu"
+        # CPU actors may run on other machines, whose bf16 support this one cannot see: fp32
         dtype = cfg.dtype if cfg.dtype != "auto" else "bf16" if device == "cuda" else "fp32"
     else:
         device = resolve_device(cfg.device)

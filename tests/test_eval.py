@@ -24,7 +24,15 @@ from ar_slicing.rolling import lm_eval_rolling_windows, rolling_windows, window_
 from ar_slicing.store import write_token_store
 from ar_slicing.tokenizer import describe
 from pipeline.count import CountConfig, run_count
-from pipeline.eval import BatchRunner, EvalConfig, Sequence, model_name_from_spec, run_eval
+from pipeline.eval import (
+    BatchRunner,
+    EvalConfig,
+    Sequence,
+    cpu_has_native_bf16,
+    model_name_from_spec,
+    resolve_dtype,
+    run_eval,
+)
 from pipeline.tag import TagConfig, run_tag
 
 torch = pytest.importorskip("torch")
@@ -129,6 +137,7 @@ def models_dir(tmp_path_factory, bpe_tokenizer_path):
 def config(corpus, model, out, **kw) -> EvalConfig:
     kw.setdefault("batch_size", "3")
     kw.setdefault("chunk_windows", 4)
+    kw.setdefault("dtype", "fp32")  # exact losses; `auto` may pick bf16 on this CPU
     return EvalConfig(model=model, tags=str(corpus["tags"]), out=str(out), device="cpu", **kw)
 
 
@@ -277,6 +286,45 @@ def test_losses_equal_plain_forward(kind, corpus, models_dir, tmp_path):
     assert meta["architecture"] == {"neox": "gpt_neox", "rwkv": "rwkv", "native": "attention"}[kind]
     assert meta["n_params"] > 0 and meta["dtype"] == "fp32" and meta["device"] == "cpu"
     assert meta["fingerprint"] == corpus["store"].fingerprint and meta["tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize(
+    "cpuinfo, native",
+    [
+        (
+            "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512bw avx512_bf16 avx512_vnni\n",
+            True,
+        ),
+        ("flags\t\t: fpu sse avx2 amx_tile amx_bf16 amx_int8\n", True),
+        ("flags\t\t: fpu sse avx2 avx512f avx512bw avx512_vnni\n", False),  # bf16 emulated only
+        ("Features\t: fp asimd evtstrm aes sve bf16 i8mm\n", True),
+        ("Features\t: fp asimd evtstrm aes\n", False),
+        ("", False),
+    ],
+)
+def test_cpu_bf16_detection(cpuinfo, native):
+    assert cpu_has_native_bf16(cpuinfo) is native
+
+
+def test_auto_dtype_follows_the_cpu(monkeypatch):
+    import pipeline.eval as ev
+
+    monkeypatch.setattr(ev, "cpu_has_native_bf16", lambda: True)
+    assert resolve_dtype("auto", "cpu") == "bf16" and resolve_dtype("fp32", "cpu") == "fp32"
+    monkeypatch.setattr(ev, "cpu_has_native_bf16", lambda: False)
+    assert resolve_dtype("auto", "cpu") == "fp32" and resolve_dtype("bf16", "cpu") == "bf16"
+
+
+def test_bf16_on_cpu_stays_close_to_fp32(corpus, models_dir, tmp_path):
+    """bf16 autocast (auto's choice on CPUs with native bf16) moves losses by rounding only."""
+    spec = models_dir["neox"]
+    run_eval(config(corpus, spec, tmp_path / "fp32"))
+    run_eval(config(corpus, spec, tmp_path / "bf16", dtype="bf16"))
+    assert read_json(tmp_path / "bf16" / "meta.json")["dtype"] == "bf16"
+    fp32 = read_losses(tmp_path / "fp32").column("nll").to_numpy()
+    bf16 = read_losses(tmp_path / "bf16").column("nll").to_numpy()
+    diff = np.abs(bf16 - fp32)
+    assert 0 < diff.max() < 0.1 and diff.mean() < 0.02
 
 
 def test_batch_size_does_not_change_losses(corpus, models_dir, tmp_path):

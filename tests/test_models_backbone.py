@@ -15,7 +15,7 @@ from models import load_model
 from models.attention import MHA
 from models.backbone import LanguageModel, ModelConfig
 from models.native import load_native, save_native
-from models.nll import chunked_nll, per_token_nll
+from models.nll import chunked_nll, per_token_nll, tiled_nll
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -115,6 +115,40 @@ def test_chunked_nll_equals_full_log_softmax(chunk):
     logp = torch.log_softmax(hidden @ weight.T + bias, dim=-1)
     ref = -logp.gather(-1, targets[..., None])[..., 0]
     torch.testing.assert_close(chunked_nll(hidden, weight, bias, targets, chunk_size=chunk), ref)
+
+
+@pytest.mark.parametrize(
+    "rows, vocab_block, bias, scale",
+    [(1, 7, True, 1.0), (5, 50, False, 1.0), (4, 13, True, 30.0), (1024, 1024, True, 1.0)],
+)
+def test_tiled_nll_equals_full_log_softmax(rows, vocab_block, bias, scale):
+    """Tiles that do not divide the tokens or the vocabulary, with and without a bias, and logits
+    in the hundreds (where a naive exp overflows) all give the full log_softmax's NLL."""
+    torch.manual_seed(3)
+    hidden, weight = torch.randn(3, 11, 16) * scale, torch.randn(50, 16)
+    b = torch.randn(50) if bias else None
+    targets = torch.randint(0, 50, (3, 11))
+    targets[1, 4] = -1
+    logits = hidden @ weight.T + (b if bias else 0)
+    ref = -torch.log_softmax(logits, dim=-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    ref[1, 4] = 0
+    got = tiled_nll(hidden, weight, b, targets, rows=rows, vocab_block=vocab_block)
+    assert got.dtype == torch.float32 and got.shape == (3, 11)
+    torch.testing.assert_close(got, ref, atol=1e-4 * scale, rtol=1e-5)
+    torch.testing.assert_close(
+        got, chunked_nll(hidden, weight, b, targets), atol=1e-4 * scale, rtol=1e-5
+    )
+
+
+def test_tiled_nll_under_bf16_autocast_stays_close_to_fp32():
+    torch.manual_seed(4)
+    hidden, weight = torch.randn(2, 64, 32), torch.randn(300, 32) * 0.2
+    targets = torch.randint(0, 300, (2, 64))
+    fp32 = tiled_nll(hidden, weight, None, targets, rows=40, vocab_block=128)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = tiled_nll(hidden.bfloat16(), weight, None, targets, rows=40, vocab_block=128)
+    assert bf16.dtype == torch.float32
+    assert (bf16 - fp32).abs().max() < 0.05 and (bf16 - fp32).abs().max() > 0
 
 
 def test_native_round_trip(tmp_path, bpe_tokenizer_path, bpe_tokenizer):
