@@ -2,9 +2,10 @@
 `zoology/mixers/base_conv.py` and `convolution.py`.
 
 `conv` is a short causal depthwise convolution with bias (`kernel_size` taps; the
-`(h * u + b2)` of the paper) or, with `kernel_size=-1`, Zoology's implicit long convolution
-`h * u + u` (an implicit Hyena-style filter; its `bias` parameter exists but, as in Zoology, is not
-applied: the FFT path adds `u` itself).
+`(h * u + b2)` of the paper) or, with `kernel_size=-1`, a long convolution `h * u + u` over the
+whole sequence: Zoology's implicit one (a Hyena-style filter; its `bias` parameter exists but, as
+in Zoology, is not applied: the FFT path adds `u` itself) or, with `implicit_long_conv=False`, its
+explicit `LongConvolution` (one learned filter tap per channel and position, key `conv.filter`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,32 @@ class ImplicitLongConvolution(ImplicitFilter):
         return fft_causal_conv(u, self.filter(L), ones).transpose(1, 2)  # (B, L, D)
 
 
+class LongConvolution(nn.Module):
+    """Long causal convolution with an explicit filter `(d_model, l_max)`; `y = h * u + u`.
+
+    For a sequence of length L the first L taps are used. Zoology's `fft_conv` zero-pads to 2L but
+    keeps up to 2L taps, so for L < l_max its taps L..2L-1 wrap around and let later inputs reach
+    earlier outputs; at L = l_max (the length it trains at) the two agree exactly, and here every
+    length is causal.
+    """
+
+    def __init__(self, d_model: int, l_max: int, **kwargs):
+        super().__init__()
+        self.d_model = d_model
+        self.l_max = l_max
+        self.filter = nn.Parameter(torch.randn(d_model, l_max))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        L = x.shape[1]
+        if L > self.l_max:
+            raise ValueError(
+                f"sequence of {L} tokens is longer than the filter (l_max={self.l_max})"
+            )
+        u = x.transpose(1, 2)  # (B, D, L)
+        ones = torch.ones(self.d_model, device=x.device)
+        return fft_causal_conv(u, self.filter[:, :L], ones).transpose(1, 2)  # (B, L, D)
+
+
 class BaseConv(nn.Module):
     """`projection(u) ⊙ conv(u) + u` (optionally with SiLU on both factors)."""
 
@@ -75,12 +102,10 @@ class BaseConv(nn.Module):
                 raise ValueError("a list kernel_size needs one entry per layer")
             kernel_size = kernel_size[layer_idx]
         self.projection = nn.Linear(d_model, d_model)
-        if kernel_size == -1:
-            if not implicit_long_conv:
-                raise ValueError(
-                    "explicit long convolutions are not implemented; use implicit_long_conv"
-                )
+        if kernel_size == -1 and implicit_long_conv:
             self.conv = ImplicitLongConvolution(d_model, l_max=l_max, **kwargs)
+        elif kernel_size == -1:
+            self.conv = LongConvolution(d_model, l_max=l_max)
         else:
             self.conv = ShortConvolution(d_model, kernel_size=kernel_size)
 

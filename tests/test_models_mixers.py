@@ -146,6 +146,31 @@ def test_base_conv_long_equals_its_formula():
         torch.testing.assert_close(mixer(u), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_base_conv_explicit_long_equals_its_formula_and_zoology_keys():
+    torch.manual_seed(0)
+    mixer = BaseConv(d_model=8, l_max=32, kernel_size=-1, implicit_long_conv=False).eval()
+    assert sorted(mixer.state_dict()) == [
+        "conv.filter",
+        "projection.bias",
+        "projection.weight",
+    ]
+    assert mixer.conv.filter.shape == (8, 32)
+    for L in (20, 32):  # shorter than the filter, and its full length
+        u = torch.randn(2, L, 8)
+        with torch.no_grad():
+            h = mixer.conv.filter[:, :L]
+            conv = direct_causal_conv(u.transpose(1, 2), h).float().transpose(1, 2) + u
+            expected = mixer.projection(u) * conv + u
+            torch.testing.assert_close(mixer(u), expected, atol=1e-4, rtol=1e-5)
+    u = torch.randn(1, 32, 8)
+    v = u.clone()
+    v[:, 20:] = torch.randn(1, 12, 8)  # a different future
+    with torch.no_grad():
+        torch.testing.assert_close(mixer(u)[:, :20], mixer(v)[:, :20])
+        with pytest.raises(ValueError, match="l_max=32"):
+            mixer(torch.randn(1, 33, 8))
+
+
 def test_hyena_equals_gated_direct_convolution():
     torch.manual_seed(0)
     mixer = Hyena(d_model=8, l_max=32, filter_order=16).eval()
