@@ -12,7 +12,7 @@ RUN := $(shell sed -n 's/^run_dir *= *"\([^"]*\)".*/\1/p' $(CONFIG) 2>/dev/null)
 RUNFLAGS := $(if $(OVERWRITE),--overwrite,)
 STAGE = $(ARSLICE) run --config $(CONFIG) $(RUNFLAGS) --stage
 
-.PHONY: install test test-slow test-demo test-gpu lint format bench bench-gpu all tokenizer tokenize counts tags train eval report readme-demo clean-run
+.PHONY: install test test-slow test-demo test-gpu lint format bench bench-gpu all tokenizer tokenize counts tags train eval report verify readme-demo clean-run
 
 install:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -78,6 +78,10 @@ $(RUN)/losses/meta.json: $(RUN)/tags/meta.json $(RUN)/models/meta.json
 report: $(RUN)/report/report.html
 $(RUN)/report/report.html: $(RUN)/tags/meta.json $(RUN)/losses/meta.json
 	$(STAGE) report
+
+# Every invariant of the run's outputs (sizes, fingerprints, one loss per tag row, ...).
+verify:
+	$(ARSLICE) verify --run $(RUN)
 
 # The README's demo table and frequency curve, regenerated from a real `make all` run.
 readme-demo: all
