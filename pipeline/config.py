@@ -142,3 +142,30 @@ def print_config(cfg: Any, file=None) -> None:
     """`--dry-run` output: the resolved config as JSON (to stdout as it is at call time)."""
     text = json.dumps({type(cfg).__name__: config_to_dict(cfg)}, indent=2, default=str)
     print(text, file=file or sys.stdout)
+
+
+# ---- options shared by the commands that read text sources ----------------------------------------
+
+
+def text_field_option():
+    return dataclasses.field(
+        default="text", metadata={"help": "JSON field / Parquet column holding the text"}
+    )
+
+
+def glob_option():
+    return dataclasses.field(
+        default="**/*.txt", metadata={"help": "file pattern inside directory sources"}
+    )
+
+
+def on_bad_record_option():
+    from ar_slicing.readers import BAD_RECORD_POLICIES
+
+    return dataclasses.field(
+        default="error",
+        metadata={
+            "help": "a malformed record stops the run (error) or is counted and skipped (skip)",
+            "choices": list(BAD_RECORD_POLICIES),
+        },
+    )

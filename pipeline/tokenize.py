@@ -41,14 +41,19 @@ from ar_slicing.io import (
     write_meta,
 )
 from ar_slicing.readers import (
-    BAD_RECORD_POLICIES,
     ReadStats,
     check_split_options,
     is_pretokenized,
     iter_documents,
 )
 from ar_slicing.store import DOCS_NAME, TOKENIZER_NAME, TOKENS_NAME, docs_schema, dtype_for_vocab
-from pipeline.config import Command, config_to_dict
+from pipeline.config import (
+    Command,
+    config_to_dict,
+    glob_option,
+    on_bad_record_option,
+    text_field_option,
+)
 
 log = logging.getLogger(__name__)
 
@@ -88,16 +93,8 @@ class TokenizeConfig:
         },
     )
     workers: int = field(default=0, metadata={"help": "encoding processes (0 = all cores)"})
-    text_field: str = field(
-        default="text", metadata={"help": "JSON field / Parquet column holding the text"}
-    )
-    on_bad_record: str = field(
-        default="error",
-        metadata={
-            "help": "a malformed record stops the run (error) or is counted and skipped (skip)",
-            "choices": list(BAD_RECORD_POLICIES),
-        },
-    )
+    text_field: str = text_field_option()
+    on_bad_record: str = on_bad_record_option()
     source_format: str | None = field(
         default=None,
         metadata={
@@ -105,9 +102,7 @@ class TokenizeConfig:
             "choices": list(SOURCE_FORMATS),
         },
     )
-    glob: str = field(
-        default="**/*.txt", metadata={"help": "file pattern inside directory sources"}
-    )
+    glob: str = glob_option()
     split_fraction: float | None = field(
         default=None,
         metadata={

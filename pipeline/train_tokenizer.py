@@ -16,8 +16,8 @@ from pathlib import Path
 
 from ar_slicing.errors import ArSliceError
 from ar_slicing.io import atomic_path
-from ar_slicing.readers import BAD_RECORD_POLICIES, ReadStats, iter_documents
-from pipeline.config import Command
+from ar_slicing.readers import ReadStats, iter_documents
+from pipeline.config import Command, glob_option, on_bad_record_option, text_field_option
 
 EOS_TOKEN = "<|endoftext|>"
 
@@ -29,19 +29,9 @@ class TrainTokenizerConfig:
     vocab_size: int = field(
         metadata={"help": "vocabulary size, special token and 256 bytes included"}
     )
-    glob: str = field(
-        default="**/*.txt", metadata={"help": "file pattern inside directory sources"}
-    )
-    text_field: str = field(
-        default="text", metadata={"help": "JSON field / Parquet column holding the text"}
-    )
-    on_bad_record: str = field(
-        default="error",
-        metadata={
-            "help": "stop at a malformed record (error) or count and skip it (skip)",
-            "choices": list(BAD_RECORD_POLICIES),
-        },
-    )
+    glob: str = glob_option()
+    text_field: str = text_field_option()
+    on_bad_record: str = on_bad_record_option()
     split_fraction: float | None = field(
         default=None, metadata={"help": "with --split-part: train on one deterministic part only"}
     )
