@@ -27,7 +27,6 @@ import argparse
 import json
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -64,50 +63,10 @@ def peak_rss_mib() -> float:
 def build_inputs(root: Path, n_windows: int) -> tuple[Path, str, int]:
     """A validation store of real text, its tags, and a saved GPT-NeoX. Returns (tags, spec, n_params)."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from eval_inputs import build_tagged_text
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-    from ar_slicing.store import write_token_store
-    from ar_slicing.tokenizer import describe
-    from pipeline.count import CountConfig, run_count
-    from pipeline.tag import TagConfig, run_tag
-
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    texts = [p.read_text(errors="replace") for p in sorted(stdlib.glob("*.py"))]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(
-        texts,
-        trainers.BpeTrainer(
-            vocab_size=TOKENIZER_VOCAB,
-            special_tokens=["<|endoftext|>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        ),
-    )
-    tok_path = root / "tokenizer.json"
-    tok.save(str(tok_path))
-    # Documents in order until the EOS-joined stream holds exactly n_windows full windows
-    # (n_windows * WINDOW + 1 tokens); the last document is cut to fit.
-    need, docs = n_windows * WINDOW + 1, []
-    for enc in tok.encode_batch(texts):
-        room = need - sum(len(d) + 1 for d in docs) - 1
-        docs.append(enc.ids[:room])
-        if room <= len(enc.ids):
-            break
-    info = describe(tok, "bench")
-    store = write_token_store(root / "val", docs, tokenizer_info=info, tokenizer_json=tok.to_str())
-    run_count(CountConfig(tokens=[str(store.path)], out=str(root / "counts"), workers=1))
-    run_tag(
-        TagConfig(
-            tokens=str(store.path),
-            counts=str(root / "counts"),
-            out=str(root / "tags"),
-            window=WINDOW,
-            workers=1,
-        )
-    )
+    tok = build_tagged_text(root, n_windows, WINDOW, TOKENIZER_VOCAB, train_docs=10**6)
     torch.manual_seed(0)
     config = GPTNeoXConfig(
         vocab_size=VOCAB,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -66,53 +65,10 @@ def forward_flops_per_token(model, window: int) -> float:
 
 def build_inputs(root: Path, n_windows: int):
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from eval_inputs import build_tagged_text
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-    from ar_slicing.store import write_token_store
-    from ar_slicing.tokenizer import describe
-    from pipeline.count import CountConfig, run_count
-    from pipeline.tag import TagConfig, run_tag
-
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    texts = [p.read_text(errors="replace") for p in sorted(stdlib.rglob("*.py"))]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(
-        texts[:400],
-        trainers.BpeTrainer(
-            vocab_size=16384,
-            special_tokens=["<|endoftext|>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        ),
-    )
-    need, docs, have = n_windows * WINDOW + 1, [], 0
-    for i in range(0, len(texts), 64):  # encode only as much text as the windows need
-        for enc in tok.encode_batch(texts[i : i + 64]):
-            room = need - have - 1
-            docs.append(enc.ids[:room])
-            have += len(docs[-1]) + 1
-            if have >= need:
-                break
-        if have >= need:
-            break
-    if have < need:
-        raise SystemExit(
-            f"gpu_eval: the standard library has too little text for {n_windows} windows"
-        )
-    info = describe(tok, "bench")
-    store = write_token_store(root / "val", docs, tokenizer_info=info, tokenizer_json=tok.to_str())
-    run_count(CountConfig(tokens=[str(store.path)], out=str(root / "counts")))
-    run_tag(
-        TagConfig(
-            tokens=str(store.path),
-            counts=str(root / "counts"),
-            out=str(root / "tags"),
-            window=WINDOW,
-        )
-    )
+    tok = build_tagged_text(root, n_windows, WINDOW, vocab_size=16384, train_docs=400)
     torch.manual_seed(0)
     model = GPTNeoXForCausalLM(GPTNeoXConfig(**SHAPE))
     model.save_pretrained(root / "neox")
