@@ -606,20 +606,25 @@ def bucket_sizes(path: str | Path) -> np.ndarray:
 
 @dataclass(frozen=True)
 class ReduceTask:
-    """Merge fine buckets b_lo..b_hi-1 of every partial into `out` (a one-bucket partial file)."""
+    """Merge fine buckets b_lo..b_hi-1 of every partial into `out`, a Parquet part of the result."""
 
     partials: tuple[str, ...]
     b_lo: int
     b_hi: int
     out: str
-    batch_entries: int = 1 << 24  # entries read before merging them into the running result
+    shift: int = 16
+    # partial entries read before merging them into the running result: what a task holds
+    # stays the same however many partials (shards) there are
+    batch_entries: int = REDUCE_RANGE_ENTRIES
 
 
 def reduce_range(task: ReduceTask) -> dict:
-    """Reduce step: one `prev` range of all partials -> final sorted (key, count) arrays.
+    """Reduce step: one `prev` range of all partials -> that range of bigrams.parquet, encoded.
 
     Memory stays bounded: slices are merged into the running result whenever `batch_entries`
-    have been read, and the result itself is at most the distinct pairs of the range.
+    have been read, and the result itself is at most the distinct pairs of the range. Encoding
+    the Parquet part here, not in the driver, spreads the encoding over the workers; the driver
+    only joins the parts (see `write_bigrams`).
     """
     acc: list[tuple[np.ndarray, np.ndarray]] = []
     held = 0
@@ -627,14 +632,15 @@ def reduce_range(task: ReduceTask) -> dict:
         k, c = read_partial_slice(path, task.b_lo, task.b_hi)
         if k.size == 0:
             continue
-        acc.append((k, c))
-        held += k.size
-        if held >= task.batch_entries and len(acc) > 1:
+        if held and held + k.size > task.batch_entries and len(acc) > 1:
             acc = [merge_counted(acc)]
             held = acc[0][0].size
+        acc.append((k, c))
+        held += k.size
     keys, counts = merge_counted(acc)
-    write_partial(task.out, keys, counts, np.array([0, keys.size], dtype=np.int64))
-    return {"distinct": int(keys.size), "pairs": int(counts.sum())}
+    del acc
+    pairs = write_bigrams_part(task.out, keys, counts, task.shift)
+    return {"distinct": int(keys.size), "pairs": pairs}
 
 
 def plan_ranges(sizes: np.ndarray, target_entries: int) -> list[tuple[int, int]]:
@@ -652,21 +658,24 @@ def plan_ranges(sizes: np.ndarray, target_entries: int) -> list[tuple[int, int]]
 
 # ---- write -----------------------------------------------------------------------------------
 
+# a part's total pairs, kept in its key/value metadata (and left out of bigrams.parquet)
+PART_PAIRS_KEY = "arslice.part_pairs"
 
-def write_bigrams(path: str | Path, parts, shift: int) -> tuple[int, int]:
-    """(keys, counts) parts in key order -> bigrams.parquet (row groups, explicit schema).
 
-    Returns (distinct bigrams, total pairs).
+def write_bigrams_part(path: str | Path, keys: np.ndarray, counts: np.ndarray, shift: int) -> int:
+    """Sorted (keys, counts) -> one Parquet part of bigrams.parquet, written atomically.
+
+    Row groups of ROW_GROUP_ROWS rows, explicit schema. Returns the part's total pairs.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from ar_slicing.io import atomic_path
-
     schema = bigrams_schema()
-    distinct = total = 0
     mask = (1 << shift) - 1
-    with atomic_path(path) as tmp:
+    total = 0
+    out = Path(path)
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
         # an open file, not a path: pyarrow would read "row:5/..." as a URI scheme
         with (
             open(tmp, "wb") as sink,
@@ -677,7 +686,7 @@ def write_bigrams(path: str | Path, parts, shift: int) -> tuple[int, int]:
                 # dictionaries doubled the write time. Deltas on every column instead: `prev` is
                 # sorted, `next` ascends within a `prev` and counts are mostly tiny, so delta bit
                 # packing alone is ~3.4x smaller than snappy over plain and needs no compression
-                # pass: faster to write (the serial tail of the count stage) and to read back.
+                # pass: faster to write and to read back.
                 compression="none",
                 use_dictionary=False,
                 column_encoding={
@@ -685,21 +694,43 @@ def write_bigrams(path: str | Path, parts, shift: int) -> tuple[int, int]:
                     "next": "DELTA_BINARY_PACKED",
                     "count": "DELTA_BINARY_PACKED",
                 },
+                write_page_index=False,
             ) as writer,
         ):
-            for keys, counts in parts:
-                for a in range(0, keys.size, ROW_GROUP_ROWS):
-                    k = keys[a : a + ROW_GROUP_ROWS]
-                    c = np.asarray(counts[a : a + ROW_GROUP_ROWS], dtype=np.int64)
-                    prev = (k >> k.dtype.type(shift)).astype(np.int32)
-                    nxt = (k & k.dtype.type(mask)).astype(np.int32)
-                    writer.write_table(
-                        pa.table([pa.array(prev), pa.array(nxt), pa.array(c)], schema=schema)
-                    )
-                    distinct += k.size
-                    total += int(c.sum())
-            if distinct == 0:
-                writer.write_table(schema.empty_table())
+            for a in range(0, keys.size, ROW_GROUP_ROWS):
+                k = keys[a : a + ROW_GROUP_ROWS]
+                c = np.asarray(counts[a : a + ROW_GROUP_ROWS], dtype=np.int64)
+                prev = (k >> k.dtype.type(shift)).astype(np.int32)
+                nxt = (k & k.dtype.type(mask)).astype(np.int32)
+                writer.write_table(
+                    pa.table([pa.array(prev), pa.array(nxt), pa.array(c)], schema=schema)
+                )
+                total += int(c.sum())
+            writer.add_key_value_metadata({PART_PAIRS_KEY: str(total)})
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    tmp.rename(out)
+    return total
+
+
+def write_bigrams(path: str | Path, parts) -> tuple[int, int]:
+    """Parquet parts (paths, in key order) -> bigrams.parquet. Returns (distinct, total pairs).
+
+    The parts' encoded row groups are copied as they are and one footer lists them all
+    (`ar_slicing.parquet_concat`): the driver's share of the write is byte copies.
+    """
+    from ar_slicing.io import atomic_path
+    from ar_slicing.parquet_concat import ParquetConcat, key_value_metadata
+
+    total = 0
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as sink:
+            concat = ParquetConcat(sink)
+            for part in parts:
+                footer = concat.append(part)
+                total += int(key_value_metadata(footer)[PART_PAIRS_KEY.encode()])
+            distinct = concat.finish(drop_metadata={PART_PAIRS_KEY})
     return distinct, total
 
 
@@ -981,7 +1012,7 @@ def count_stores(
         "unit": unit,
         "shard_tokens": shard_tokens,
         "shift": shift,
-        "version": 1,
+        "version": 2,  # 2: reduced ranges are Parquet parts
     }
     work = out / WORK_NAME
     if (work / "plan.json").exists() and read_json(work / "plan.json") != json.loads(
@@ -1040,7 +1071,12 @@ def count_stores(
         write_json_atomic(ranges_path, {"ranges": ranges})
     reduce_tasks = [
         ReduceTask(
-            partials=tuple(partials), b_lo=lo, b_hi=hi, out=str(work / "reduced" / f"r{j:05d}.bin")
+            partials=tuple(partials),
+            b_lo=lo,
+            b_hi=hi,
+            out=str(work / "reduced" / f"r{j:05d}.parquet"),
+            shift=shift,
+            batch_entries=REDUCE_RANGE_ENTRIES,
         )
         for j, (lo, hi) in enumerate(ranges)
     ]
@@ -1056,7 +1092,7 @@ def count_stores(
             while next_index < len(reduce_tasks) and reduce_tasks[next_index].out in finished:
                 path = reduce_tasks[next_index].out
                 next_index += 1
-                yield read_partial_slice(path, 0, 1)
+                yield path
 
         yield from ready()
         for task, _ in executor.map_unordered(reduce_range, pending):
@@ -1072,7 +1108,7 @@ def count_stores(
         desc="count: reduce",
         disable=not progress,
     ) as bar:
-        distinct, total_pairs = write_bigrams(out / BIGRAMS_NAME, reduced_in_order(bar), shift)
+        distinct, total_pairs = write_bigrams(out / BIGRAMS_NAME, reduced_in_order(bar))
     t_reduce = time.time() - t_reduce
     expected_pairs = sum((s.n_tokens - 1 if s.n_tokens else 0) for s in stores) + edge.size
     if (

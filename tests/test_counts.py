@@ -160,6 +160,28 @@ def test_many_shards_and_workers_equal_single_pass(tmp_path, engine):
         assert sharded[name] == single[name]
 
 
+def test_many_reduce_ranges_and_batches_equal_one(tmp_path, engine, monkeypatch):
+    """Reduce ranges of a few hundred entries: many Parquet parts joined into bigrams.parquet,
+    each range merged from its partials in several batches."""
+    import ar_slicing.counts as counts_module
+
+    rng = np.random.default_rng(1)
+    docs = [(rng.zipf(1.2, size=rng.integers(1, 300)) % 4000).tolist() for _ in range(80)]
+    store = store_at(tmp_path / "s", docs, vocab_size=4001, eos=4000)
+    whole = count_stores([store.path], tmp_path / "one", shard_tokens=500, progress=False)
+    assert whole["counts"]["reduce_ranges"] == 1
+    monkeypatch.setattr(counts_module, "REDUCE_RANGE_ENTRIES", 300)
+    split = count_stores(
+        [store.path], tmp_path / "many", shard_tokens=500, workers=2, progress=False
+    )
+    assert split["counts"]["reduce_ranges"] > 10
+    check_output(tmp_path / "many", stream_of([store]), None)
+    assert read_bigrams(tmp_path / "many") == read_bigrams(tmp_path / "one")
+    meta = pq.read_metadata(tmp_path / "many" / "bigrams.parquet")
+    assert meta.num_row_groups >= split["counts"]["reduce_ranges"] - 1  # empty parts add none
+    assert set(meta.metadata) == {b"ARROW:schema"}
+
+
 def test_several_stores_equal_their_concatenation(tmp_path):
     rng = np.random.default_rng(1)
     docs = [rng.integers(1, 200, size=rng.integers(0, 50)).tolist() for _ in range(30)]
