@@ -191,17 +191,207 @@ def _wkv_factorised(time_decay, time_first, k, v, C: int):
     return (num / den).view(B, N * C, D)[:, :T].float()
 
 
+# Fast fp32 paths (inference). Everything below runs in base 2: exp2 is several times cheaper than
+# exp on CPUs and every factor is computed from fp64 tables, so the only rounding in an exponent is
+# that of k - s itself, as in the recurrence.
+_LOG2E = 1.4426950408889634
+# a chunk of C tokens factorises in fp32 while C w stays below this many nats: the factor e^{-(C-1) w}
+# leaves ~40 bits of the fp32 range for the keys' spread inside a block and for time_first
+_CHUNK_DECAY_BUDGET = 32.0
+# smaller chunk sizes tried, in turn, for channels that decay too fast for the requested one
+_SMALL_CHUNKS = (4,)
+# the windowed form for the fastest channels keeps at most this many past tokens; channels that need
+# more (huge key ranges) go to the exact log-space form
+_MAX_WINDOW = 32
+# a dropped tail of the windowed form weighs at most e^{-_WINDOW_TAIL_NATS} of the denominator
+_WINDOW_TAIL_NATS = 28.0
+# every denominator must stay above 2^-90: the terms that matter to fp32 rounding are then normal
+# floats (>= 2^-126) and anything flushed or underflowed is below 2^-30 of the result
+_MIN_DEN_LOG2 = -90.0
+# time_first beyond this many nats could overflow e^{u} in fp32 (the sums reach 2^60 at most)
+_MAX_BONUS_NATS = 41.0
+# elements of one (C, 2, B, chunks, D) block: a few MB, so the block's passes stay in cache
+_BLOCK_ELEMENTS = 1 << 20
+
+
+def _chunk_tables(w64, u64, C: int):
+    """fp64-exact per-channel factors for chunks of C tokens, rounded once to fp32."""
+    j = torch.arange(C, device=w64.device, dtype=torch.float64)[:, None]  # (C, 1)
+    etab = torch.exp((j - (C - 1)) * w64).float()  # (C, D): e^{-(C-1-j) w}, token j to chunk end
+    beta = torch.exp(u64 - w64).float()  # (D,): the current token's bonus e^{u} next to e^{w}
+    decay = torch.exp(-C * w64).float()  # (D,): one chunk of decay
+    return etab, beta, decay
+
+
+def _wkv_chunks_fp32(w64, u64, k, v, out, C: int, block_elements: int = _BLOCK_ELEMENTS):
+    """WKV in chunks of C tokens, fp32, no autograd; the fast path of `wkv_chunked`.
+
+    w64, u64 (D,) fp64 decay e^{time_decay} and time_first; k, v (B, T, D) fp32, any strides;
+    writes out (B, T, D). Returns (D,) bool: channels whose result is proven accurate (every
+    denominator >= 2^-90 and every output finite); the caller recomputes the others exactly.
+
+    Per chunk and channel, with s the block's largest key (log2 units) and E_j = e^{k_j - s}
+    e^{-(C-1-j) w}, row j of a chunk is, after dividing numerator and denominator by the common
+    e^{s + (C-j) w}:
+
+        wkv_j = (sum_{i<j} E_i v_i + beta E_j v_j + tau_A) / (sum_{i<j} E_i + beta E_j + tau_B)
+
+    with beta = e^{u-w} and tau the state carried into the chunk, which a scan over the block's
+    chunks updates as tau <- e^{-C w} (tau + sum_j E_j (v_j, 1)). Blocks carry the state between
+    them as (log2 scale, value). The prefix sums run as C-1 adds over (2, B, chunks, D) slices of a
+    (C, 2, B, chunks, D) layout, so every pass is contiguous and each block stays in cache.
+    """
+    B, T, D = k.shape
+    dev = k.device
+    w2 = (w64 * _LOG2E).float()
+    den_min = torch.full((D,), math.inf, device=dev)
+    num_sum = torch.zeros(D, device=dev)
+    n_full = T // C
+    nbb = max(1, min(n_full, block_elements // max(1, 2 * B * C * D)))
+    blocks = [(t0, C, min(nbb, n_full - t0 // C)) for t0 in range(0, n_full * C, nbb * C)]
+    if T > n_full * C:  # the last T mod C tokens: one chunk of their own size
+        blocks.append((n_full * C, T - n_full * C, 1))
+    tables = {}
+    sp = st = None  # state after the previous block: S = 2^sp (A, B_den); (B,), (2, B, D)
+    for t0, Cb, nb in blocks:
+        if Cb not in tables:
+            tables[Cb] = _chunk_tables(w64, u64, Cb)
+        etab, beta, decay = tables[Cb]
+        t1 = t0 + nb * Cb
+        kb = k[:, t0:t1]  # (B, nb Cb, D)
+        s = kb.amax(dim=1) * _LOG2E  # (B, D): block shift, log2 units
+        cw2 = Cb * w2
+        if st is not None:  # keep the carried state's scale below the shift as well
+            s = torch.maximum(s, sp + torch.log2(st[1]) - cw2)
+        kj = kb.view(B, nb, Cb, D).permute(2, 0, 1, 3)  # (Cb, B, nb, D)
+        vj = v[:, t0:t1].view(B, nb, Cb, D).permute(2, 0, 1, 3)
+        X = torch.empty(Cb, 2, B, nb, D, device=dev)  # [:, 0] E v, [:, 1] E
+        E = X[:, 1]
+        torch.add(-s[:, None, :], kj, alpha=_LOG2E, out=E)  # (k - s) in log2 units
+        E.exp2_()
+        E.mul_(etab[:, None, None, :])
+        torch.mul(E, vj, out=X[:, 0])
+        U = X.sum(0).mul_(decay)  # (2, B, nb, D): each chunk's sums, decayed to the next start
+        Y = torch.empty(Cb, 2, B, nb, D, device=dev)
+        tau = Y[0]  # (2, B, nb, D): state entering each chunk, the row-0 prefix
+        if st is None:
+            tau[:, :, 0] = 0
+        else:
+            torch.mul(st, (torch.exp2(sp - s) * decay)[None], out=tau[:, :, 0])
+        for n in range(1, nb):
+            torch.addcmul(U[:, :, n - 1], tau[:, :, n - 1], decay, out=tau[:, :, n])
+        for j in range(1, Cb):
+            torch.add(Y[j - 1], X[j - 1], out=Y[j])
+        st = Y[Cb - 1, :, :, nb - 1] + X[Cb - 1, :, :, nb - 1]  # (2, B, D) at the block's end
+        sp = s
+        Y.addcmul_(X, beta[None, None, None, :])
+        torch.div(Y[:, 0], Y[:, 1], out=out[:, t0:t1].view(B, nb, Cb, D).permute(2, 0, 1, 3))
+        # reductions over the leading dim first: they run as contiguous vector passes
+        den_min = torch.minimum(den_min, Y[:, 1].amin(0).view(-1, D).amin(0))
+        num_sum += Y[:, 0].sum(0).view(-1, D).sum(0)
+    return (den_min >= 2.0**_MIN_DEN_LOG2) & torch.isfinite(num_sum)
+
+
+def _wkv_window_fp32(w64, u64, k, v, out):
+    """WKV for fast-decaying channels as a short window over past tokens, fp32, no autograd.
+
+    Token t-l weighs e^{k_{t-l} - (l-1) w} against the current token's e^{u + k_t}; once
+    (l-1) w exceeds the keys' range plus _WINDOW_TAIL_NATS, everything further back weighs less
+    than e^{-28} of the denominator, so the window stops there (a bound far below fp32 rounding).
+    Returns (D,) bool: channels proven accurate (window within _MAX_WINDOW, denominators >= 2^-90,
+    outputs finite); the caller recomputes the others exactly.
+    """
+    B, T, D = k.shape
+    kmin, kmax = k.amin(dim=1), k.amax(dim=1)  # (B, D)
+    spread = (kmax - kmin).amax(0).double()  # (D,) key range over the sequence, nats
+    # tail after L tokens <= e^{spread - u - L w} / (1 - e^{-w}) of the current token's weight
+    need = (spread - u64 + _WINDOW_TAIL_NATS - torch.log1p(-torch.exp(-w64))) / w64
+    window = int(min(max(1.0, float(need.max().ceil())), T - 1 if T > 1 else 1))
+    ok = (
+        (need <= _MAX_WINDOW) & (u64 <= _MAX_BONUS_NATS) & (spread - u64 <= -_MIN_DEN_LOG2 / _LOG2E)
+    )
+    window = min(window, _MAX_WINDOW)
+    X = torch.empty(2, B, T, D, device=k.device)
+    E = X[1]
+    torch.add(-(kmax * _LOG2E)[:, None, :], k, alpha=_LOG2E, out=E)
+    E.exp2_()
+    torch.mul(E, v, out=X[0])
+    acc = X * torch.exp(u64).float()
+    for lag in range(1, min(window, T - 1) + 1):
+        coef = torch.exp(-(lag - 1) * w64).float()
+        acc[:, :, lag:].addcmul_(X[:, :, :-lag], coef)
+    torch.div(acc[0], acc[1], out=out)
+    den_min = acc[1].amin(dim=1).amin(0)  # (D,)
+    return ok & (den_min >= 2.0**_MIN_DEN_LOG2) & torch.isfinite(acc[0].sum(dim=1).sum(0))
+
+
+def _channel_groups(mask):
+    """Indices of the True channels as a slice when they are contiguous (a view, no copy)."""
+    idx = mask.nonzero().flatten()
+    if len(idx) and int(idx[-1] - idx[0]) + 1 == len(idx):
+        return slice(int(idx[0]), int(idx[-1]) + 1)
+    return idx
+
+
+def _wkv_fast(time_decay, time_first, k, v, C: int):
+    """Inference WKV: chunked fp32 for slow and medium channels, a window for the fastest, and
+    the exact log-space form for any channel whose accuracy checks fail. Returns (B, T, D) fp32."""
+    B, T, D = k.shape
+    k, v = k.float(), v.float()
+    w64 = torch.exp(time_decay.detach().double())
+    u64 = time_first.detach().double()
+    out = torch.empty(B, T, D, device=k.device)
+    ok = torch.zeros(D, dtype=torch.bool, device=k.device)
+    todo = u64 <= _MAX_BONUS_NATS
+    sizes = [C] + [c for c in _SMALL_CHUNKS if c < C]
+    groups = []
+    for size in sizes:
+        mask = todo & (size * w64 <= _CHUNK_DECAY_BUDGET)
+        todo &= ~mask
+        groups.append((mask, size))
+    groups.append((todo, None))  # the fastest channels: the window form
+    for mask, size in groups:
+        if not bool(mask.any()):
+            continue
+        g = _channel_groups(mask)
+        kg, vg = k[..., g], v[..., g]
+        in_place = isinstance(g, slice) and 2 * kg.shape[-1] >= D
+        if in_place:  # wide enough to run on the strided views, written straight into out
+            part = out[..., g]
+        else:  # scattered or narrow rows: contiguous copies make the vector passes long
+            kg, vg = kg.contiguous(), vg.contiguous()
+            part = torch.empty_like(kg)
+        if size is None:
+            ok[g] = _wkv_window_fp32(w64[g], u64[g], kg, vg, part)
+        else:
+            ok[g] = _wkv_chunks_fp32(w64[g], u64[g], kg, vg, part, size)
+        if not in_place:
+            out[..., g] = part
+    bad = ~ok
+    if bool(bad.any()):
+        out[..., bad] = _wkv_log_matrix(time_decay[bad], time_first[bad], k[..., bad], v[..., bad])
+    return out
+
+
 def wkv_chunked(time_decay, time_first, k, v, chunk_size: int = 16):
     """WKV for all T tokens at once, in chunks of `chunk_size`: the parallel form.
 
     time_decay, time_first (D,); k, v (B, T, D), any float dtype. Returns (B, T, D) float32.
-    Channels with C w <= _EXP_BUDGET (all but the fastest-decaying) take the factorised O(B T D)
-    path; the rest the log-space O(B T C D) path, which is exact for any decay. Should keys ever
-    spread so far that a factorised sum under- or overflows, the result falls back to
-    `wkv_sequential`, so the answer is always the recurrence's.
+
+    Without autograd (inference) it runs `_wkv_fast`: fp32 chunks for every channel that
+    factorises (C w <= 32 nats, with smaller chunks for faster channels), a short exact window for
+    the fastest, and accuracy checks whose failures send a channel to the exact log-space form.
+    With autograd it runs the fp64 factorised form (`_wkv_factorised`), whose every operation is
+    differentiable. Should keys ever spread so far that a factorised sum under- or overflows, the
+    result falls back to `wkv_sequential`, so the answer is always the recurrence's.
     """
     B, T, D = k.shape
     C = max(1, min(chunk_size, T))
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (time_decay, time_first, k, v)
+    )
+    if not needs_grad:  # every channel is checked or recomputed exactly inside
+        return _wkv_fast(time_decay, time_first, k, v, C)
     fast = torch.exp(time_decay.detach().float()) * C > _EXP_BUDGET  # (D,)
     if not bool(fast.any()):
         out = _wkv_factorised(time_decay, time_first, k, v, C)

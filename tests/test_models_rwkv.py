@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from models import load_model
+from models import rwkv as R
 from models.backbone import LanguageModel, ModelConfig
 from models.hf_rwkv import FastRwkv
 from models.nll import per_token_nll
@@ -164,3 +165,80 @@ def test_rwkv_language_model_chunked_equals_sequential():
             layer.sequence_mixer.mode = "sequential"
         sequential = model(ids)
     torch.testing.assert_close(chunked, sequential, atol=LOGITS_ATOL, rtol=1e-4)
+
+
+def reference64(td, tf, k, v):
+    return wkv_sequential(td.double(), tf.double(), k.double(), v.double())
+
+
+def test_every_fast_path_matches_the_recurrence_across_blocks_and_tails():
+    """Decays spanning the chunk-16, chunk-4 and window forms, channels in scattered order (so the
+    groups are gathered), T not a multiple of the chunk and blocks of a single chunk."""
+    torch.manual_seed(3)
+    D = 24
+    td = torch.linspace(-6, 5, D)[torch.randperm(D)]
+    tf = torch.randn(D)
+    k, v = torch.randn(3, 203, D) * 3, torch.randn(3, 203, D)
+    ref = reference64(td, tf, k, v)
+    torch.testing.assert_close(wkv_chunked(td, tf, k, v).double(), ref, atol=WKV_ATOL, rtol=1e-4)
+    torch.testing.assert_close(
+        wkv_chunked(td, tf, k.bfloat16(), v.bfloat16()).double(),
+        reference64(td, tf, k.bfloat16(), v.bfloat16()),
+        atol=WKV_ATOL,
+        rtol=1e-4,
+    )
+    w64, u64 = torch.exp(td.double()), tf.double()
+    slow = 16 * w64 <= R._CHUNK_DECAY_BUDGET
+    for block in (1, 1 << 20):  # one chunk per block, and the whole sequence in one block
+        out = torch.empty(3, 203, int(slow.sum()))
+        ok = R._wkv_chunks_fp32(
+            w64[slow], u64[slow], k[..., slow], v[..., slow], out, 16, block_elements=block
+        )
+        assert ok.all()
+        torch.testing.assert_close(out.double(), ref[..., slow], atol=WKV_ATOL, rtol=1e-4)
+    fast = ~(4 * w64 <= R._CHUNK_DECAY_BUDGET)
+    out = torch.empty(3, 203, int(fast.sum()))
+    ok = R._wkv_window_fp32(w64[fast], u64[fast], k[..., fast], v[..., fast], out)
+    assert ok.all()
+    torch.testing.assert_close(out.double(), ref[..., fast], atol=WKV_ATOL, rtol=1e-4)
+
+
+def test_fast_paths_flag_channels_they_cannot_prove_accurate():
+    """A key spike of +150 inside a chunk sends the rows before it below fp32's range in the chunk
+    form; a key range of 400 needs more than the window's tokens. Both must say so (and
+    `wkv_chunked` then recomputes those channels exactly)."""
+    torch.manual_seed(4)
+    k, v = torch.randn(1, 64, 2), torch.randn(1, 64, 2)
+    k[0, 40, 0] = 150.0
+    k[0, 10, 1] = -400.0
+    w64 = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    u64 = torch.zeros(2, dtype=torch.float64)
+    out = torch.empty(1, 64, 2)
+    ok = R._wkv_chunks_fp32(w64, u64, k, v, out, 16)
+    assert not ok[0]
+    ok = R._wkv_window_fp32(w64 * 20, u64, k, v, out)
+    assert not ok[1]
+    td = torch.log(w64).float()
+    torch.testing.assert_close(
+        wkv_chunked(td, u64.float(), k, v).double(),
+        reference64(td, u64.float(), k, v),
+        atol=WKV_ATOL,
+        rtol=1e-4,
+    )
+
+
+def test_chunked_gradients_match_the_recurrence():
+    torch.manual_seed(5)
+    td = (torch.randn(6) * 2).requires_grad_()
+    tf = torch.randn(6).requires_grad_()
+    k = (torch.randn(2, 40, 6) * 2).requires_grad_()
+    v = torch.randn(2, 40, 6).requires_grad_()
+    weights = torch.randn(2, 40, 6)
+    grads = []
+    for fn in (wkv_chunked, wkv_sequential):
+        (fn(td, tf, k, v) * weights).sum().backward()
+        grads.append([t.grad.clone() for t in (td, tf, k, v)])
+        for t in (td, tf, k, v):
+            t.grad = None
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
