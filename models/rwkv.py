@@ -195,9 +195,10 @@ def _wkv_factorised(time_decay, time_first, k, v, C: int):
 # exp on CPUs and every factor is computed from fp64 tables, so the only rounding in an exponent is
 # that of k - s itself, as in the recurrence.
 _LOG2E = 1.4426950408889634
-# a chunk of C tokens factorises in fp32 while C w stays below this many nats: the factor e^{-(C-1) w}
-# leaves ~40 bits of the fp32 range for the keys' spread inside a block and for time_first
-_CHUNK_DECAY_BUDGET = 32.0
+# a chunk of C tokens factorises in fp32 while C w stays below this many nats: its factors
+# e^{(j - (C-1)/2) w} span e^{+-32} around the chunk's centre, leaving ~60 bits of fp32's range
+# below for the keys' spread inside a block and time_first, and ~80 above for the sums and values
+_CHUNK_DECAY_BUDGET = 64.0
 # smaller chunk sizes tried, in turn, for channels that decay too fast for the requested one
 _SMALL_CHUNKS = (4,)
 # the windowed form for the fastest channels keeps at most this many past tokens; channels that need
@@ -208,19 +209,25 @@ _WINDOW_TAIL_NATS = 28.0
 # every denominator must stay above 2^-90: the terms that matter to fp32 rounding are then normal
 # floats (>= 2^-126) and anything flushed or underflowed is below 2^-30 of the result
 _MIN_DEN_LOG2 = -90.0
-# time_first beyond this many nats could overflow e^{u} in fp32 (the sums reach 2^60 at most)
-_MAX_BONUS_NATS = 41.0
+# time_first beyond this many nats could overflow the bonus e^{u} E v in fp32
+_MAX_BONUS_NATS = 20.0
 # elements of one (C, 2, B, chunks, D) block: a few MB, so the block's passes stay in cache
 _BLOCK_ELEMENTS = 1 << 20
 
 
 def _chunk_tables(w64, u64, C: int):
-    """fp64-exact per-channel factors for chunks of C tokens, rounded once to fp32."""
+    """fp64-exact per-channel factors for chunks of C tokens around the centre r = (C-1)/2,
+    rounded once to fp32: (C, D) e^{(j-r) w}, and (D,) beta = e^{u-w}, e^{-C w}, e^{-(r+1) w}
+    (block start to row 0's scale) and e^{-(C-1-r) w} (last row's scale to the block end)."""
     j = torch.arange(C, device=w64.device, dtype=torch.float64)[:, None]  # (C, 1)
-    etab = torch.exp((j - (C - 1)) * w64).float()  # (C, D): e^{-(C-1-j) w}, token j to chunk end
-    beta = torch.exp(u64 - w64).float()  # (D,): the current token's bonus e^{u} next to e^{w}
-    decay = torch.exp(-C * w64).float()  # (D,): one chunk of decay
-    return etab, beta, decay
+    r = (C - 1) / 2
+    return (
+        torch.exp((j - r) * w64).float(),
+        torch.exp(u64 - w64).float(),
+        torch.exp(-C * w64).float(),
+        torch.exp(-(r + 1) * w64).float(),
+        torch.exp(-(C - 1 - r) * w64).float(),
+    )
 
 
 def _wkv_chunks_fp32(w64, u64, k, v, out, C: int, block_elements: int = _BLOCK_ELEMENTS):
@@ -230,16 +237,17 @@ def _wkv_chunks_fp32(w64, u64, k, v, out, C: int, block_elements: int = _BLOCK_E
     writes out (B, T, D). Returns (D,) bool: channels whose result is proven accurate (every
     denominator >= 2^-90 and every output finite); the caller recomputes the others exactly.
 
-    Per chunk and channel, with s the block's largest key (log2 units) and E_j = e^{k_j - s}
-    e^{-(C-1-j) w}, row j of a chunk is, after dividing numerator and denominator by the common
-    e^{s + (C-j) w}:
+    Per chunk and channel, with s the block's largest key and r = (C-1)/2 the chunk's centre,
+    E_j = e^{k_j - s} e^{(j - r) w}; dividing numerator and denominator of row j by the common
+    e^{s + (r - j + 1) w} leaves
 
         wkv_j = (sum_{i<j} E_i v_i + beta E_j v_j + tau_A) / (sum_{i<j} E_i + beta E_j + tau_B)
 
     with beta = e^{u-w} and tau the state carried into the chunk, which a scan over the block's
-    chunks updates as tau <- e^{-C w} (tau + sum_j E_j (v_j, 1)). Blocks carry the state between
-    them as (log2 scale, value). The prefix sums run as C-1 adds over (2, B, chunks, D) slices of a
-    (C, 2, B, chunks, D) layout, so every pass is contiguous and each block stays in cache.
+    chunks updates as tau <- e^{-C w} (tau + sum_j E_j (v_j, 1)) (a doubling scan, log2 steps).
+    Blocks carry the state between them as (log2 scale, value). The prefix sums run as C-1 adds
+    over (2, B, chunks, D) slices of a (C, 2, B, chunks, D) layout, so every pass is contiguous
+    and each block stays in cache.
     """
     B, T, D = k.shape
     dev = k.device
@@ -251,18 +259,18 @@ def _wkv_chunks_fp32(w64, u64, k, v, out, C: int, block_elements: int = _BLOCK_E
     blocks = [(t0, C, min(nbb, n_full - t0 // C)) for t0 in range(0, n_full * C, nbb * C)]
     if T > n_full * C:  # the last T mod C tokens: one chunk of their own size
         blocks.append((n_full * C, T - n_full * C, 1))
-    tables = {}
+    tables, powers = {}, {}
     sp = st = None  # state after the previous block: S = 2^sp (A, B_den); (B,), (2, B, D)
     for t0, Cb, nb in blocks:
         if Cb not in tables:
             tables[Cb] = _chunk_tables(w64, u64, Cb)
-        etab, beta, decay = tables[Cb]
+        etab, beta, decay, from_start, to_end = tables[Cb]
+        beta_le1 = beta.clamp(max=1.0)
         t1 = t0 + nb * Cb
         kb = k[:, t0:t1]  # (B, nb Cb, D)
         s = kb.amax(dim=1) * _LOG2E  # (B, D): block shift, log2 units
-        cw2 = Cb * w2
         if st is not None:  # keep the carried state's scale below the shift as well
-            s = torch.maximum(s, sp + torch.log2(st[1]) - cw2)
+            s = torch.maximum(s, sp + torch.log2(st[1]) - (Cb + 1) / 2 * w2)
         kj = kb.view(B, nb, Cb, D).permute(2, 0, 1, 3)  # (Cb, B, nb, D)
         vj = v[:, t0:t1].view(B, nb, Cb, D).permute(2, 0, 1, 3)
         X = torch.empty(Cb, 2, B, nb, D, device=dev)  # [:, 0] E v, [:, 1] E
@@ -271,23 +279,36 @@ def _wkv_chunks_fp32(w64, u64, k, v, out, C: int, block_elements: int = _BLOCK_E
         E.exp2_()
         E.mul_(etab[:, None, None, :])
         torch.mul(E, vj, out=X[:, 0])
-        U = X.sum(0).mul_(decay)  # (2, B, nb, D): each chunk's sums, decayed to the next start
         Y = torch.empty(Cb, 2, B, nb, D, device=dev)
         tau = Y[0]  # (2, B, nb, D): state entering each chunk, the row-0 prefix
+        # tau_n = e^{-C w} (tau_{n-1} + sum_j X_j of chunk n-1): seed tau_0 with the carried state
+        # and the rest with each chunk's decayed sums, then a doubling scan (log2 nb steps)
+        if nb > 1:
+            torch.mul(X[:, :, :, : nb - 1].sum(0), decay, out=tau[:, :, 1:])
         if st is None:
             tau[:, :, 0] = 0
         else:
-            torch.mul(st, (torch.exp2(sp - s) * decay)[None], out=tau[:, :, 0])
-        for n in range(1, nb):
-            torch.addcmul(U[:, :, n - 1], tau[:, :, n - 1], decay, out=tau[:, :, n])
+            torch.mul(st, (torch.exp2(sp - s) * from_start)[None], out=tau[:, :, 0])
+        step = 1
+        while step < nb:
+            if (Cb, step) not in powers:
+                powers[Cb, step] = torch.exp(-step * Cb * w64).float()
+            shifted = torch.mul(tau[:, :, : nb - step], powers[Cb, step])
+            tau[:, :, step:] += shifted
+            step *= 2
         for j in range(1, Cb):
             torch.add(Y[j - 1], X[j - 1], out=Y[j])
-        st = Y[Cb - 1, :, :, nb - 1] + X[Cb - 1, :, :, nb - 1]  # (2, B, D) at the block's end
+        # the state at the block's end relative to 2^s: (2, B, D)
+        st = (Y[Cb - 1, :, :, nb - 1] + X[Cb - 1, :, :, nb - 1]) * to_end
         sp = s
         Y.addcmul_(X, beta[None, None, None, :])
         torch.div(Y[:, 0], Y[:, 1], out=out[:, t0:t1].view(B, nb, Cb, D).permute(2, 0, 1, 3))
-        # reductions over the leading dim first: they run as contiguous vector passes
-        den_min = torch.minimum(den_min, Y[:, 1].amin(0).view(-1, D).amin(0))
+        # every row's denominator is >= tau_B + min(1, beta) E_0 (the prefix only grows), a bound
+        # on 1/C of the data; the exact minimum is taken only where the bound is too low
+        low = torch.addcmul(tau[1], X[0, 1], beta_le1).view(-1, D).amin(0)  # (D,)
+        if bool((low < 2.0**_MIN_DEN_LOG2).any()):
+            low = torch.maximum(low, Y[:, 1].amin(0).view(-1, D).amin(0))
+        den_min = torch.minimum(den_min, low)
         num_sum += Y[:, 0].sum(0).view(-1, D).sum(0)
     return (den_min >= 2.0**_MIN_DEN_LOG2) & torch.isfinite(num_sum)
 
