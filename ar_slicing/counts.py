@@ -699,12 +699,11 @@ def write_bigrams_part(path: str | Path, keys: np.ndarray, counts: np.ndarray, s
         ):
             for a in range(0, keys.size, ROW_GROUP_ROWS):
                 k = keys[a : a + ROW_GROUP_ROWS]
-                c = np.asarray(counts[a : a + ROW_GROUP_ROWS], dtype=np.int64)
+                c = np.ascontiguousarray(counts[a : a + ROW_GROUP_ROWS], dtype=np.int64)
                 prev = (k >> k.dtype.type(shift)).astype(np.int32)
                 nxt = (k & k.dtype.type(mask)).astype(np.int32)
-                writer.write_table(
-                    pa.table([pa.array(prev), pa.array(nxt), pa.array(c)], schema=schema)
-                )
+                columns = [_arrow_view(x, f.type) for x, f in zip((prev, nxt, c), schema)]
+                writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=schema))
                 total += int(c.sum())
             writer.add_key_value_metadata({PART_PAIRS_KEY: str(total)})
     except BaseException:
@@ -712,6 +711,14 @@ def write_bigrams_part(path: str | Path, keys: np.ndarray, counts: np.ndarray, s
         raise
     tmp.rename(out)
     return total
+
+
+def _arrow_view(values: np.ndarray, arrow_type):
+    """A contiguous numpy array as an Arrow array without copying. Not `pa.array`: its first
+    call imports pandas (0.2 s, paid again in every fresh worker process)."""
+    import pyarrow as pa
+
+    return pa.Array.from_buffers(arrow_type, values.size, [None, pa.py_buffer(values)])
 
 
 def write_bigrams(path: str | Path, parts) -> tuple[int, int]:
@@ -1025,6 +1032,8 @@ def count_stores(
     write_json_atomic(work / "plan.json", plan)
 
     warm_kernels()
+    import pyarrow.parquet  # noqa: F401  (here, so forked reduce workers inherit it loaded)
+
     executor = executor or LocalExecutor(workers)
     tasks = plan_map_tasks(stores, work, row, shard_tokens, shift, vocab_size)
     todo = [t for t in tasks if not Path(t.out).is_file()]
