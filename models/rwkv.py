@@ -375,19 +375,25 @@ def _wkv_fast(time_decay, time_first, k, v, C: int):
         if not bool(mask.any()):
             continue
         g = _channel_groups(mask)
-        kg, vg = k[..., g], v[..., g]
-        in_place = isinstance(g, slice) and 2 * kg.shape[-1] >= D
+        kg, vg, wg, ug = k[..., g], v[..., g], w64[g], u64[g]
+        Dg = kg.shape[-1]
+        in_place = isinstance(g, slice) and 2 * Dg >= D
         if in_place:  # wide enough to run on the strided views, written straight into out
             part = out[..., g]
-        else:  # scattered or narrow rows: contiguous copies make the vector passes long
-            kg, vg = kg.contiguous(), vg.contiguous()
+        else:  # scattered or narrow rows: copy them, with the batch folded into the channels
+            # ((B, T, Dg) -> (1, T, B Dg)) so that every vector pass runs over long rows
+            kg = kg.transpose(0, 1).reshape(1, T, B * Dg)
+            vg = vg.transpose(0, 1).reshape(1, T, B * Dg)
+            wg, ug = wg.repeat(B), ug.repeat(B)
             part = torch.empty_like(kg)
         if size is None:
-            ok[g] = _wkv_window_fp32(w64[g], u64[g], kg, vg, part)
+            good = _wkv_window_fp32(wg, ug, kg, vg, part)
         else:
-            ok[g] = _wkv_chunks_fp32(w64[g], u64[g], kg, vg, part, size)
+            good = _wkv_chunks_fp32(wg, ug, kg, vg, part, size)
         if not in_place:
-            out[..., g] = part
+            out[..., g] = part.view(T, B, Dg).transpose(0, 1)
+            good = good.view(B, Dg).all(0)
+        ok[g] = good
     bad = ~ok
     if bool(bad.any()):
         out[..., bad] = _wkv_log_matrix(time_decay[bad], time_first[bad], k[..., bad], v[..., bad])
