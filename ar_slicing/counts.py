@@ -146,18 +146,6 @@ def merge_counted(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarra
     if len(parts) == 1:
         k, c = parts[0]
         return np.ascontiguousarray(k), np.asarray(c, dtype=np.int64)
-    compiled = kernels()
-    if compiled is not None and parts[0][0].dtype == np.uint32:
-        bounds = np.cumsum([0] + [k.size for k, _ in parts]).astype(np.int64)
-        keys = np.concatenate([k for k, _ in parts])
-        # map partials hold uint32 counts: concatenated as they are, half the bytes of int64
-        count_dtype = np.uint32 if all(c.dtype == np.uint32 for _, c in parts) else np.int64
-        counts = np.concatenate([np.asarray(c, dtype=count_dtype) for _, c in parts])
-        # allocated by numpy, on huge pages (see count_u16)
-        out_keys = np.empty(keys.size, np.uint32)
-        out_counts = np.empty(keys.size, np.int64)
-        d = compiled["merge_u32"](keys, counts, bounds, out_keys, out_counts)
-        return out_keys[:d], out_counts[:d]
     if parts[0][0].dtype == np.uint32 and all(int(c.max()) < 1 << 32 for _, c in parts):
         packed = np.empty(sum(k.size for k, _ in parts), dtype=np.uint64)
         at = 0
@@ -190,15 +178,19 @@ def merge_counted(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarra
 # and cached on disk beside this file.
 
 
-def _count_u16_kernel(tokens, row, phase, nexts, out_keys, out_counts):
-    """Counts of the pairs (tokens[j], tokens[j+1]) of a uint16 shard, sorted by key.
+def _count_u16_kernel(tokens, row, phase, nexts, out_next, out_c8, prev_offsets, escaped):
+    """Counts of the pairs (tokens[j], tokens[j+1]) of a uint16 shard, as a compact partial.
 
     A counting sort by `prev` (histogram, then scatter of `next` into per-prev segments), then
     each segment counted in a 65536-entry scratch table that stays in cache, and emitted in
     `next` order by walking a two-level bitmap of the entries it touched (no sorting at all).
     With `row` > 0, pair j is skipped when (phase + j + 1) % row == 0 (phase = stream index of
-    tokens[0] % row). Writes the distinct keys and their counts to out_keys[:d], out_counts[:d]
-    and returns d; `nexts` (scatter space) and the outputs hold at least len(tokens) - 1 each.
+    tokens[0] % row).
+
+    Output (see `write_partial16`): distinct pair i is (prev, out_next[i]) with prev the p for
+    which prev_offsets[p] <= i < prev_offsets[p + 1]; its count is out_c8[i], or, where that is
+    255, the next of `escaped`. Returns (distinct pairs, escaped counts, pairs counted).
+    `nexts` (scatter space), out_next and out_c8 hold at least len(tokens) - 1 entries.
     """
     n = tokens.size - 1
     hist = np.zeros(65537, np.int64)
@@ -228,7 +220,9 @@ def _count_u16_kernel(tokens, row, phase, nexts, out_keys, out_counts):
     bits = np.zeros(1024, np.uint64)
     summary = np.zeros(16, np.uint64)
     d = 0
+    e = 0
     for p in range(65536):
+        prev_offsets[p] = d
         a = hist[p]
         b = hist[p + 1]
         if a == b:
@@ -237,12 +231,84 @@ def _count_u16_kernel(tokens, row, phase, nexts, out_keys, out_counts):
             x = np.int64(nexts[i])
             _touch(x, bits, summary)
             scratch[x] += 1
-        d = _emit_segment(p, scratch, bits, summary, out_keys, out_counts, d)
-    return d
+        d, e = _emit_compact(scratch, bits, summary, out_next, out_c8, escaped, d, e)
+    prev_offsets[65536] = d
+    return d, e, hist[65536]
 
 
-def count_u16(tokens: np.ndarray, row: int, phase: int) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted distinct pair keys and uint32 counts of a uint16 shard (the compiled map kernel).
+def _emit_compact(scratch, bits, summary, out_next, out_c8, escaped, d, e):
+    """`_emit_segment` for the compact layout: `next` and a one-byte count (255: escaped)."""
+    for sw in range(16):
+        s = summary[sw]
+        while s != 0:
+            low = s & (~s + np.uint64(1))
+            w = sw * 64 + _CTZ[(low * _DEBRUIJN) >> np.uint64(58)]
+            b = bits[w]
+            while b != 0:
+                lb = b & (~b + np.uint64(1))
+                x = w * 64 + _CTZ[(lb * _DEBRUIJN) >> np.uint64(58)]
+                c = scratch[x]
+                out_next[d] = x
+                if c >= 255:
+                    out_c8[d] = 255
+                    escaped[e] = c
+                    e += 1
+                else:
+                    out_c8[d] = c
+                scratch[x] = 0
+                d += 1
+                b ^= lb
+            bits[w] = 0
+            s ^= low
+        summary[sw] = 0
+    return d, e
+
+
+@dataclass
+class Compact16:
+    """Counted pairs of 16-bit ids, `prev` values p_lo..p_lo+len(prev_offsets)-2 (3 bytes each).
+
+    Pair i is (p_lo + p, next[i]) for prev_offsets[p] <= i < prev_offsets[p + 1] (offsets
+    relative to this slice); its count is c8[i], or where that is 255 the next value of
+    `escaped` (counts of 255 and more, in order of i).
+    """
+
+    p_lo: int
+    prev_offsets: np.ndarray  # int64
+    next: np.ndarray  # uint16
+    c8: np.ndarray  # uint8
+    escaped: np.ndarray  # int64
+
+    @property
+    def size(self) -> int:
+        return int(self.next.size)
+
+    def decode(self) -> tuple[np.ndarray, np.ndarray]:
+        """Sorted uint32 keys and int64 counts."""
+        prevs = np.arange(self.p_lo, self.p_lo + self.prev_offsets.size - 1, dtype=np.uint32)
+        keys = np.repeat(prevs << np.uint32(16), np.diff(self.prev_offsets)) | self.next
+        counts = self.c8.astype(np.int64)
+        counts[counts == 255] = self.escaped
+        return keys, counts
+
+    @classmethod
+    def encode(cls, keys: np.ndarray, counts: np.ndarray, p_lo: int, p_hi: int) -> Compact16:
+        """From sorted uint32 keys (all with p_lo <= prev < p_hi) and their counts."""
+        starts = np.arange(p_lo, p_hi + 1, dtype=np.uint64) << np.uint64(16)
+        prev_offsets = np.searchsorted(keys, starts).astype(np.int64)
+        counts = np.asarray(counts)
+        big = counts >= 255
+        return cls(
+            p_lo,
+            prev_offsets,
+            (keys & np.uint32(0xFFFF)).astype(np.uint16),
+            np.where(big, 255, counts).astype(np.uint8),
+            counts[big].astype(np.int64),
+        )
+
+
+def count_u16(tokens: np.ndarray, row: int, phase: int) -> tuple[Compact16, int]:
+    """The distinct pairs of a uint16 shard and their counts (the compiled map kernel); pairs.
 
     The kernel's big buffers are allocated here, by numpy, which backs arrays of 4 MiB and more
     with transparent huge pages: the scatter's random writes then rarely miss the TLB, and
@@ -251,11 +317,16 @@ def count_u16(tokens: np.ndarray, row: int, phase: int) -> tuple[np.ndarray, np.
     """
     n = max(tokens.size - 1, 0)
     nexts = np.empty(n, np.uint16)
-    out_keys = np.empty(n, np.uint32)
-    out_counts = np.empty(n, np.uint32)
-    d = kernels()["count_u16"](tokens, row, phase, nexts, out_keys, out_counts)
+    out_next = np.empty(n, np.uint16)
+    out_c8 = np.empty(n, np.uint8)
+    prev_offsets = np.empty(65537, np.int64)
+    escaped = np.empty(n // 255 + 1, np.int64)
+    d, e, pairs = kernels()["count_u16"](
+        tokens, row, phase, nexts, out_next, out_c8, prev_offsets, escaped
+    )
+    del nexts
     # views, not copies: the untouched tail of the buffers was never made resident
-    return out_keys[:d], out_counts[:d]
+    return Compact16(0, prev_offsets, out_next[:d], out_c8[:d], escaped[:e]), int(pairs)
 
 
 _DEBRUIJN = np.uint64(0x03F79D71B4CB0A89)
@@ -300,43 +371,39 @@ def _emit_segment(p, scratch, bits, summary, out_keys, out_counts, d):
     return d
 
 
-def _merge_u32_kernel(keys, counts, bounds, out_keys, out_counts):
-    """Merge sorted uint32-key runs keys[bounds[i]:bounds[i+1]], adding counts of equal keys.
+def _merge16_kernel(nexts, c8, prev_offsets, escaped, escaped_start, p_lo, out_keys, out_counts):
+    """Merge k compact runs (`Compact16`, concatenated) of the same `prev` range, adding counts.
 
-    Walks `prev` values in order; each run's entries of one prev are contiguous, so they are
-    added into the scratch table and emitted in order, as in the map kernel. Linear in the input.
-    Writes out_keys[:d], out_counts[:d] (each at least as long as `keys`) and returns d.
+    prev_offsets[i, p]: where run i's entries of prev p_lo + p start in `nexts`/`c8`; run i's
+    escaped counts are escaped[escaped_start[i]:escaped_start[i + 1]], in order. Each prev's
+    entries of every run are added into the scratch table and emitted in order, as in the map
+    kernel. Writes out_keys[:d], out_counts[:d] (each at least as long as `nexts`); returns d.
     """
-    k = bounds.size - 1
-    cur = bounds[:-1].copy()
-    p_lo = np.int64(1 << 16)
-    p_hi = np.int64(-1)
-    for i in range(k):
-        if bounds[i] < bounds[i + 1]:
-            p_lo = min(p_lo, np.int64(keys[bounds[i]] >> 16))
-            p_hi = max(p_hi, np.int64(keys[bounds[i + 1] - 1] >> 16))
+    k = prev_offsets.shape[0]
+    n_prevs = prev_offsets.shape[1] - 1
+    cur = escaped_start[:-1].copy()
     scratch = np.zeros(65536, np.int64)
     bits = np.zeros(1024, np.uint64)
     summary = np.zeros(16, np.uint64)
     d = 0
-    for p in range(p_lo, p_hi + 1):
+    for p in range(n_prevs):
         seen = False
         for i in range(k):
-            j = cur[i]
-            end = bounds[i + 1]
-            while j < end:
-                key = np.int64(keys[j])
-                if key >> 16 != p:
-                    break
-                x = key & 0xFFFF
+            a = prev_offsets[i, p]
+            b = prev_offsets[i, p + 1]
+            if a == b:
+                continue
+            seen = True
+            for j in range(a, b):
+                x = np.int64(nexts[j])
+                c = np.int64(c8[j])
+                if c == 255:
+                    c = escaped[cur[i]]
+                    cur[i] += 1
                 _touch(x, bits, summary)
-                scratch[x] += counts[j]
-                j += 1
-            if j != cur[i]:
-                seen = True
-            cur[i] = j
+                scratch[x] += c
         if seen:
-            d = _emit_segment(p, scratch, bits, summary, out_keys, out_counts, d)
+            d = _emit_segment(p_lo + p, scratch, bits, summary, out_keys, out_counts, d)
     return d
 
 
@@ -454,13 +521,14 @@ def kernels() -> dict | None:
             _KERNELS = {}
             return None
         jit = numba.njit(cache=True, nogil=True)
-        global _emit_segment, _touch, _home_slot
+        global _emit_segment, _emit_compact, _touch, _home_slot
         _touch = jit(_touch)
         _emit_segment = jit(_emit_segment)
+        _emit_compact = jit(_emit_compact)
         _home_slot = jit(_home_slot)
         _KERNELS = {
             "count_u16": jit(_count_u16_kernel),
-            "merge_u32": jit(_merge_u32_kernel),
+            "merge16": jit(_merge16_kernel),
             "build_packed": jit(_build_packed_kernel),
             "build_split": jit(_build_split_kernel),
             "probe_packed": jit(_probe_packed_kernel),
@@ -478,15 +546,8 @@ def warm_kernels() -> None:
     k = kernels()
     if k is None:
         return
-    count_u16(np.array([1, 2, 1], dtype=np.uint16), 0, 0)
-    for count_dtype in (np.uint32, np.int64):
-        out = np.empty(2, np.uint32), np.empty(2, np.int64)
-        k["merge_u32"](
-            np.array([1, 1], np.uint32),
-            np.ones(2, count_dtype),
-            np.array([0, 1, 2], np.int64),
-            *out,
-        )
+    part, _ = count_u16(np.array([1, 2, 1], dtype=np.uint16), 0, 0)
+    merge16([part, part], 0, 65536)
     one = np.ones(1, np.int64)
     k["build_packed"](np.array([1], np.uint32), one, 2)
     k["probe_packed"](np.zeros(2, np.uint64), 2, one, one, np.zeros(1, np.int64))
@@ -527,45 +588,42 @@ def count_shard(task: MapTask) -> dict:
     mm = np.memmap(task.tokens_path, dtype=dtype, mode="r", shape=(task.n_tokens,))
     tokens = np.asarray(mm[task.start : task.stop + 1])
     del mm
-    k = kernels()
-    if k is not None and task.shift == 16 and tokens.dtype.itemsize == 2:
+    bounds = bucket_bounds(task.shift, task.vocab_size)
+    if kernels() is not None and task.shift == 16 and tokens.dtype.itemsize == 2:
         phase = (task.stream_offset + task.start) % task.row if task.row else 0
-        keys, counts = count_u16(tokens, task.row or 0, phase)
-    else:
-        keys = pair_keys(tokens, task.shift, task.stream_offset + task.start, task.row)
-        del tokens
-        keys, counts = count_keys(keys)
-    pairs = int(counts.sum())
-    offsets = np.searchsorted(keys, bucket_bounds(task.shift, task.vocab_size).astype(keys.dtype))
-    offsets = np.append(offsets, keys.size).astype(np.int64)
+        part, pairs = count_u16(tokens, task.row or 0, phase)
+        offsets = np.append(part.prev_offsets[bounds >> np.uint64(16)], part.size)
+        write_partial16(task.out, part, offsets)
+        return {"pairs": pairs, "distinct": part.size}
+    keys = pair_keys(tokens, task.shift, task.stream_offset + task.start, task.row)
+    del tokens
+    keys, counts = count_keys(keys)
+    offsets = np.append(np.searchsorted(keys, bounds.astype(keys.dtype)), keys.size)
     write_partial(task.out, keys, counts, offsets)
-    return {"pairs": pairs, "distinct": int(keys.size)}
+    return {"pairs": int(counts.sum()), "distinct": int(keys.size)}
 
 
+# Partial files, little-endian, one per shard (one file, not several: creating files is what
+# costs most for small shards on network disks). Both layouts start with 5 int64 (the magic
+# first) and the int64 offsets of the fine buckets.
+#   "ARBP" keys and counts as they are: key itemsize, count itemsize, keys, offsets; then the
+#          keys (uint32 or uint64), then the counts (uint32, or int64 where one reaches 2**32).
+#   "PB16" 16-bit ids in 3 bytes a pair (`Compact16`): pairs, offsets, escaped counts, prevs
+#          per bucket; then the int64 offsets of all 65537 prevs, the uint16 nexts, the uint8
+#          counts, the int64 positions of the escaped counts and the int64 escaped counts.
 _PARTIAL_MAGIC = 0x41524250  # "ARBP"
-_HEADER = 5  # int64s: magic, key itemsize, count itemsize, number of keys, number of offsets
+_PARTIAL16_MAGIC = 0x36314250  # "PB16"
+_HEADER = 5
+_PREVS16 = 1 << 16
 
 
-def write_partial(
-    out: str | Path, keys: np.ndarray, counts: np.ndarray, offsets: np.ndarray
-) -> None:
-    """One partial file, written under a temporary name and renamed: it exists only complete.
-
-    Layout (little-endian): 5 int64 header, int64 bucket offsets, keys, counts. One file, not
-    three, because creating files is what costs most for small shards on network disks.
-    """
+def _write_atomic(out: str | Path, arrays) -> None:
+    """Write arrays one after another under a temporary name, renamed when complete."""
     out = Path(out)
-    # counts of one shard are below 2**32 (shards are smaller than that), so uint32 halves the file
-    small = counts.size == 0 or int(counts.max()) < 1 << 32
-    counts = counts.astype("<u4" if small else "<i8", copy=False)
-    keys = keys.astype(keys.dtype.newbyteorder("<"), copy=False)
-    header = np.array(
-        [_PARTIAL_MAGIC, keys.dtype.itemsize, counts.dtype.itemsize, keys.size, offsets.size], "<i8"
-    )
     tmp = out.with_name(f".{out.name}.tmp")
     try:
         with open(tmp, "wb") as f:
-            for part in (header, offsets.astype("<i8", copy=False), keys, counts):
+            for part in arrays:
                 f.write(memoryview(np.ascontiguousarray(part)).cast("B"))
     except BaseException:
         tmp.unlink(missing_ok=True)  # a full disk must not keep holding the torn file's space
@@ -573,21 +631,70 @@ def write_partial(
     tmp.rename(out)
 
 
-def _partial_layout(f, path) -> tuple[np.dtype, np.dtype, int, np.ndarray, int]:
+def write_partial(
+    out: str | Path, keys: np.ndarray, counts: np.ndarray, offsets: np.ndarray
+) -> None:
+    """One partial file of sorted distinct keys, their counts and the bucket offsets.
+
+    Keys of 16-bit ids (uint32) are stored in the compact "PB16" layout.
+    """
+    if keys.dtype == np.uint32:
+        write_partial16(out, Compact16.encode(keys, counts, 0, _PREVS16), offsets)
+        return
+    # counts of one shard are below 2**32 (shards are smaller than that), so uint32 halves the file
+    small = counts.size == 0 or int(counts.max()) < 1 << 32
+    counts = counts.astype("<u4" if small else "<i8", copy=False)
+    keys = keys.astype(keys.dtype.newbyteorder("<"), copy=False)
+    header = np.array(
+        [_PARTIAL_MAGIC, keys.dtype.itemsize, counts.dtype.itemsize, keys.size, offsets.size], "<i8"
+    )
+    _write_atomic(out, (header, offsets.astype("<i8"), keys, counts))
+
+
+def write_partial16(out: str | Path, part: Compact16, offsets: np.ndarray) -> None:
+    """One partial file in the "PB16" layout: a whole shard (`part` covers every prev)."""
+    assert part.p_lo == 0 and part.prev_offsets.size == _PREVS16 + 1
+    escaped_at = np.flatnonzero(part.c8 == 255)
+    per_bucket = int(bucket_bounds(16, _PREVS16)[1] >> np.uint64(16))
+    header = [_PARTIAL16_MAGIC, part.size, offsets.size, escaped_at.size, per_bucket]
+    _write_atomic(
+        out,
+        (
+            np.array(header, "<i8"),
+            offsets.astype("<i8"),
+            part.prev_offsets.astype("<i8"),
+            part.next.astype("<u2", copy=False),
+            part.c8,
+            escaped_at.astype("<i8"),
+            part.escaped.astype("<i8"),
+        ),
+    )
+
+
+def _partial_header(f, path) -> tuple[np.ndarray, np.ndarray]:
+    """(header, bucket offsets) of an open partial file, positioned after them."""
     header = np.fromfile(f, dtype="<i8", count=_HEADER)
-    if header.size != _HEADER or header[0] != _PARTIAL_MAGIC:
+    if header.size != _HEADER or header[0] not in (_PARTIAL_MAGIC, _PARTIAL16_MAGIC):
         raise BadInput(f"{path}: not a partial counts file; delete {Path(path).parent} and rerun")
-    key_dtype = np.dtype(f"<u{int(header[1])}")
-    count_dtype = np.dtype("<u4" if header[2] == 4 else "<i8")
-    n_keys = int(header[3])
-    offsets = np.fromfile(f, dtype="<i8", count=int(header[4]))
-    return key_dtype, count_dtype, n_keys, offsets, 8 * (_HEADER + offsets.size)
+    n_offsets = int(header[4] if header[0] == _PARTIAL_MAGIC else header[2])
+    return header, np.fromfile(f, dtype="<i8", count=n_offsets)
+
+
+def is_partial16(path: str | Path) -> bool:
+    with open(path, "rb") as f:
+        return _partial_header(f, path)[0][0] == _PARTIAL16_MAGIC
 
 
 def read_partial_slice(path: str | Path, b_lo: int, b_hi: int) -> tuple[np.ndarray, np.ndarray]:
-    """Keys and counts of fine buckets b_lo..b_hi-1 of one partial file."""
+    """Keys and counts of fine buckets b_lo..b_hi-1 of one partial file (either layout)."""
     with open(path, "rb") as f:
-        key_dtype, count_dtype, n_keys, offsets, base = _partial_layout(f, path)
+        header, offsets = _partial_header(f, path)
+        if header[0] == _PARTIAL16_MAGIC:
+            return _read_slice16(f, header, offsets, b_lo, b_hi).decode()
+        key_dtype = np.dtype(f"<u{int(header[1])}")
+        count_dtype = np.dtype("<u4" if header[2] == 4 else "<i8")
+        n_keys = int(header[3])
+        base = 8 * (_HEADER + offsets.size)
         a, b = int(offsets[b_lo]), int(offsets[b_hi])
         f.seek(base + a * key_dtype.itemsize)
         keys = np.fromfile(f, dtype=key_dtype, count=b - a)
@@ -596,9 +703,75 @@ def read_partial_slice(path: str | Path, b_lo: int, b_hi: int) -> tuple[np.ndarr
     return keys, counts
 
 
+def read_slice16(path: str | Path, b_lo: int, b_hi: int) -> Compact16:
+    """Fine buckets b_lo..b_hi-1 of a "PB16" partial file, as they are stored."""
+    with open(path, "rb") as f:
+        header, offsets = _partial_header(f, path)
+        if header[0] != _PARTIAL16_MAGIC:
+            raise BadInput(f"{path}: not a 16-bit partial; delete {Path(path).parent} and rerun")
+        return _read_slice16(f, header, offsets, b_lo, b_hi)
+
+
+def _read_slice16(f, header, offsets, b_lo: int, b_hi: int) -> Compact16:
+    n, n_escaped, per_bucket = int(header[1]), int(header[3]), int(header[4])
+    a, b = int(offsets[b_lo]), int(offsets[b_hi])
+    p_lo, p_hi = b_lo * per_bucket, min(b_hi * per_bucket, _PREVS16)
+    at_prevs = 8 * (_HEADER + offsets.size)
+    at_next = at_prevs + 8 * (_PREVS16 + 1)
+    at_c8 = at_next + 2 * n
+    at_escaped_at = at_c8 + n
+    at_escaped = at_escaped_at + 8 * n_escaped
+    f.seek(at_prevs + 8 * p_lo)
+    prev_offsets = np.fromfile(f, dtype="<i8", count=p_hi - p_lo + 1) - a
+    f.seek(at_next + 2 * a)
+    nexts = np.fromfile(f, dtype="<u2", count=b - a)
+    f.seek(at_c8 + a)
+    c8 = np.fromfile(f, dtype=np.uint8, count=b - a)
+    e_lo = e_hi = 0
+    if n_escaped:
+        escaped_at = np.memmap(f, dtype="<i8", mode="r", offset=at_escaped_at, shape=(n_escaped,))
+        e_lo, e_hi = (int(i) for i in np.searchsorted(escaped_at, [a, b]))
+        del escaped_at
+    f.seek(at_escaped + 8 * e_lo)
+    escaped = np.fromfile(f, dtype="<i8", count=e_hi - e_lo)
+    return Compact16(p_lo, prev_offsets, nexts, c8, escaped)
+
+
 def bucket_sizes(path: str | Path) -> np.ndarray:
     with open(path, "rb") as f:
-        return np.diff(_partial_layout(f, path)[3])
+        return np.diff(_partial_header(f, path)[1])
+
+
+def merge16(parts: list[Compact16], p_lo: int, p_hi: int) -> tuple[np.ndarray, np.ndarray]:
+    """Merge compact slices of prevs p_lo..p_hi-1 into sorted uint32 keys and int64 counts."""
+    parts = [c for c in parts if c.size]
+    compiled = kernels()
+    if compiled is None or not parts:
+        return merge_counted([c.decode() for c in parts]) if parts else _no_pairs16()
+    for c in parts:
+        assert c.p_lo == p_lo and c.prev_offsets.size == p_hi - p_lo + 1
+    sizes = [c.size for c in parts]
+    starts = np.cumsum([0] + sizes[:-1])
+    prev_offsets = np.stack([c.prev_offsets + at for c, at in zip(parts, starts)])
+    escaped_start = np.cumsum([0] + [c.escaped.size for c in parts]).astype(np.int64)
+    # allocated by numpy, on huge pages (see count_u16)
+    out_keys = np.empty(sum(sizes), np.uint32)
+    out_counts = np.empty(sum(sizes), np.int64)
+    d = compiled["merge16"](
+        np.concatenate([c.next for c in parts]),
+        np.concatenate([c.c8 for c in parts]),
+        prev_offsets,
+        np.concatenate([c.escaped for c in parts]),
+        escaped_start,
+        p_lo,
+        out_keys,
+        out_counts,
+    )
+    return out_keys[:d], out_counts[:d]
+
+
+def _no_pairs16() -> tuple[np.ndarray, np.ndarray]:
+    return np.zeros(0, np.uint32), np.zeros(0, np.int64)
 
 
 # ---- reduce ----------------------------------------------------------------------------------
@@ -626,21 +799,41 @@ def reduce_range(task: ReduceTask) -> dict:
     the Parquet part here, not in the driver, spreads the encoding over the workers; the driver
     only joins the parts (see `write_bigrams`).
     """
-    acc: list[tuple[np.ndarray, np.ndarray]] = []
-    held = 0
-    for path in task.partials:
-        k, c = read_partial_slice(path, task.b_lo, task.b_hi)
-        if k.size == 0:
-            continue
-        if held and held + k.size > task.batch_entries and len(acc) > 1:
-            acc = [merge_counted(acc)]
-            held = acc[0][0].size
-        acc.append((k, c))
-        held += k.size
-    keys, counts = merge_counted(acc)
-    del acc
+    if task.shift == 16:
+        keys, counts = _reduce16(task)
+    else:
+        acc: list[tuple[np.ndarray, np.ndarray]] = []
+        held = 0
+        for path in task.partials:
+            k, c = read_partial_slice(path, task.b_lo, task.b_hi)
+            if k.size == 0:
+                continue
+            if held and held + k.size > task.batch_entries and len(acc) > 1:
+                acc = [merge_counted(acc)]
+                held = acc[0][0].size
+            acc.append((k, c))
+            held += k.size
+        keys, counts = merge_counted(acc)
+        del acc
     pairs = write_bigrams_part(task.out, keys, counts, task.shift)
     return {"distinct": int(keys.size), "pairs": pairs}
+
+
+def _reduce16(task: ReduceTask) -> tuple[np.ndarray, np.ndarray]:
+    acc: list[Compact16] = []
+    held = 0
+    p_lo = p_hi = 0
+    for path in task.partials:
+        part = read_slice16(path, task.b_lo, task.b_hi)
+        p_lo, p_hi = part.p_lo, part.p_lo + part.prev_offsets.size - 1
+        if part.size == 0:
+            continue
+        if held and held + part.size > task.batch_entries and len(acc) > 1:
+            acc = [Compact16.encode(*merge16(acc, p_lo, p_hi), p_lo, p_hi)]
+            held = acc[0].size
+        acc.append(part)
+        held += part.size
+    return merge16(acc, p_lo, p_hi)
 
 
 def plan_ranges(sizes: np.ndarray, target_entries: int) -> list[tuple[int, int]]:

@@ -182,6 +182,28 @@ def test_many_reduce_ranges_and_batches_equal_one(tmp_path, engine, monkeypatch)
     assert set(meta.metadata) == {b"ARROW:schema"}
 
 
+def test_counts_of_255_and_more_in_a_shard(tmp_path, engine, monkeypatch):
+    """Partials keep counts in one byte and escape the larger ones: repeated pairs in several
+    `prev` buckets, counted in shards, ranges and merge batches that split the escapes."""
+    import ar_slicing.counts as counts_module
+
+    rng = np.random.default_rng(2)
+    docs = []
+    for prev in (0, 1, 100, 1000, 3000, 3999):
+        docs.append([prev, 7] * int(rng.integers(250, 700)))  # (prev, 7) and (7, prev) repeat
+        docs.append(rng.integers(0, 4000, size=300).tolist())
+    docs.append([5] * 70_000)  # (5, 5) reaches 2**16 within one shard
+    store = store_at(tmp_path / "s", docs, vocab_size=4001, eos=4000)
+    stream = stream_of([store])
+    monkeypatch.setattr(counts_module, "REDUCE_RANGE_ENTRIES", 400)
+    for shard_tokens in (1 << 20, 1500):
+        out = tmp_path / f"c{shard_tokens}"
+        meta = count_stores([store.path], out, shard_tokens=shard_tokens, workers=2, progress=False)
+        check_output(out, stream, None)
+        assert meta["counts"]["reduce_ranges"] > 3
+    assert read_bigrams(tmp_path / "c1048576")[(5, 5)] == 69_999
+
+
 def test_several_stores_equal_their_concatenation(tmp_path):
     rng = np.random.default_rng(1)
     docs = [rng.integers(1, 200, size=rng.integers(0, 50)).tolist() for _ in range(30)]
