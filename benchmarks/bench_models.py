@@ -8,8 +8,8 @@ per-token NLL's peak memory against a full log_softmax.
    built from the same weights (what `load_model("hf:<rwkv dir>")` runs) score one sequence of
    1024 tokens; tokens/s of the backbone forward (the LM head is the same matmul for both) and the
    WKV recurrence alone at batch 1 and 8 (transformers' `rwkv_linear_attention_cpu` vs
-   `wkv_chunked`), min of several repeats, with a closing line on the WKV target (>= 5x at every
-   width and batch). The outputs are checked to agree.
+   `wkv_chunked`), min CPU time of several interleaved repeats, with a closing line on the WKV
+   target (>= 5x at every width and batch). The outputs are checked to agree.
 2. NLL memory: per-token NLL of a (B, T, D) hidden state under a (50 304, D) head, computed by
    `models.nll.chunked_nll` and by a full fp32 `log_softmax` over (B, T, V); each in a fresh
    subprocess, reporting peak RSS above the inputs (VmHWM after a reset, Linux) and the largest
@@ -33,14 +33,19 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def best_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
+def best_times(fns: dict, repeats: int) -> dict:
+    """Min CPU time (time.process_time) of each function over `repeats` rounds, the functions
+    interleaved within a round: a busy shared machine inflates CPU time less than wall time, and
+    interleaving spreads any remaining drift over all of them alike."""
+    for fn in fns.values():
+        fn()  # warm-up
+    best = dict.fromkeys(fns, float("inf"))
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        for name, fn in fns.items():
+            start = time.process_time()
+            fn()
+            best[name] = min(best[name], time.process_time() - start)
+    return best
 
 
 def bench_rwkv(hidden: int, layers: int, seq: int, repeats: int, wkv_batches) -> dict:
@@ -63,8 +68,11 @@ def bench_rwkv(hidden: int, layers: int, seq: int, repeats: int, wkv_batches) ->
         ref = hf.rwkv(input_ids=ids, use_cache=False).last_hidden_state
         ours = fast.rwkv(ids)
         max_diff = (ref - ours).abs().max().item()
-        t_hf = best_time(lambda: hf.rwkv(input_ids=ids, use_cache=False), repeats)
-        t_ours = best_time(lambda: fast.rwkv(ids), repeats)
+        t = best_times(
+            {"hf": lambda: hf.rwkv(input_ids=ids, use_cache=False), "ours": lambda: fast.rwkv(ids)},
+            repeats,
+        )
+        t_hf, t_ours = t["hf"], t["ours"]
         att = hf.rwkv.blocks[-1].attention
         td, tf = att.time_decay.detach(), att.time_first.detach()
         wkv = {}
@@ -72,8 +80,14 @@ def bench_rwkv(hidden: int, layers: int, seq: int, repeats: int, wkv_batches) ->
             k, v = torch.randn(batch, seq, hidden), torch.randn(batch, seq, hidden)
             ref, _ = rwkv_linear_attention_cpu(td, tf, k, v)
             wkv_diff = (ref - wkv_chunked(td, tf, k, v)).abs().max().item()
-            w_hf = best_time(lambda k=k, v=v: rwkv_linear_attention_cpu(td, tf, k, v), repeats)
-            w_ours = best_time(lambda k=k, v=v: wkv_chunked(td, tf, k, v), repeats)
+            t = best_times(
+                {
+                    "hf": lambda k=k, v=v: rwkv_linear_attention_cpu(td, tf, k, v),
+                    "ours": lambda k=k, v=v: wkv_chunked(td, tf, k, v),
+                },
+                repeats,
+            )
+            w_hf, w_ours = t["hf"], t["ours"]
             wkv[batch] = {
                 "tokens_per_s_transformers": batch * seq / w_hf,
                 "tokens_per_s_chunked": batch * seq / w_ours,
@@ -161,7 +175,7 @@ def main() -> None:
         rwkv_sizes, seq, repeats = [(64, 2)], 256, 1
         nll_size = (1, 2048, 64, 50304)
     else:
-        rwkv_sizes, seq, repeats = [(128, 4), (256, 4), (768, 2)], 1024, 3
+        rwkv_sizes, seq, repeats = [(128, 4), (256, 4), (768, 2)], 1024, 5
         nll_size = (2, 2048, 256, 50304)
 
     batches = (1, 8)

@@ -4,10 +4,12 @@ Parameter names follow HazyResearch/zoology `zoology/mixers/rwkv.py` (`time_deca
 `time_mix_{k,v,r}`, `key`, `value`, `receptance`, `output`). Zoology and BlinkDL run the WKV
 recurrence in a custom CUDA kernel and transformers' `RwkvForCausalLM` falls back to a per-token
 Python loop elsewhere; here `wkv_chunked` computes all tokens at once in pure PyTorch: inside
-chunks of C tokens the decayed sums factorise into cumulative sums (fp64, keys shifted to a
-common maximum), a scan of T/C steps carries the state across chunks, and channels that decay too
-fast to factorise use an exact log-space form with a per-row maximum. `wkv_sequential` is the
-plain recurrence (one step per token) that the tests hold it to.
+chunks of C tokens the decayed sums factorise into prefix sums, a scan over chunks carries the
+state, and channels that decay too fast to factorise take a short window over past tokens.
+Inference runs this in fp32 and base 2 (`_wkv_chunks_fp32`, `_wkv_window_fp32`) with per-channel
+accuracy checks; a channel that fails them is recomputed by the exact log-space form
+(`_wkv_log_matrix`). With autograd the fp64 factorised form runs instead. `wkv_sequential` is
+the plain recurrence (one step per token) that the tests hold all of them to.
 
 The WKV of channel d at time t, with w = exp(time_decay) > 0 and u = time_first:
 
