@@ -4,15 +4,21 @@ Counting is shaped for a distributed engine (every task is a picklable function 
 arguments that reads and writes files, so results may arrive in any order):
 
   map     `count_shard(MapTask)`: one shard of one store -> a partial counts file: the shard's
-          distinct pair keys, sorted, their counts, and where each fine `prev` bucket starts.
+          distinct pairs, sorted, their counts, and where each fine `prev` bucket starts.
   reduce  `reduce_range(ReduceTask)`: the slices of one range of `prev` values out of every
-          partial -> that range's final (key, count) arrays, merged in bounded memory.
-  write   `write_bigrams(...)`: the reduced ranges, in order, -> `bigrams.parquet` in row groups.
+          partial, merged in bounded memory -> that range of bigrams.parquet, as a Parquet part.
+  write   `write_bigrams(...)`: the parts, in order, -> `bigrams.parquet` (their row groups
+          copied as they are, one footer listing them all: `ar_slicing.parquet_concat`).
 
 A pair is packed into one integer key `prev << shift | next` (`shift` = 16 for uint16 stores,
 so a key is a uint32 and sorting it sorts by (prev, next); 32 for uint32 stores, uint64 keys).
 Partials are sorted, so a `prev` range is a contiguous slice of each one, found through the
-bucket offsets the map step stores beside it.
+bucket offsets the map step stores beside it. Partials of 16-bit ids take 3 bytes a distinct
+pair (`Compact16`: per-prev offsets, a uint16 next, a one-byte count with escapes).
+
+Memory does not grow with the corpus: a map task holds one shard (about 7 bytes a token at
+most), a reduce task at most REDUCE_RANGE_ENTRIES partial entries plus its running result, and
+the driver only file names and Parquet footers. More data means more tasks, not bigger ones.
 
 What is counted. Stores counted together are one stream: their concatenation, in the order
 given, so the pair across the boundary of two stores (last token of one, first of the next)
@@ -47,7 +53,7 @@ BIGRAMS_NAME = "bigrams.parquet"
 # more than 4 M distinct pairs whatever the corpus size (uint16: 64 prev values per bucket).
 BUCKET_KEYS = 1 << 22
 MAX_BUCKETS = 1 << 14
-# Partial entries one reduce task merges (~30 bytes each while merging: ~250 MB per task).
+# Partial entries one reduce task merges (~20 bytes each while merging: ~170 MB per task).
 REDUCE_RANGE_ENTRIES = 1 << 23
 # Rows per Parquet row group of bigrams.parquet (readers can stream it group by group).
 ROW_GROUP_ROWS = 1 << 21
@@ -1102,7 +1108,8 @@ class BigramCounts:
 
 # ---- the whole count: plan, map, reduce, write -------------------------------------------------
 
-# 32 M tokens (~400 MB per map worker): fewer, fuller partials leave the reduce less to merge
+# 32 M tokens (~220 MB per map worker at most): fewer, fuller partials leave the reduce less
+# to merge
 DEFAULT_SHARD_TOKENS = 1 << 25
 WORK_NAME = ".work"  # partials and reduced ranges of an unfinished count (kept for resuming)
 

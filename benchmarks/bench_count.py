@@ -385,9 +385,21 @@ def main() -> None:
         small = results["zipf"]["arslice"]["peak_rss_gib"]
         print(
             f"  arslice  {rows['tokens_per_s'] / 1e6:7.1f} M tokens/s  {rows['wall_s']:7.1f} s  "
-            f"peak {rows['peak_rss_gib']:5.2f} GiB (at {n:,} tokens: {small:.2f} GiB)"
+            f"peak {rows['peak_rss_gib']:5.2f} GiB (at {n:,} tokens: {small:.2f} GiB, "
+            f"{rows['peak_rss_gib'] / small:.2f}x)"
         )
         results["zipf_big"] = {"arslice": rows}
+    if "arslice" in args.engines and "duckdb" in args.engines:
+        ratio = {
+            s: results[s]["arslice"]["tokens_per_s"] / results[s]["duckdb"]["tokens_per_s"]
+            for s in ("zipf", "text")
+        }
+        peaks = [results[s]["arslice"]["peak_rss_gib"] for s in results if "arslice" in results[s]]
+        print(
+            f"\ntargets: zipf {ratio['zipf']:.2f}x duckdb (>= 2), text {ratio['text']:.2f}x "
+            f"(>= 1), peak {max(peaks):.2f} GiB (<= 6)"
+            + (f", 1 B / {n:,} peak {rows['peak_rss_gib'] / small:.2f}x (flat)" if big else "")
+        )
     (DATA / "last-run.json").write_text(json.dumps(results, indent=2))
 
 

@@ -36,7 +36,9 @@ class CountConfig:
     workers: int = field(default=0, metadata={"help": "worker processes (0 = all cores)"})
     shard_tokens: int = field(
         default=DEFAULT_SHARD_TOKENS,
-        metadata={"help": "tokens per map shard: resume granularity; ~12 bytes of memory each"},
+        metadata={
+            "help": "tokens per map shard: resume granularity; up to ~7 bytes of memory each"
+        },
     )
     overwrite: bool = field(default=False, metadata={"help": "redo a complete output directory"})
     executor: str = field(
