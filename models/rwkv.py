@@ -237,7 +237,8 @@ def _wkv_chunks_fp32(w64, u64, k, v, out, C: int, block_elements: int = _BLOCK_E
 
     w64, u64 (D,) fp64 decay e^{time_decay} and time_first; k, v (B, T, D) fp32, any strides;
     writes out (B, T, D). Returns (D,) bool: channels whose result is proven accurate (every
-    denominator >= 2^-90 and every output finite); the caller recomputes the others exactly.
+    denominator, the carried state's included, >= 2^-90 and every output finite); the caller
+    recomputes the others exactly.
 
     Per chunk and channel, with s the block's largest key and r = (C-1)/2 the chunk's centre,
     E_j = e^{k_j - s} e^{(j - r) w}; dividing numerator and denominator of row j by the common
@@ -300,8 +301,10 @@ def _wkv_chunks_fp32(w64, u64, k, v, out, C: int, block_elements: int = _BLOCK_E
             step *= 2
         for j in range(1, Cb):
             torch.add(Y[j - 1], X[j - 1], out=Y[j])
-        # the state at the block's end relative to 2^s: (2, B, D)
+        # the state at the block's end relative to 2^s: (2, B, D); the next block scales it up by
+        # as much as 1 / st[1], so its denominator must clear 2^-90 as every row's does
         st = (Y[Cb - 1, :, :, nb - 1] + X[Cb - 1, :, :, nb - 1]) * to_end
+        den_min = torch.minimum(den_min, st[1].amin(0))
         sp = s
         Y.addcmul_(X, beta[None, None, None, :])
         torch.div(Y[:, 0], Y[:, 1], out=out[:, t0:t1].view(B, nb, Cb, D).permute(2, 0, 1, 3))
@@ -360,6 +363,8 @@ def _wkv_fast(time_decay, time_first, k, v, C: int):
     """Inference WKV: chunked fp32 for slow and medium channels, a window for the fastest, and
     the exact log-space form for any channel whose accuracy checks fail. Returns (B, T, D) fp32."""
     B, T, D = k.shape
+    if T == 0:
+        return torch.empty(B, T, D, device=k.device)
     k, v = k.float(), v.float()
     w64 = torch.exp(time_decay.detach().double())
     u64 = time_first.detach().double()
