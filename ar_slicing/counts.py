@@ -419,19 +419,6 @@ def _home_slot(key, size):
     return np.int64((h * np.uint64(size)) >> np.uint64(32))
 
 
-def _build_packed_kernel(keys, counts, size):
-    """Linear-probing table of uint64 slots `key << 32 | count` (0 = empty), wrapping around."""
-    table = np.zeros(size, np.uint64)
-    for i in range(keys.size):
-        s = _home_slot(keys[i], size)
-        while table[s] != 0:
-            s += 1
-            if s == size:
-                s = 0
-        table[s] = (np.uint64(keys[i]) << np.uint64(32)) | np.uint64(counts[i])
-    return table
-
-
 def _build_split_kernel(keys, counts, table_keys, table_values):
     """Linear-probing table of separate key and count arrays (count 0 = empty)."""
     size = table_keys.size
@@ -443,45 +430,6 @@ def _build_split_kernel(keys, counts, table_keys, table_values):
                 s = 0
         table_keys[s] = keys[i]
         table_values[s] = counts[i]
-
-
-def _probe_packed_kernel(table, home_size, prev, nxt, out):
-    """out[i] = count of (prev[i], nxt[i]) in a packed table of 16-bit ids, or 0.
-
-    Queries go in blocks of 32: first every block's home slot is loaded (independent loads, so
-    the cache misses overlap), then each query is resolved, probing on only where needed.
-    """
-    size = table.size
-    block = 32
-    keys = np.empty(block, np.uint64)
-    slots = np.empty(block, np.int64)
-    first = np.empty(block, np.uint64)
-    for a in range(0, prev.size, block):
-        b = min(prev.size, a + block)
-        for j in range(b - a):
-            p = prev[a + j]
-            q = nxt[a + j]
-            if p < 0 or p >= 65536 or q < 0 or q >= 65536:
-                slots[j] = -1
-                continue
-            keys[j] = (np.uint64(p) << np.uint64(16)) | np.uint64(q)
-            slots[j] = _home_slot(keys[j], home_size)
-            first[j] = table[slots[j]]
-        for j in range(b - a):
-            s = slots[j]
-            out[a + j] = 0
-            if s < 0:
-                continue
-            v = first[j]
-            key = keys[j]
-            while v != 0:
-                if (v >> np.uint64(32)) == key:
-                    out[a + j] = np.int64(v & np.uint64(0xFFFFFFFF))
-                    break
-                s += 1
-                if s == size:
-                    s = 0
-                v = table[s]
 
 
 def _probe_split_kernel(table_keys, table_values, home_size, shift, prev, nxt, out):
@@ -535,9 +483,7 @@ def kernels() -> dict | None:
         _KERNELS = {
             "count_u16": jit(_count_u16_kernel),
             "merge16": jit(_merge16_kernel),
-            "build_packed": jit(_build_packed_kernel),
             "build_split": jit(_build_split_kernel),
-            "probe_packed": jit(_probe_packed_kernel),
             "probe_split": jit(_probe_split_kernel),
         }
     return _KERNELS or None
@@ -555,8 +501,6 @@ def warm_kernels() -> None:
     part, _ = count_u16(np.array([1, 2, 1], dtype=np.uint16), 0, 0)
     merge16([part, part], 0, 65536)
     one = np.ones(1, np.int64)
-    k["build_packed"](np.array([1], np.uint32), one, 2)
-    k["probe_packed"](np.zeros(2, np.uint64), 2, one, one, np.zeros(1, np.int64))
     for key_dtype, value_dtype in itertools.product((np.uint32, np.uint64), (np.uint32, np.int64)):
         table_keys, table_values = np.zeros(2, key_dtype), np.zeros(2, value_dtype)
         k["build_split"](
@@ -946,27 +890,90 @@ _FIB = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio: multiplicative (Fi
 _LOOKUP_CHUNK = 1 << 22
 
 
+def _region_layout(per_prev_counts) -> tuple[np.ndarray, np.ndarray]:
+    """Empty region table: `prev`'s region has two slots per distinct bigram starting with it."""
+    per_prev = np.zeros(1 << 16, np.int64)
+    for counts in per_prev_counts:
+        per_prev += counts
+    starts = np.zeros((1 << 16) + 1, np.int64)
+    np.cumsum(2 * per_prev, out=starts[1:])
+    return starts, np.zeros(max(1, int(starts[-1])), np.uint64)
+
+
+def _read_regions(file) -> tuple[tuple[np.ndarray, np.ndarray], int, int] | None:
+    """The region table of a bigrams.parquet file read row group by row group (so decoded rows
+    never pile up in memory), with its number of rows and total count; None when the file does
+    not fit that table (ids of 16 bits or more, counts of 2**32 or more) or without numba."""
+    from ar_slicing.tag_kernels import compiled as tag_kernels
+
+    compiled = tag_kernels()
+    if compiled is None:
+        return None
+    per_prev = []
+    for chunk in file.read(columns=["prev"]).column(0).chunks:
+        p = chunk.to_numpy()
+        if p.size and (int(p.min()) < 0 or int(p.max()) >= 1 << 16):
+            return None
+        per_prev.append(np.bincount(p, minlength=1 << 16))
+    starts, slots = _region_layout(per_prev)
+    rows = total = 0
+    for group in range(file.num_row_groups):
+        table = file.read_row_group(group, columns=["prev", "next", "count"])
+        p, q, c = (table.column(k).to_numpy() for k in range(3))
+        if q.size and (int(q.min()) < 0 or int(q.max()) >= 1 << 16 or int(c.max()) >= 1 << 32):
+            return None
+        compiled["build_regions"](starts, slots, p, q, c)
+        rows += p.size
+        total += int(c.sum())
+    return (starts, slots), rows, total
+
+
+def _as_chunks(column) -> list[np.ndarray]:
+    """An array, or a list of arrays (chunks), as a list of chunks."""
+    return list(column) if isinstance(column, (list, tuple)) else [np.asarray(column)]
+
+
 class BigramCounts:
     """The counts of a complete counts directory, with vectorised `lookup(prev, next)`.
 
-    The table is held in memory as an open-addressing hash table (linear probing, load 0.5):
-    a lookup is one multiply-shift and, on average, 1.5 probes. With 16-bit ids each slot
-    packs key and count into one uint64 (16 bytes of memory per distinct bigram).
+    With 16-bit ids, counts below 2**32 and the compiled kernels, the table is the per-`prev`
+    region table of `ar_slicing.tag_kernels` (`regions`: starts, slots; 16 bytes per distinct
+    bigram, built region by region from the sorted rows). Otherwise it is one open-addressing
+    hash table (linear probing, load 0.5): a lookup is one multiply-shift and, on average, 1.5
+    probes; with 16-bit ids each slot packs key and count into one uint64.
     """
 
     def __init__(
         self, prev: np.ndarray, nxt: np.ndarray, counts: np.ndarray, meta: dict, path=None
     ):
+        """`prev`, `nxt`, `counts`: the rows of bigrams.parquet, as arrays or as lists of aligned
+        chunks (its row groups, so a large file is never concatenated)."""
         self.path = Path(path) if path is not None else None
         self.meta = meta
-        prev = np.asarray(prev, dtype=np.int64)
-        nxt = np.asarray(nxt, dtype=np.int64)
-        counts = np.asarray(counts, dtype=np.int64)
-        if prev.size and (prev.min() < 0 or nxt.min() < 0):
+        chunks = list(zip(*(_as_chunks(a) for a in (prev, nxt, counts))))
+        lows = [min(int(p.min()), int(q.min())) for p, q, _ in chunks if p.size]
+        if lows and min(lows) < 0:
             raise BadInput(f"{self._where()}: negative token ids in {BIGRAMS_NAME}")
-        top = int(max(prev.max(), nxt.max())) if prev.size else 0
+        top = max((max(int(p.max()), int(q.max())) for p, q, _ in chunks if p.size), default=0)
+        max_count = max((int(c.max()) for _, _, c in chunks if c.size), default=0)
         self.shift = 16 if top < 1 << 16 else 32
-        self.n_distinct = int(prev.size)
+        self.n_distinct = sum(p.size for p, _, _ in chunks)
+        self._total = sum(int(c.sum()) for _, _, c in chunks)
+        self.regions = None  # (starts, slots) of the region table, when it is used
+        from ar_slicing.tag_kernels import compiled as tag_kernels
+
+        compiled = tag_kernels()
+        if compiled is not None and self.shift == 16 and max_count < 1 << 32:
+            self._build_regions(chunks, compiled)
+            return
+        prev, nxt, counts = (
+            np.concatenate([c[k] for c in chunks]).astype(np.int64, copy=False)
+            if chunks
+            else np.zeros(0, np.int64)
+            for k in range(3)
+        )
+        seen = counts > 0  # a stored count of 0 would read as an empty slot mid-probe
+        prev, nxt, counts = prev[seen], nxt[seen], counts[seen]
         keys = (prev.astype(np.uint64) << np.uint64(self.shift)) | nxt.astype(np.uint64)
         self._build(keys.astype(key_dtype_for(self.shift)), counts)
 
@@ -988,12 +995,21 @@ class BigramCounts:
         meta = read_json(path / "meta.json")
         try:
             with pa.memory_map(str(path / BIGRAMS_NAME)) as source:
-                table = pq.read_table(source, columns=["prev", "next", "count"])
+                file = pq.ParquetFile(source)
+                regions = _read_regions(file)
+                if regions is None:
+                    table = file.read(columns=["prev", "next", "count"])
         except Exception as e:
             raise BadInput(
                 f"counts {path}: cannot read {BIGRAMS_NAME} ({e}); rerun the count stage"
             ) from None
-        cols = [table.column(n).to_numpy() for n in ("prev", "next", "count")]
+        if regions is not None:
+            counts = cls.__new__(cls)
+            counts.path, counts.meta, counts.shift = path, meta, 16
+            counts.regions, counts.n_distinct, counts._total = regions
+            return counts
+        batches = table.to_batches()
+        cols = [[b.column(k).to_numpy() for b in batches] for k in range(3)]
         return cls(*cols, meta=meta, path=path)
 
     @property
@@ -1007,6 +1023,12 @@ class BigramCounts:
     def __len__(self) -> int:
         return self.n_distinct
 
+    def _build_regions(self, chunks, compiled: dict) -> None:
+        starts, slots = _region_layout(np.bincount(p, minlength=1 << 16) for p, _, _ in chunks)
+        for p, q, c in chunks:
+            compiled["build_regions"](starts, slots, p, q, c)
+        self.regions = (starts, slots)
+
     def _slots(self, keys: np.ndarray, size: int) -> np.ndarray:
         """Home slot of each key: the top 32 bits of a Fibonacci hash, scaled to the table size."""
         h = (keys.astype(np.uint64) * _FIB) >> np.uint64(32)
@@ -1014,7 +1036,6 @@ class BigramCounts:
 
     def _build(self, keys: np.ndarray, counts: np.ndarray) -> None:
         """Fill the table. Load factor 0.5 (16 bytes per bigram when packed)."""
-        self._total = int(counts.sum())
         n = keys.size
         size = max(16, 2 * n)
         self._size = size  # home slots are scaled to this; the arrays may be longer
@@ -1023,13 +1044,10 @@ class BigramCounts:
         self._packed = self.shift == 16 and (n == 0 or int(counts.max()) < 1 << 32)
         value_dtype = np.uint32 if n == 0 or int(counts.max()) < 1 << 32 else np.int64
         compiled = kernels()
-        if compiled is not None:
-            if self._packed:
-                self._table = compiled["build_packed"](keys, counts, size)
-            else:
-                self._keys = np.zeros(size, dtype=keys.dtype)
-                self._values = np.zeros(size, dtype=value_dtype)
-                compiled["build_split"](keys, counts.astype(value_dtype), self._keys, self._values)
+        if compiled is not None:  # (16-bit ids with small counts took the region table)
+            self._keys = np.zeros(size, dtype=keys.dtype)
+            self._values = np.zeros(size, dtype=value_dtype)
+            compiled["build_split"](keys, counts.astype(value_dtype), self._keys, self._values)
             return
         # numpy: place keys in order of home slot; each lands on max(its home, the previous
         # key's slot + 1), i.e. with g_i = slot_i - i a running max. No wrap-around is needed:
@@ -1070,8 +1088,10 @@ class BigramCounts:
             # int64 ids: one compiled signature whatever the caller's dtype
             p = np.ascontiguousarray(prev, dtype=np.int64)
             q = np.ascontiguousarray(nxt, dtype=np.int64)
-            if self._packed:
-                compiled["probe_packed"](self._table, self._size, p, q, out)
+            if self.regions is not None:
+                from ar_slicing.tag_kernels import compiled as tag_kernels
+
+                tag_kernels()["probe_regions"](*self.regions, p, q, out)
             else:
                 compiled["probe_split"](self._keys, self._values, self._size, self.shift, p, q, out)
             return out
