@@ -7,7 +7,13 @@ With `reset_at_doc_boundary`, only `j` in the same document as `i` count (the do
 its trailing EOS included, holds the stream index). An *AR hit* is a repeat whose training count
 is at most `threshold` (count 0, never seen, qualifies).
 
-How it is computed, per batch of windows, without a Python loop over tokens: the batch's targets
+How it is computed, per batch of windows. With numba (`ar_slicing.tag_kernels`): one pass over
+each window with a small window-local table of the bigrams seen so far (their most recent target
+and its count), so only a window's first occurrence of a bigram is looked up in the training
+counts; with a `BigramCounts` of 16-bit ids that lookup happens inside the same pass, otherwise
+the first occurrences are looked up once per batch and their counts spread to the repeats.
+
+Without numba, in numpy, without a Python loop over tokens: the batch's targets
 are ordered by (bigram, stream index) — two stable radix passes over 16-bit ids (GPT-2 and GPT-NeoX
 vocabularies fit), or one sort of packed 64-bit keys for larger vocabularies. In that order a
 target's predecessor with the same bigram is its most recent earlier occurrence in the batch; it
@@ -20,10 +26,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ar_slicing.errors import BadInput
+
+if TYPE_CHECKING:
+    from ar_slicing.counts import BigramCounts
 
 # (prev, next) -> training count, int64, 0 for pairs never seen (BigramCounts.lookup).
 Lookup = Callable[[np.ndarray, np.ndarray], np.ndarray]
@@ -43,21 +53,23 @@ TAG_COLUMNS = (
 
 
 def tags_schema():
-    """The tag table's schema (DESIGN.md "Tags"); `prev_pos` is null for non-repeats."""
+    """The tag table's schema (DESIGN.md "Tags"): `prev_pos` is null for non-repeats and `subset`
+    for documents without one; every other column is never null (REQUIRED in Parquet, which
+    also spares the writer a definition level per value)."""
     import pyarrow as pa
 
     return pa.schema(
         [
-            ("window_id", pa.int32()),
-            ("pos", pa.int32()),
-            ("doc_id", pa.int64()),
-            ("token", pa.int32()),
-            ("prev", pa.int32()),
-            ("train_count", pa.int64()),
-            ("prev_pos", pa.int32()),
-            ("is_repeat", pa.bool_()),
-            ("is_ar_hit", pa.bool_()),
-            ("subset", pa.string()),
+            pa.field("window_id", pa.int32(), nullable=False),
+            pa.field("pos", pa.int32(), nullable=False),
+            pa.field("doc_id", pa.int64(), nullable=False),
+            pa.field("token", pa.int32(), nullable=False),
+            pa.field("prev", pa.int32(), nullable=False),
+            pa.field("train_count", pa.int64(), nullable=False),
+            pa.field("prev_pos", pa.int32()),
+            pa.field("is_repeat", pa.bool_(), nullable=False),
+            pa.field("is_ar_hit", pa.bool_(), nullable=False),
+            pa.field("subset", pa.string()),
         ]
     )
 
@@ -116,28 +128,99 @@ def tag_windows(
     window: int,
     *,
     docs: DocTable,
-    lookup: Lookup,
+    lookup: Lookup | BigramCounts,
     threshold: int,
     vocab_size: int,
     reset_at_doc_boundary: bool = False,
+    out: dict[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """Tag every target of consecutive windows starting at `first_window`.
 
     `stream` is `S[first_window*L : e]`: the windows' tokens including the last window's final
     target (`e = min((last_window+1)*L + 1, n_tokens)`), so it holds `len(stream) - 1` targets and
-    only its last window may be partial. Returns numpy columns named as in `TAG_COLUMNS`, with
-    `prev_pos` 0 where there is no earlier occurrence and `subset` as codes into
-    `docs.subset_names` (-1 = none).
+    only its last window may be partial. `lookup` is a `BigramCounts` or any function
+    `(prev, next) -> counts`. Returns numpy columns named as in `TAG_COLUMNS`, with `prev_pos` 0
+    where there is no earlier occurrence and `subset` as codes into `docs.subset_names`
+    (-1 = none). `out` (from `column_buffers`) is where the compiled path writes them: a caller
+    tagging batch after batch reuses memory instead of having fresh pages mapped for each one.
 
     Example (DESIGN.md), `L = 8`, stream `5 6 7 8 5 6 9 5 6`: targets at pos 1..8 are
     `6 7 8 5 6 9 5 6`; pos 5 and 8 repeat bigram (5, 6) with prev_pos 1 and 5; with a training
     count of 10 for (5, 6) and threshold 1250 both are AR hits.
     """
+    from ar_slicing.tag_kernels import compiled
+
     L = int(window)
     n = len(stream) - 1  # targets; target k (0-based) is stream index first_window*L + 1 + k
     if n <= 0:
         return _empty_columns()
     tokens = _checked_tokens(stream, vocab_size, first_window)
+    kernels = compiled()
+    regions = getattr(lookup, "regions", None)
+    lookup_fn = lookup.lookup if hasattr(lookup, "lookup") else lookup
+    if kernels is None:
+        return _tag_windows_numpy(
+            tokens, first_window, L, docs, lookup_fn, threshold, vocab_size, reset_at_doc_boundary
+        )
+    use_table = regions is not None and tokens.dtype == np.uint16
+    starts, slots = regions if use_table else (np.zeros(2, np.int64), np.zeros(1, np.uint64))
+    if out is None or len(out["pos"]) < n:
+        out = column_buffers(n)
+    columns = {name: out[name][:n] for name in TAG_COLUMNS}
+    head_of = out["head_of"][:n] if not use_table else out["head_of"][:1]
+    d0 = int(np.searchsorted(docs.offsets, first_window * L + 1, side="right")) - 1
+    kernels["tag_batch"](
+        *map(_read_only, (tokens, docs.offsets, docs.doc_ids, docs.subset_code)),
+        n,
+        L,
+        first_window,
+        max(int(vocab_size), 1),
+        d0,
+        bool(reset_at_doc_boundary),
+        int(threshold),
+        use_table,
+        *map(_read_only, (starts, slots)),
+        *(columns[name] for name in TAG_COLUMNS),
+        head_of,
+    )
+    if not use_table:
+        # counts of each window's first occurrences, spread to the later ones
+        heads = head_of == np.arange(n)
+        count = columns["train_count"]
+        count[heads] = lookup_fn(columns["prev"][heads], columns["token"][heads])
+        count[:] = count[head_of]
+        columns["is_ar_hit"] = columns["is_repeat"] & (count <= threshold)
+    return columns
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    """A read-only view: the kernel is compiled once for its inputs whatever their flags (a
+    memory-mapped store is read-only, a test's array is not)."""
+    view = np.asarray(array).view()
+    view.flags.writeable = False
+    return view
+
+
+def column_buffers(n: int) -> dict[str, np.ndarray]:
+    """Space for `tag_windows` to write the columns of up to `n` targets into."""
+    return {
+        **{name: np.empty(n, dtype=dtype) for name, dtype in _DTYPES.items()},
+        "head_of": np.empty(max(n, 1), np.int64),
+    }
+
+
+def _tag_windows_numpy(
+    tokens: np.ndarray,
+    first_window: int,
+    L: int,
+    docs: DocTable,
+    lookup: Lookup,
+    threshold: int,
+    vocab_size: int,
+    reset_at_doc_boundary: bool,
+) -> dict[str, np.ndarray]:
+    """`tag_windows` by sorting the batch's bigrams (see the module docstring)."""
+    n = len(tokens) - 1
     prev, token = tokens[:-1], tokens[1:]
 
     order = _bigram_order(prev, token, vocab_size)  # (n,) targets by (bigram, index)
@@ -222,35 +305,59 @@ def _bigram_order(prev: np.ndarray, token: np.ndarray, vocab_size: int) -> np.nd
     return (keys & np.uint64((1 << index_bits) - 1)).astype(np.int64)
 
 
+_DTYPES = {
+    "window_id": np.int32,
+    "pos": np.int32,
+    "doc_id": np.int64,
+    "token": np.int32,
+    "prev": np.int32,
+    "train_count": np.int64,
+    "prev_pos": np.int32,
+    "is_repeat": np.bool_,
+    "is_ar_hit": np.bool_,
+    "subset": np.int32,
+}
+
+
 def _empty_columns() -> dict[str, np.ndarray]:
-    dtypes = {
-        "window_id": np.int32,
-        "pos": np.int32,
-        "doc_id": np.int64,
-        "token": np.int32,
-        "prev": np.int32,
-        "train_count": np.int64,
-        "prev_pos": np.int32,
-        "is_repeat": bool,
-        "is_ar_hit": bool,
-        "subset": np.int32,
-    }
-    return {name: np.zeros(0, dtype=dtypes[name]) for name in TAG_COLUMNS}
+    return {name: np.zeros(0, dtype=_DTYPES[name]) for name in TAG_COLUMNS}
 
 
 def to_arrow(columns: dict[str, np.ndarray], subset_names: tuple[str, ...]):
-    """A pyarrow table of `tags_schema()` columns (subset dictionary-encoded; see write_part)."""
+    """A pyarrow table of `tags_schema()` columns (subset dictionary-encoded; see write_part).
+
+    The numpy columns are wrapped, not copied; `is_repeat`'s bitmap doubles as `prev_pos`'s
+    validity (a target has a `prev_pos` exactly when it repeats).
+    """
     import pyarrow as pa
 
+    n = len(columns["pos"])
+
+    def buffer(name):
+        return pa.py_buffer(np.ascontiguousarray(columns[name], dtype=_DTYPES[name]))
+
+    def bits(mask):
+        return pa.py_buffer(np.packbits(mask, bitorder="little"))
+
+    def array(name, validity=None):
+        return pa.Array.from_buffers(arrow_type[name], n, [validity, buffer(name)])
+
+    arrow_type = {f.name: f.type for f in tags_schema()}
+    repeat_bits = bits(columns["is_repeat"])
     codes = columns["subset"]
-    subset = pa.DictionaryArray.from_arrays(
-        pa.array(codes, mask=codes < 0) if len(codes) else pa.array([], pa.int32()),
-        pa.array(list(subset_names), pa.string()),
+    valid = codes >= 0
+    indices = pa.Array.from_buffers(
+        pa.int32(), n, [None if valid.all() else bits(valid), buffer("subset")]
     )
-    prev_pos = columns["prev_pos"]
-    arrays = [pa.array(columns[name]) for name in TAG_COLUMNS[:6]]
-    arrays.append(pa.array(prev_pos, mask=prev_pos == 0))
-    arrays += [pa.array(columns["is_repeat"]), pa.array(columns["is_ar_hit"]), subset]
+    arrays = [array(name) for name in TAG_COLUMNS[:6]]
+    arrays.append(array("prev_pos", repeat_bits))
+    arrays.append(pa.Array.from_buffers(pa.bool_(), n, [None, repeat_bits]))
+    arrays.append(pa.Array.from_buffers(pa.bool_(), n, [None, bits(columns["is_ar_hit"])]))
+    arrays.append(
+        pa.DictionaryArray.from_arrays(
+            indices, pa.array(list(subset_names), pa.string()), safe=False
+        )
+    )
     return pa.Table.from_arrays(arrays, schema=arrow_write_schema())
 
 
@@ -268,31 +375,58 @@ def arrow_write_schema():
     )
 
 
-# Encodings chosen for write speed and size (measured on 1 M-row batches): positions and ids
-# change by small steps (delta); token ids are close to random, and split into byte streams they
-# compress well and fast with snappy; subsets repeat per document (dictionary).
+# Encodings and codecs chosen for write speed, then size (measured on 1 M-row batches of the
+# tag benchmark): the key columns are runs or ramps that lz4 shrinks to almost nothing faster
+# than delta encoding does; token ids and counts are close to random, and split into byte streams
+# they compress well and fast with snappy; `prev_pos` is null 3 times in 4 and stored plain (its
+# definition levels cost the writer more than any encoding saves); subsets repeat per document
+# (dictionary). The writer takes values 64 K at a time instead of 1 K (less work per value).
 PARQUET_OPTIONS = {
-    "compression": "snappy",
+    "compression": {
+        "window_id": "lz4",
+        "pos": "lz4",
+        "doc_id": "lz4",
+        "token": "snappy",
+        "prev": "snappy",
+        "train_count": "snappy",
+        "prev_pos": "none",
+        "is_repeat": "none",
+        "is_ar_hit": "none",
+        "subset": "none",
+    },
     "use_dictionary": ["subset"],
     "column_encoding": {
-        "window_id": "DELTA_BINARY_PACKED",
-        "pos": "DELTA_BINARY_PACKED",
-        "doc_id": "DELTA_BINARY_PACKED",
+        "window_id": "PLAIN",
+        "pos": "PLAIN",
+        "doc_id": "PLAIN",
         "token": "BYTE_STREAM_SPLIT",
         "prev": "BYTE_STREAM_SPLIT",
-        "train_count": "DELTA_BINARY_PACKED",
-        "prev_pos": "DELTA_BINARY_PACKED",
+        "train_count": "BYTE_STREAM_SPLIT",
+        "prev_pos": "PLAIN",
         "is_repeat": "PLAIN",
         "is_ar_hit": "PLAIN",
     },
     # min/max of the keys lets readers skip row groups when they join on a window range
-    "write_statistics": ["window_id", "pos", "doc_id"],
+    "write_statistics": ["window_id", "doc_id"],
+    "write_batch_size": 1 << 16,
     "store_schema": False,
 }
 
 
 def slice_counts(columns: dict[str, np.ndarray], n_subsets: int) -> dict[str, list[int]]:
     """Tokens, repeats and AR hits per subset code (index 0 = no subset, k+1 = subset k)."""
+    from ar_slicing.tag_kernels import compiled
+
+    kernels = compiled()
+    if kernels is not None:
+        out = np.zeros((n_subsets + 1, 3), np.int64)
+        kernels["slice_counts"](
+            np.ascontiguousarray(columns["subset"], np.int32),
+            np.ascontiguousarray(columns["is_repeat"], np.bool_),
+            np.ascontiguousarray(columns["is_ar_hit"], np.bool_),
+            out,
+        )
+        return {name: out[:, k].tolist() for k, name in enumerate(("tokens", "repeats", "ar_hits"))}
     codes = columns["subset"] + 1
     return {
         name: np.bincount(codes if mask is None else codes[mask], minlength=n_subsets + 1).tolist()

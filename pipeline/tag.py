@@ -9,8 +9,11 @@ Reads a validation token store and the training bigram counts; writes into `--ou
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,6 +112,9 @@ def _opened(kind: str, path: str):
     return _OPEN[key]
 
 
+_BUFFERS: dict[str, np.ndarray] = {}
+
+
 def tag_part(task: PartTask) -> dict:
     """Tag one part's windows in batches and write its Parquet file atomically.
 
@@ -120,6 +126,7 @@ def tag_part(task: PartTask) -> dict:
     from ar_slicing.tags import (
         PARQUET_OPTIONS,
         arrow_write_schema,
+        column_buffers,
         slice_counts,
         tag_windows,
         to_arrow,
@@ -130,6 +137,9 @@ def tag_part(task: PartTask) -> dict:
     counts = _opened("counts", task.counts)
     L = task.window
     batch_windows = max(1, BATCH_TOKENS // L)
+    # column memory reused by every batch of every part this worker tags
+    if len(_BUFFERS.get("pos", ())) < batch_windows * L:
+        _BUFFERS.update(column_buffers(batch_windows * L))
     n_subsets = len(docs.subset_names)
     totals = {
         "tokens": [0] * (n_subsets + 1),
@@ -148,10 +158,11 @@ def tag_part(task: PartTask) -> dict:
                     w,
                     L,
                     docs=docs,
-                    lookup=counts.lookup,
+                    lookup=counts,
                     threshold=task.threshold,
                     vocab_size=store.vocab_size,
                     reset_at_doc_boundary=task.reset_at_doc_boundary,
+                    out=_BUFFERS,
                 )
                 writer.write_table(to_arrow(columns, docs.subset_names))
                 for name, values in slice_counts(columns, n_subsets).items():
@@ -222,13 +233,33 @@ def _check_resumable(out: Path, params: dict, overwrite: bool) -> None:
         path.unlink()
 
 
+@contextmanager
+def _gc_paused():
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def run_tag(cfg: TagConfig) -> dict:
+    # Python's cyclic garbage collector is paused for the stage (and its forked workers, which
+    # inherit that): the stage makes no reference cycles to speak of, while each full
+    # collection would walk every object of numba and pyarrow, many times over the imports.
+    with _gc_paused():
+        return _run_tag(cfg)
+
+
+def _run_tag(cfg: TagConfig) -> dict:
     from tqdm import tqdm
 
-    from ar_slicing.counts import BigramCounts, warm_kernels
+    from ar_slicing.counts import BigramCounts
     from ar_slicing.executor import LocalExecutor, default_workers
     from ar_slicing.io import build_meta, is_complete, prepare_out_dir, write_meta
     from ar_slicing.store import TokenStore
+    from ar_slicing.tag_kernels import warm
     from ar_slicing.tags import DocTable
     from ar_slicing.tokenizer import require_same_fingerprint
     from ar_slicing.windows import WINDOWS_NAME, check_window, window_table, write_window_table
@@ -253,9 +284,15 @@ def run_tag(cfg: TagConfig) -> dict:
         str(counts_meta.get("fingerprint")),
         f"counts {cfg.counts}",
     )
-    counts = BigramCounts.open(cfg.counts)
-    warm_kernels()  # compiled lookup code, loaded once here and inherited by the workers
-    prepare_out_dir(out, cfg.overwrite)
+    # The counts' table is read and built on a thread (Parquet decoding and the build kernel
+    # release the GIL) while this one loads the compiled code, which the workers then inherit,
+    # and clears the output directory.
+    with ThreadPoolExecutor(1) as background:
+        opening = background.submit(BigramCounts.open, cfg.counts)
+        warm()
+        prepare_out_dir(out, cfg.overwrite)
+        docs = DocTable.from_store(store)
+        counts = opening.result()
     tokens_path = str(Path(cfg.tokens).resolve())
     counts_path = str(Path(cfg.counts).resolve())
     params = _resume_params(cfg, store, counts_meta)
@@ -264,7 +301,6 @@ def run_tag(cfg: TagConfig) -> dict:
     for leftover in out.glob(".tags-*.tmp"):  # from a worker killed mid-write
         leftover.unlink()
 
-    docs = DocTable.from_store(store)
     # Worker processes forked from here inherit these (copy-on-write) instead of rebuilding the
     # counts' lookup table each; under "spawn" they open their own.
     keys = (f"store:{tokens_path}", f"docs:{tokens_path}", f"counts:{counts_path}")
@@ -299,6 +335,7 @@ def run_tag(cfg: TagConfig) -> dict:
     finally:
         for key in keys:
             _OPEN.pop(key, None)
+        _BUFFERS.clear()
 
     names: list[str | None] = [None, *docs.subset_names]
     totals = {

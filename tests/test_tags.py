@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ar_slicing.counts import BigramCounts
 from ar_slicing.errors import ArSliceError, BadInput, TokenizerMismatch
 from ar_slicing.io import build_meta, read_json, stable_meta, write_meta
 from ar_slicing.store import write_token_store
@@ -128,10 +129,44 @@ def dict_lookup(counts):
     return lookup
 
 
-def core_rows(documents, subsets, eos, window, counts, threshold, reset, batch_windows, vocab_size):
-    """tag_windows over the stream in batches of `batch_windows`, as rows like naive_tags'."""
+def counts_table(counts) -> BigramCounts:
+    """The table the stage looks counts up in, made from a dict {(prev, next): count}."""
+    items = sorted(counts.items())
+    columns = [np.array(c, np.int64).reshape(-1) for c in zip(*[(p, n, c) for (p, n), c in items])]
+    return BigramCounts(*(columns or [np.zeros(0, np.int64)] * 3), meta={})
+
+
+@pytest.fixture(params=["compiled", "numpy"])
+def engine(request, monkeypatch):
+    """Run a test with the numba kernels and again with the plain-numpy fallback."""
+    if request.param == "numpy":
+        monkeypatch.setenv("ARSLICE_NO_NUMBA", "1")
+    else:
+        monkeypatch.delenv("ARSLICE_NO_NUMBA", raising=False)
+        pytest.importorskip("numba")
+    return request.param
+
+
+def core_rows(
+    documents,
+    subsets,
+    eos,
+    window,
+    counts,
+    threshold,
+    reset,
+    batch_windows,
+    vocab_size,
+    lookup="dict",
+):
+    """tag_windows over the stream in batches of `batch_windows`, as rows like naive_tags'.
+
+    `lookup`: "dict" looks counts up through a plain function, "table" through the `BigramCounts`
+    table the stage uses (which the compiled pass probes itself).
+    """
     stream = np.array([t for doc in documents for t in [*doc, eos]], dtype=np.int64)
     docs = doc_table(documents, subsets)
+    lookup = dict_lookup(counts) if lookup == "dict" else counts_table(counts)
     n_win = -(-(len(stream) - 1) // window) if len(stream) >= 2 else 0
     rows = []
     for w in range(0, n_win, batch_windows):
@@ -141,7 +176,7 @@ def core_rows(documents, subsets, eos, window, counts, threshold, reset, batch_w
             w,
             window,
             docs=docs,
-            lookup=dict_lookup(counts),
+            lookup=lookup,
             threshold=threshold,
             vocab_size=vocab_size,
             reset_at_doc_boundary=reset,
@@ -217,12 +252,17 @@ def cases(draw, max_vocab=5):
     return documents, subsets, window, counts, threshold, reset
 
 
-@settings(max_examples=150, deadline=None)
+@pytest.mark.parametrize("lookup", ["dict", "table"])
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(case=cases(), batch_windows=st.integers(1, 4))
-def test_core_matches_naive_reference(case, batch_windows):
+def test_core_matches_naive_reference(case, batch_windows, lookup, engine):
     documents, subsets, window, counts, threshold, reset = case
     expected = naive_tags(documents, subsets, 0, window, counts, threshold, reset)
-    got = core_rows(documents, subsets, 0, window, counts, threshold, reset, batch_windows, 5)
+    got = core_rows(
+        documents, subsets, 0, window, counts, threshold, reset, batch_windows, 5, lookup
+    )
     assert got == expected
 
 
@@ -233,16 +273,40 @@ def test_core_matches_naive_reference(case, batch_windows):
         2**31,  # too large to pack beside the index: the batch's own ids are ranked first
     ],
 )
-@settings(max_examples=40, deadline=None)
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(case=cases())
-def test_core_with_large_vocabularies(vocab_size, case):
+def test_core_with_large_vocabularies(vocab_size, case, engine):
     documents, subsets, window, counts, threshold, reset = case
     top = vocab_size - 1
     documents = [[top - t for t in doc] for doc in documents]
     counts = {(top - p, top - n): c for (p, n), c in counts.items()}
     expected = naive_tags(documents, subsets, 0, window, counts, threshold, reset)
-    got = core_rows(documents, subsets, 0, window, counts, threshold, reset, 2, vocab_size)
-    assert got == expected
+    for lookup in ("dict", "table"):
+        got = core_rows(
+            documents, subsets, 0, window, counts, threshold, reset, 2, vocab_size, lookup
+        )
+        assert got == expected
+
+
+@pytest.mark.parametrize("top", [2**16 - 1, 2**16])  # 16-bit ids (per-prev regions) or wider
+def test_counts_table_read_in_row_groups(tmp_path, engine, top):
+    rng = np.random.default_rng(5)
+    pairs = Counter()
+    for p, n, c in zip(rng.integers(0, 40, 300), rng.integers(0, 40, 300), rng.integers(1, 9, 300)):
+        pairs[(int(p), int(n))] += int(c)
+    pairs[(top, top)] = 3 << 20
+    pairs[(7, top)] = 1
+    out = write_counts(tmp_path / "counts", pairs)
+    table = pq.read_table(out / "bigrams.parquet")
+    pq.write_table(table, out / "bigrams.parquet", row_group_size=7)  # prevs straddle groups
+    assert pq.ParquetFile(out / "bigrams.parquet").num_row_groups > 10
+    counts = BigramCounts.open(out)
+    assert (len(counts), counts.total_pairs) == (len(pairs), sum(pairs.values()))
+    queries = [*pairs, (top, 0), (0, top), (41, 3), (3, 41), (-1, 2), (2, 1 << 40)]
+    prev, nxt = (np.array(q, np.int64) for q in zip(*queries))
+    assert counts.lookup(prev, nxt).tolist() == [pairs.get(q, 0) for q in queries]
 
 
 def test_token_ids_outside_the_vocabulary_are_refused():
