@@ -8,8 +8,9 @@ per-token NLL's peak memory against a full log_softmax.
    built from the same weights (what `load_model("hf:<rwkv dir>")` runs) score one sequence of
    1024 tokens; tokens/s of the backbone forward (the LM head is the same matmul for both) and the
    WKV recurrence alone at batch 1 and 8 (transformers' `rwkv_linear_attention_cpu` vs
-   `wkv_chunked`), min CPU time of several interleaved repeats, with a closing line on the WKV
-   target (>= 5x at every width and batch). The outputs are checked to agree.
+   `wkv_chunked`), min CPU time of several interleaved repeats, with closing lines on the WKV
+   target (>= 5x at every width: for one sequence, and at every batch). The outputs are checked
+   to agree.
 2. NLL memory: per-token NLL of a (B, T, D) hidden state under a (50 304, D) head, computed by
    `models.nll.chunked_nll` and by a full fp32 `log_softmax` over (B, T, V); each in a fresh
    subprocess, reporting peak RSS above the inputs (VmHWM after a reset, Linux) and the largest
@@ -200,12 +201,13 @@ def main() -> None:
                 f"{r['hidden']:>6} {batch:>6} | {w['tokens_per_s_transformers']:>9.0f} "
                 f"{w['tokens_per_s_chunked']:>9.0f} {w['speedup']:>5.1f}x | {w['max_abs_diff']:.1e}"
             )
-    worst = min((r["wkv"][b]["speedup"], r["hidden"], b) for r in rows for b in batches)
-    verdict = "met" if worst[0] >= 5 else "NOT met"
-    print(
-        f"target: WKV chunked >= 5x transformers at every width and batch: {verdict} "
-        f"(lowest {worst[0]:.1f}x at width {worst[1]}, batch {worst[2]})"
-    )
+    for label, among in (("one sequence (batch 1)", (1,)), ("every batch", batches)):
+        worst = min((r["wkv"][b]["speedup"], r["hidden"], b) for r in rows for b in among)
+        verdict = "met" if worst[0] >= 5 else "NOT met"
+        print(
+            f"target: WKV chunked >= 5x transformers at every width, {label}: {verdict} "
+            f"(lowest {worst[0]:.1f}x at width {worst[1]}, batch {worst[2]})"
+        )
     b, t, d, v = nll_size
     r = bench_nll(b, t, d, v)
     print(f"\nper-token NLL of {b}x{t} tokens, vocabulary {v}: peak RSS above the inputs")
