@@ -65,6 +65,12 @@ def prefetch(array, index):
     """Prefetch array[index] into the cache (replaced by an LLVM intrinsic under numba)."""
 
 
+def count_prevs_kernel(prev, out):
+    """out[p] += number of rows with prev p (the region sizes, before the table is built)."""
+    for i in range(prev.size):
+        out[prev[i]] += 1
+
+
 def build_regions_kernel(starts, slots, prev, nxt, counts):
     """Insert sorted (prev, next, count) rows into their regions (see the module docstring)."""
     for i in range(prev.size):
@@ -252,6 +258,7 @@ def _jit_all() -> dict:
     region_lookup = jit(region_lookup)
     prefetch_slot = jit(prefetch_slot)
     return {
+        "count_prevs": jit(count_prevs_kernel),
         "build_regions": jit(build_regions_kernel),
         "probe_regions": jit(probe_regions_kernel),
         "tag_batch": jit(tag_batch_kernel),
@@ -304,6 +311,7 @@ def warm() -> None:
     one64 = np.zeros(1, np.int64)
     # the rows come straight from Parquet, read-only
     rows = [read_only(np.zeros(1, dtype)) for dtype in (np.int32, np.int32, np.int64)]
+    k["count_prevs"](rows[0], np.zeros(1, np.int64))
     k["build_regions"](np.array([0, 2], np.int64), np.zeros(2, np.uint64), *rows)
     k["probe_regions"](
         np.array([0, 2], np.int64), np.zeros(2, np.uint64), one64, one64, one64.copy()
