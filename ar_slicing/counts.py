@@ -890,40 +890,37 @@ _FIB = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio: multiplicative (Fi
 _LOOKUP_CHUNK = 1 << 22
 
 
-def _region_layout(per_prev_counts) -> tuple[np.ndarray, np.ndarray]:
+def _region_layout(per_prev: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Empty region table: `prev`'s region has two slots per distinct bigram starting with it."""
-    per_prev = np.zeros(1 << 16, np.int64)
-    for counts in per_prev_counts:
-        per_prev += counts
     starts = np.zeros((1 << 16) + 1, np.int64)
     np.cumsum(2 * per_prev, out=starts[1:])
     return starts, np.zeros(max(1, int(starts[-1])), np.uint64)
 
 
 def _read_regions(file) -> tuple[tuple[np.ndarray, np.ndarray], int, int] | None:
-    """The region table of a bigrams.parquet file read row group by row group (so decoded rows
-    never pile up in memory), with its number of rows and total count; None when the file does
-    not fit that table (ids of 16 bits or more, counts of 2**32 or more) or without numba."""
+    """The region table of a bigrams.parquet file, its number of rows and total count; None
+    when the file does not fit that table (ids of 16 bits or more, counts of 2**32 or more) or
+    without numba. `next` and `count` are read row group by row group, so their decoded rows
+    never pile up in memory."""
     from ar_slicing.tag_kernels import compiled as tag_kernels
 
     compiled = tag_kernels()
     if compiled is None:
         return None
-    per_prev = []
-    for chunk in file.read(columns=["prev"]).column(0).chunks:
-        p = chunk.to_numpy()
-        if p.size and (int(p.min()) < 0 or int(p.max()) >= 1 << 16):
-            return None
-        per_prev.append(np.bincount(p, minlength=1 << 16))
+    prev = file.read(columns=["prev"]).column(0).to_numpy()
+    if prev.size and (int(prev.min()) < 0 or int(prev.max()) >= 1 << 16):
+        return None
+    per_prev = np.zeros(1 << 16, np.int64)
+    compiled["count_prevs"](prev, per_prev)
     starts, slots = _region_layout(per_prev)
     rows = total = 0
     for group in range(file.num_row_groups):
-        table = file.read_row_group(group, columns=["prev", "next", "count"])
-        p, q, c = (table.column(k).to_numpy() for k in range(3))
+        table = file.read_row_group(group, columns=["next", "count"])
+        q, c = (table.column(k).to_numpy() for k in range(2))
         if q.size and (int(q.min()) < 0 or int(q.max()) >= 1 << 16 or int(c.max()) >= 1 << 32):
             return None
-        compiled["build_regions"](starts, slots, p, q, c)
-        rows += p.size
+        compiled["build_regions"](starts, slots, prev[rows : rows + q.size], q, c)
+        rows += q.size
         total += int(c.sum())
     return (starts, slots), rows, total
 
@@ -1024,7 +1021,10 @@ class BigramCounts:
         return self.n_distinct
 
     def _build_regions(self, chunks, compiled: dict) -> None:
-        starts, slots = _region_layout(np.bincount(p, minlength=1 << 16) for p, _, _ in chunks)
+        per_prev = np.zeros(1 << 16, np.int64)
+        for p, _, _ in chunks:
+            per_prev += np.bincount(p, minlength=1 << 16)
+        starts, slots = _region_layout(per_prev)
         for p, q, c in chunks:
             compiled["build_regions"](starts, slots, p, q, c)
         self.regions = (starts, slots)
