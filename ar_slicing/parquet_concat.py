@@ -259,14 +259,15 @@ def _copy_range(src, dst, offset: int, count: int) -> None:
     """Copy src[offset:offset+count] to dst's current position (in the kernel where it can)."""
     dst.flush()
     done = 0
+    sendfile = getattr(os, "sendfile", None)  # not on Windows
     try:
-        while done < count:
-            n = os.sendfile(dst.fileno(), src.fileno(), offset + done, count - done)
+        while sendfile is not None and done < count:
+            n = sendfile(dst.fileno(), src.fileno(), offset + done, count - done)
             if n == 0:
                 break
             done += n
     except OSError:
-        pass  # not supported between these files: copy through user space
+        pass  # not supported between these files (macOS: sockets only): copy in user space
     if done:
         dst.seek(0, os.SEEK_END)
     src.seek(offset + done)

@@ -112,3 +112,21 @@ def test_parts_of_different_schemas_or_not_parquet_are_refused(tmp_path):
             concat.append(tmp_path / "junk.parquet")
     with open(tmp_path / "none.parquet", "wb") as sink, pytest.raises(ParquetFormatError):
         ParquetConcat(sink).finish()
+
+
+def test_join_without_sendfile_copies_the_same_bytes(tmp_path, monkeypatch):
+    for i in range(3):
+        write_part(tmp_path / f"p{i}.parquet", 40, 40 * i)
+
+    def join(name):
+        with open(tmp_path / name, "wb") as sink:
+            concat = ParquetConcat(sink)
+            for i in range(3):
+                concat.append(tmp_path / f"p{i}.parquet")
+            concat.finish()
+        return (tmp_path / name).read_bytes()
+
+    fast = join("fast.parquet")
+    monkeypatch.delattr("os.sendfile")
+    assert join("slow.parquet") == fast
+    assert pq.read_table(tmp_path / "slow.parquet").column("a").to_pylist() == list(range(120))
