@@ -120,7 +120,6 @@ def tag_batch_kernel(
     starts,
     slots,
     window_id,
-    pos,
     doc_id,
     token,
     prev,
@@ -134,7 +133,7 @@ def tag_batch_kernel(
     """Tag targets 0..n-1 of a batch (target k is the bigram tokens[k], tokens[k+1]).
 
     Target k has stream index first_window*L + 1 + k; d0 is the row of its document in
-    `doc_offsets`. With `use_table` the counts come from the region table (`starts`, `slots`)
+    `doc_offsets`. Every column but `pos` is written (positions are the same for every batch). With `use_table` the counts come from the region table (`starts`, `slots`)
     and `train_count`, `is_ar_hit` are final; without it `head_of[k]` is the index of the
     window's first target with k's bigram (k itself for a first occurrence), for the caller to
     look those up and spread them.
@@ -205,7 +204,6 @@ def tag_batch_kernel(
                     head_of[k] = k
             lidx[h] = j
             window_id[k] = w
-            pos[k] = j + 1
             doc_id[k] = doc_ids[d]
             subset[k] = subset_code[d]
             token[k] = q
@@ -317,7 +315,7 @@ def warm() -> None:
         np.array([0, 2], np.int64), np.zeros(2, np.uint64), one64, one64, one64.copy()
     )
     for use_table in (True, False):
-        columns = [np.zeros(1, dtype) for dtype in (np.int32, np.int32, np.int64, np.int32)]
+        columns = [np.zeros(1, dtype) for dtype in (np.int32, np.int64, np.int32)]
         columns += [np.zeros(1, dtype) for dtype in (np.int32, np.int64, np.int32)]
         columns += [np.zeros(1, np.bool_), np.zeros(1, np.bool_), np.zeros(1, np.int32)]
         k["tag_batch"](

@@ -166,6 +166,9 @@ def tag_windows(
     starts, slots = regions if use_table else (np.zeros(2, np.int64), np.zeros(1, np.uint64))
     if out is None or len(out["pos"]) < n:
         out = column_buffers(n)
+    if out["pos_window"][0] != L:  # batches start at windows: one ramp serves them all
+        out["pos"][:] = np.resize(np.arange(1, L + 1, dtype=np.int32), len(out["pos"]))
+        out["pos_window"][0] = L
     columns = {name: out[name][:n] for name in TAG_COLUMNS}
     head_of = out["head_of"][:n] if not use_table else out["head_of"][:1]
     d0 = int(np.searchsorted(docs.offsets, first_window * L + 1, side="right")) - 1
@@ -180,7 +183,7 @@ def tag_windows(
         int(threshold),
         use_table,
         *map(_read_only, (starts, slots)),
-        *(columns[name] for name in TAG_COLUMNS),
+        *(columns[name] for name in TAG_COLUMNS if name != "pos"),
         head_of,
     )
     if not use_table:
@@ -206,6 +209,7 @@ def column_buffers(n: int) -> dict[str, np.ndarray]:
     return {
         **{name: np.empty(n, dtype=dtype) for name, dtype in _DTYPES.items()},
         "head_of": np.empty(max(n, 1), np.int64),
+        "pos_window": np.zeros(1, np.int64),  # the window length `pos` holds positions for
     }
 
 

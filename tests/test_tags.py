@@ -309,6 +309,24 @@ def test_counts_table_read_in_row_groups(tmp_path, engine, top):
     assert counts.lookup(prev, nxt).tolist() == [pairs.get(q, 0) for q in queries]
 
 
+def test_reused_column_buffers_give_the_same_columns():
+    from ar_slicing.tags import column_buffers
+
+    rng = np.random.default_rng(3)
+    documents = [list(rng.integers(1, 6, size=int(k))) for k in rng.integers(0, 40, size=12)]
+    stream = np.array([t for doc in documents for t in [*doc, 0]], np.int64)
+    docs = doc_table(documents, [None] * len(documents))
+    counts = counts_table({(1, 2): 3, (2, 0): 9})
+    out = column_buffers(64)
+    for window, first, n_windows in [(8, 0, 8), (5, 3, 4), (8, 2, 3), (3, 1, 21)]:
+        args = (stream[first * window : (first + n_windows) * window + 1], first, window)
+        kwargs = dict(docs=docs, lookup=counts, threshold=5, vocab_size=6)
+        fresh = tag_windows(*args, **kwargs)
+        reused = tag_windows(*args, **kwargs, out=out)
+        for name in TAG_COLUMNS:
+            assert np.array_equal(fresh[name], reused[name]), (window, name)
+
+
 def test_token_ids_outside_the_vocabulary_are_refused():
     with pytest.raises(BadInput, match="token id 12 .* outside the vocabulary of 10"):
         core_rows([[1, 12, 3]], [None], 0, 4, {}, 5, False, 1, 10)
