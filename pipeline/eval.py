@@ -657,8 +657,10 @@ def run_eval(cfg: EvalConfig) -> dict:
         executor = get_executor(cfg.executor, address=cfg.ray_address)
         # the actors' device, not this process's: CUDA when the cluster has GPUs
         device = cfg.device if cfg.device != "auto" else "cuda" if executor.cluster_gpus else "cpu"
-        # CPU actors may run on other machines, whose bf16 support this one cannot see: fp32
-        dtype = cfg.dtype if cfg.dtype != "auto" else "bf16" if device == "cuda" else "fp32"
+        # auto: bf16 on GPU actors; CPU actors get this machine's choice (a cluster's nodes are
+        # taken to be alike; one without native bf16 still runs it, emulated), as a local run would
+        on_gpus = cfg.dtype == "auto" and device == "cuda"
+        dtype = "bf16" if on_gpus else resolve_dtype(cfg.dtype, "cpu")
     else:
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
