@@ -482,7 +482,14 @@ def losses_schema(plan: dict | None = None):
 
     import pyarrow as pa
 
-    schema = pa.schema([("window_id", pa.int32()), ("pos", pa.int32()), ("nll", pa.float32())])
+    # never null, like the tag table's keys (REQUIRED in Parquet)
+    schema = pa.schema(
+        [
+            pa.field("window_id", pa.int32(), nullable=False),
+            pa.field("pos", pa.int32(), nullable=False),
+            pa.field("nll", pa.float32(), nullable=False),
+        ]
+    )
     if plan is not None:
         schema = schema.with_metadata({PLAN_KEY: json.dumps(plan, sort_keys=True).encode()})
     return schema
