@@ -902,13 +902,18 @@ def _read_regions(file) -> tuple[tuple[np.ndarray, np.ndarray], int, int] | None
     when the file does not fit that table (ids of 16 bits or more, counts of 2**32 or more) or
     without numba. `next` and `count` are read row group by row group, so their decoded rows
     never pile up in memory."""
+    import os
+
     from ar_slicing.tag_kernels import compiled as tag_kernels
 
-    compiled = tag_kernels()
-    if compiled is None:
+    if os.environ.get("ARSLICE_NO_NUMBA"):
         return None
+    # decoded before the kernels are asked for: the tag stage loads them on another thread
     prev = file.read(columns=["prev"]).column(0).to_numpy()
     if prev.size and (int(prev.min()) < 0 or int(prev.max()) >= 1 << 16):
+        return None
+    compiled = tag_kernels()
+    if compiled is None:
         return None
     per_prev = np.zeros(1 << 16, np.int64)
     compiled["count_prevs"](prev, per_prev)
