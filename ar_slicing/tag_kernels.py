@@ -5,9 +5,9 @@ Count table (16-bit ids, counts below 2**32). `bigrams.parquet` is sorted by (pr
 each `prev` gets its own region of `slots`, `starts[prev] .. starts[prev + 1]`, twice as many
 slots as it has distinct `next` ids: an open-addressing table (linear probing, wrapping inside the
 region, load 0.5) keyed by `next` alone. A slot packs `next << 32 | count`; 0 is empty (stored
-counts are >= 1). Building it writes each region in turn (cache-friendly, no global scatter), so
-it costs about as much as reading the counts; a lookup is one load from `starts` (256 KB, in
-cache) and on average 1.5 probes in one cache line.
+counts are >= 1). Building it places each region in turn as the sorted rows stream in (one pass,
+cache-friendly, no global scatter), so it costs about as much as reading the counts; a lookup is
+one load from `starts` (512 KB, mostly in cache) and on average 1.5 probes in one cache line.
 
 Tagging (`tag_batch`): one pass per window over its targets. A small table keyed by the bigram
 (emptied after each window) finds the most recent earlier target of the same bigram in the
@@ -65,24 +65,58 @@ def prefetch(array, index):
     """Prefetch array[index] into the cache (replaced by an LLVM intrinsic under numba)."""
 
 
-def count_prevs_kernel(prev, out):
-    """out[p] += number of rows with prev p (the region sizes, before the table is built)."""
+def build_sorted_kernel(prev, nxt, counts, row0, state, run_next, run_count, starts, slots):
+    """Add rows row0, row0+1, ... of a table sorted by prev to the region table.
+
+    Regions tile `slots` in row order: the rows of `prev` p, from row r on, own slots 2r onwards,
+    two per row, so a region is placed once its rows are all seen. `state` carries the run of
+    the current prev across calls (prev, its first row, its rows so far, and the total count);
+    `run_next` and `run_count` hold that run. Returns 0, having stopped, on rows the table
+    cannot hold (ids outside 0..65535, counts of 2**32 or more, prev decreasing).
+    """
+    cur, first, m = state[0], state[1], state[2]
     for i in range(prev.size):
-        out[prev[i]] += 1
+        p, q, c = np.int64(prev[i]), np.int64(nxt[i]), np.int64(counts[i])
+        if p < 0 or p >= 65536 or q < 0 or q >= 65536 or c < 0 or c >= np.int64(1) << 32:
+            return 0
+        if p != cur:
+            if p < cur:
+                return 0
+            if m > 0:
+                _place_run(cur, first, m, run_next, run_count, starts, slots)
+            cur, first, m = p, row0 + i, 0
+        if m == run_next.size:
+            return 0
+        run_next[m] = q
+        run_count[m] = c
+        m += 1
+        state[3] += c
+    state[0], state[1], state[2] = cur, first, m
+    return 1
 
 
-def build_regions_kernel(starts, slots, prev, nxt, counts):
-    """Insert sorted (prev, next, count) rows into their regions (see the module docstring)."""
-    for i in range(prev.size):
-        p = prev[i]
-        r0 = starts[p]
-        size = starts[p + 1] - r0
-        s = region_home(nxt[i], size)
+def finish_sorted_kernel(state, run_next, run_count, starts, slots, n_rows):
+    """Place the last run; prevs without rows get empty regions where the next one starts."""
+    if state[2] > 0:
+        _place_run(state[0], state[1], state[2], run_next, run_count, starts, slots)
+    starts[starts.size - 1] = 2 * n_rows
+    for p in range(starts.size - 2, -1, -1):
+        if starts[p] < 0:
+            starts[p] = starts[p + 1]
+
+
+def _place_run(p, first, m, run_next, run_count, starts, slots):
+    """Region of prev p: its m rows from row `first`, in 2m slots from slot 2*first."""
+    r0 = 2 * first
+    size = 2 * m
+    starts[p] = r0
+    for t in range(m):
+        s = region_home(run_next[t], size)
         while slots[r0 + s] != 0:
             s += 1
             if s == size:
                 s = 0
-        slots[r0 + s] = (np.uint64(nxt[i]) << np.uint64(32)) | np.uint64(counts[i])
+        slots[r0 + s] = (np.uint64(run_next[t]) << np.uint64(32)) | np.uint64(run_count[t])
 
 
 def probe_regions_kernel(starts, slots, prev, nxt, out):
@@ -245,7 +279,7 @@ def compiled() -> dict | None:
 
 def _jit_all() -> dict:
     """The kernels wrapped for numba ({} without numba); compiled on first call, cached on disk."""
-    global region_home, region_lookup, prefetch_slot, prefetch
+    global region_home, region_lookup, prefetch_slot, prefetch, _place_run
     try:
         import numba
     except ImportError:
@@ -255,9 +289,10 @@ def _jit_all() -> dict:
     region_home = jit(region_home)
     region_lookup = jit(region_lookup)
     prefetch_slot = jit(prefetch_slot)
+    _place_run = jit(_place_run)
     return {
-        "count_prevs": jit(count_prevs_kernel),
-        "build_regions": jit(build_regions_kernel),
+        "build_sorted": jit(build_sorted_kernel),
+        "finish_sorted": jit(finish_sorted_kernel),
         "probe_regions": jit(probe_regions_kernel),
         "tag_batch": jit(tag_batch_kernel),
         "slice_counts": jit(slice_counts_kernel),
@@ -309,8 +344,10 @@ def warm() -> None:
     one64 = np.zeros(1, np.int64)
     # the rows come straight from Parquet, read-only
     rows = [read_only(np.zeros(1, dtype)) for dtype in (np.int32, np.int32, np.int64)]
-    k["count_prevs"](rows[0], np.zeros(1, np.int64))
-    k["build_regions"](np.array([0, 2], np.int64), np.zeros(2, np.uint64), *rows)
+    state, run = np.array([-1, 0, 0, 0], np.int64), np.zeros(1, np.int64)
+    starts_w, slots_w = np.full(2, -1, np.int64), np.zeros(2, np.uint64)
+    k["build_sorted"](*rows, 0, state, run, run.copy(), starts_w, slots_w)
+    k["finish_sorted"](state, run, run.copy(), starts_w, slots_w, 1)
     k["probe_regions"](
         np.array([0, 2], np.int64), np.zeros(2, np.uint64), one64, one64, one64.copy()
     )

@@ -291,7 +291,8 @@ def test_core_with_large_vocabularies(vocab_size, case, engine):
 
 
 @pytest.mark.parametrize("top", [2**16 - 1, 2**16])  # 16-bit ids (per-prev regions) or wider
-def test_counts_table_read_in_row_groups(tmp_path, engine, top):
+@pytest.mark.parametrize("shuffled", [False, True])  # as the count stage writes it, or not sorted
+def test_counts_table_read_in_row_groups(tmp_path, engine, top, shuffled):
     rng = np.random.default_rng(5)
     pairs = Counter()
     for p, n, c in zip(rng.integers(0, 40, 300), rng.integers(0, 40, 300), rng.integers(1, 9, 300)):
@@ -300,6 +301,8 @@ def test_counts_table_read_in_row_groups(tmp_path, engine, top):
     pairs[(7, top)] = 1
     out = write_counts(tmp_path / "counts", pairs)
     table = pq.read_table(out / "bigrams.parquet")
+    if shuffled:
+        table = table.take(rng.permutation(table.num_rows))
     pq.write_table(table, out / "bigrams.parquet", row_group_size=7)  # prevs straddle groups
     assert pq.ParquetFile(out / "bigrams.parquet").num_row_groups > 10
     counts = BigramCounts.open(out)
