@@ -890,44 +890,49 @@ _FIB = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio: multiplicative (Fi
 _LOOKUP_CHUNK = 1 << 22
 
 
-def _region_layout(per_prev: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Empty region table: `prev`'s region has two slots per distinct bigram starting with it."""
-    starts = np.zeros((1 << 16) + 1, np.int64)
-    np.cumsum(2 * per_prev, out=starts[1:])
-    return starts, np.zeros(max(1, int(starts[-1])), np.uint64)
+def _build_regions(row_groups, n_rows: int):
+    """The region table (`ar_slicing.tag_kernels`) of `n_rows` rows given as (prev, next, count)
+    arrays, in order of prev, and their total count; None without numba or when the rows do not
+    fit the table (ids of 16 bits or more, counts of 2**32 or more) or are not in order."""
+    from ar_slicing.tag_kernels import compiled as tag_kernels
+
+    starts = np.full((1 << 16) + 1, -1, np.int64)
+    slots = np.zeros(max(1, 2 * n_rows), np.uint64)
+    state = np.array([-1, 0, 0, 0], np.int64)  # the current prev's run, and the total count
+    run_next, run_count = np.empty(1 << 16, np.int64), np.empty(1 << 16, np.int64)
+    compiled, row = None, 0
+    for p, q, c in row_groups:
+        # asked for once the first rows are decoded: the tag stage loads them on another thread
+        compiled = compiled or tag_kernels()
+        if compiled is None:
+            return None
+        if not compiled["build_sorted"](p, q, c, row, state, run_next, run_count, starts, slots):
+            return None
+        row += len(p)
+    compiled = compiled or tag_kernels()
+    if compiled is None or row != n_rows:
+        return None
+    compiled["finish_sorted"](state, run_next, run_count, starts, slots, row)
+    return (starts, slots), int(state[3])
 
 
 def _read_regions(file) -> tuple[tuple[np.ndarray, np.ndarray], int, int] | None:
-    """The region table of a bigrams.parquet file, its number of rows and total count; None
-    when the file does not fit that table (ids of 16 bits or more, counts of 2**32 or more) or
-    without numba. `next` and `count` are read row group by row group, so their decoded rows
-    never pile up in memory."""
+    """The region table of a bigrams.parquet file, its number of rows and total count, or None
+    (see `_build_regions`). Row groups are read one at a time, their three columns decoded in
+    parallel, so decoded rows never pile up in memory."""
     import os
-
-    from ar_slicing.tag_kernels import compiled as tag_kernels
 
     if os.environ.get("ARSLICE_NO_NUMBA"):
         return None
-    # decoded before the kernels are asked for: the tag stage loads them on another thread
-    prev = file.read(columns=["prev"]).column(0).to_numpy()
-    if prev.size and (int(prev.min()) < 0 or int(prev.max()) >= 1 << 16):
-        return None
-    compiled = tag_kernels()
-    if compiled is None:
-        return None
-    per_prev = np.zeros(1 << 16, np.int64)
-    compiled["count_prevs"](prev, per_prev)
-    starts, slots = _region_layout(per_prev)
-    rows = total = 0
-    for group in range(file.num_row_groups):
-        table = file.read_row_group(group, columns=["next", "count"])
-        q, c = (table.column(k).to_numpy() for k in range(2))
-        if q.size and (int(q.min()) < 0 or int(q.max()) >= 1 << 16 or int(c.max()) >= 1 << 32):
-            return None
-        compiled["build_regions"](starts, slots, prev[rows : rows + q.size], q, c)
-        rows += q.size
-        total += int(c.sum())
-    return (starts, slots), rows, total
+    groups = (
+        file.read_row_group(g, columns=["prev", "next", "count"])
+        for g in range(file.num_row_groups)
+    )
+    n_rows = file.metadata.num_rows
+    built = _build_regions(
+        (tuple(t.column(k).to_numpy() for k in range(3)) for t in groups), n_rows
+    )
+    return None if built is None else (built[0], n_rows, built[1])
 
 
 def _as_chunks(column) -> list[np.ndarray]:
@@ -962,18 +967,17 @@ class BigramCounts:
         self.n_distinct = sum(p.size for p, _, _ in chunks)
         self._total = sum(int(c.sum()) for _, _, c in chunks)
         self.regions = None  # (starts, slots) of the region table, when it is used
-        from ar_slicing.tag_kernels import compiled as tag_kernels
-
-        compiled = tag_kernels()
-        if compiled is not None and self.shift == 16 and max_count < 1 << 32:
-            self._build_regions(chunks, compiled)
-            return
         prev, nxt, counts = (
-            np.concatenate([c[k] for c in chunks]).astype(np.int64, copy=False)
-            if chunks
-            else np.zeros(0, np.int64)
+            np.concatenate([c[k] for c in chunks]) if chunks else np.zeros(0, np.int64)
             for k in range(3)
         )
+        if self.shift == 16 and max_count < 1 << 32:
+            order = np.argsort(prev, kind="stable")  # regions are placed in order of prev
+            built = _build_regions([(prev[order], nxt[order], counts[order])], self.n_distinct)
+            if built is not None:
+                self.regions = built[0]
+                return
+        prev, nxt, counts = (a.astype(np.int64, copy=False) for a in (prev, nxt, counts))
         seen = counts > 0  # a stored count of 0 would read as an empty slot mid-probe
         prev, nxt, counts = prev[seen], nxt[seen], counts[seen]
         keys = (prev.astype(np.uint64) << np.uint64(self.shift)) | nxt.astype(np.uint64)
@@ -1024,15 +1028,6 @@ class BigramCounts:
 
     def __len__(self) -> int:
         return self.n_distinct
-
-    def _build_regions(self, chunks, compiled: dict) -> None:
-        per_prev = np.zeros(1 << 16, np.int64)
-        for p, _, _ in chunks:
-            per_prev += np.bincount(p, minlength=1 << 16)
-        starts, slots = _region_layout(per_prev)
-        for p, q, c in chunks:
-            compiled["build_regions"](starts, slots, p, q, c)
-        self.regions = (starts, slots)
 
     def _slots(self, keys: np.ndarray, size: int) -> np.ndarray:
         """Home slot of each key: the top 32 bits of a Fibonacci hash, scaled to the table size."""
