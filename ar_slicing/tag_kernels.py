@@ -318,7 +318,8 @@ def _prefetch_intrinsic():
             fn = cgutils.get_or_insert_function(
                 builder.module,
                 ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                "llvm.prefetch.p0",
+                # mangled as this llvmlite's LLVM expects (p0i8 with typed pointers)
+                "llvm.prefetch." + i8p.intrinsic_name,
             )
             builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
             return context.get_dummy_value()
