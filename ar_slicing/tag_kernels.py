@@ -155,8 +155,7 @@ def tag_batch_kernel(
     slots,
     window_id,
     doc_id,
-    token,
-    prev,
+    ids,
     train_count,
     prev_pos,
     is_repeat,
@@ -167,7 +166,8 @@ def tag_batch_kernel(
     """Tag targets 0..n-1 of a batch (target k is the bigram tokens[k], tokens[k+1]).
 
     Target k has stream index first_window*L + 1 + k; d0 is the row of its document in
-    `doc_offsets`. Every column but `pos` is written (positions are the same for every batch). With `use_table` the counts come from the region table (`starts`, `slots`)
+    `doc_offsets`. Every column but `pos` is written (positions are the same for every batch);
+    `ids` gets the batch's tokens as int32, ids[:n] being the `prev` column and ids[1:] `token`. With `use_table` the counts come from the region table (`starts`, `slots`)
     and `train_count`, `is_ar_hit` are final; without it `head_of[k]` is the index of the
     window's first target with k's bigram (k itself for a first occurrence), for the caller to
     look those up and spread them.
@@ -240,8 +240,7 @@ def tag_batch_kernel(
             window_id[k] = w
             doc_id[k] = doc_ids[d]
             subset[k] = subset_code[d]
-            token[k] = q
-            prev[k] = p
+            ids[k] = p
             train_count[k] = c
             prev_pos[k] = pp
             repeat = pp > 0
@@ -249,6 +248,8 @@ def tag_batch_kernel(
             is_ar_hit[k] = repeat & (c <= threshold)
         for t in range(n_touched):
             lkey[touched[t]] = 0
+    if n > 0:
+        ids[n] = tokens[n]
 
 
 def slice_counts_kernel(subset, is_repeat, is_ar_hit, out):
@@ -353,8 +354,8 @@ def warm() -> None:
         np.array([0, 2], np.int64), np.zeros(2, np.uint64), one64, one64, one64.copy()
     )
     for use_table in (True, False):
-        columns = [np.zeros(1, dtype) for dtype in (np.int32, np.int64, np.int32)]
-        columns += [np.zeros(1, dtype) for dtype in (np.int32, np.int64, np.int32)]
+        columns = [np.zeros(1, np.int32), np.zeros(1, np.int64), np.zeros(2, np.int32)]
+        columns += [np.zeros(1, dtype) for dtype in (np.int64, np.int32)]
         columns += [np.zeros(1, np.bool_), np.zeros(1, np.bool_), np.zeros(1, np.int32)]
         k["tag_batch"](
             read_only(np.zeros(2, np.uint16)),

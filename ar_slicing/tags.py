@@ -169,7 +169,9 @@ def tag_windows(
     if out["pos_window"][0] != L:  # batches start at windows: one ramp serves them all
         out["pos"][:] = np.resize(np.arange(1, L + 1, dtype=np.int32), len(out["pos"]))
         out["pos_window"][0] = L
-    columns = {name: out[name][:n] for name in TAG_COLUMNS}
+    columns = {name: out[name][:n] for name in TAG_COLUMNS if name not in ("token", "prev")}
+    # the batch's ids as int32 once: `prev` and `token` are the same memory, one apart
+    columns["prev"], columns["token"] = out["ids"][:n], out["ids"][1 : n + 1]
     head_of = out["head_of"][:n] if not use_table else out["head_of"][:1]
     d0 = int(np.searchsorted(docs.offsets, first_window * L + 1, side="right")) - 1
     kernels["tag_batch"](
@@ -183,7 +185,10 @@ def tag_windows(
         int(threshold),
         use_table,
         *map(_read_only, (starts, slots)),
-        *(columns[name] for name in TAG_COLUMNS if name != "pos"),
+        columns["window_id"],
+        columns["doc_id"],
+        out["ids"][: n + 1],
+        *(columns[name] for name in TAG_COLUMNS[5:]),
         head_of,
     )
     if not use_table:
@@ -207,7 +212,12 @@ def _read_only(array: np.ndarray) -> np.ndarray:
 def column_buffers(n: int) -> dict[str, np.ndarray]:
     """Space for `tag_windows` to write the columns of up to `n` targets into."""
     return {
-        **{name: np.empty(n, dtype=dtype) for name, dtype in _DTYPES.items()},
+        **{
+            name: np.empty(n, _DTYPES[name])
+            for name in TAG_COLUMNS
+            if name not in ("token", "prev")
+        },
+        "ids": np.empty(n + 1, np.int32),  # `prev` and `token`, one apart
         "head_of": np.empty(max(n, 1), np.int64),
         "pos_window": np.zeros(1, np.int64),  # the window length `pos` holds positions for
     }
