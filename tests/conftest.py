@@ -64,6 +64,17 @@ def bpe_tokenizer(bpe_tokenizer_path):
     return Tokenizer.from_file(str(bpe_tokenizer_path))
 
 
+@pytest.fixture(params=["compiled", "numpy"])
+def engine(request, monkeypatch):
+    """Run a test with the numba kernels and again with the plain-numpy fallback."""
+    if request.param == "numpy":
+        monkeypatch.setenv("ARSLICE_NO_NUMBA", "1")
+    else:
+        monkeypatch.delenv("ARSLICE_NO_NUMBA", raising=False)
+        pytest.importorskip("numba")
+    return request.param
+
+
 @pytest.fixture
 def make_store(tmp_path):
     """make_store(documents, vocab_size=..., eos_id=..., fingerprint=..., subsets=...) -> TokenStore."""

@@ -65,17 +65,6 @@ def check_output(out, stream, row):
 # ---- property tests against the naive reference -----------------------------------------------
 
 
-@pytest.fixture(params=["compiled", "numpy"])
-def engine(request, monkeypatch):
-    """Run a test with the numba kernels and again with the plain-numpy fallback."""
-    if request.param == "numpy":
-        monkeypatch.setenv("ARSLICE_NO_NUMBA", "1")
-    else:
-        monkeypatch.delenv("ARSLICE_NO_NUMBA", raising=False)
-        pytest.importorskip("numba")
-    return request.param
-
-
 @st.composite
 def corpora(draw):
     """1-3 stores of random documents, uint16 or uint32 (vocabulary above 65536), a unit, a shard size."""

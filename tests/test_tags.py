@@ -136,17 +136,6 @@ def counts_table(counts) -> BigramCounts:
     return BigramCounts(*(columns or [np.zeros(0, np.int64)] * 3), meta={})
 
 
-@pytest.fixture(params=["compiled", "numpy"])
-def engine(request, monkeypatch):
-    """Run a test with the numba kernels and again with the plain-numpy fallback."""
-    if request.param == "numpy":
-        monkeypatch.setenv("ARSLICE_NO_NUMBA", "1")
-    else:
-        monkeypatch.delenv("ARSLICE_NO_NUMBA", raising=False)
-        pytest.importorskip("numba")
-    return request.param
-
-
 def core_rows(
     documents,
     subsets,
