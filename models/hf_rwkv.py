@@ -76,7 +76,7 @@ class FastRwkv(nn.Module):
     @classmethod
     def from_transformers(cls, hf_model, chunk_size: int = 16) -> FastRwkv:
         """Copy the weights of a transformers `RwkvForCausalLM` (undoing its inference rescaling)."""
-        from models.loaders import load_state_dict_checked
+        from models.checkpoint_io import load_state_dict_checked
 
         config = hf_model.config
         fast = cls(config, chunk_size)

@@ -77,7 +77,7 @@ def load_native(model_dir, device="cpu", dtype=None):
     from safetensors.torch import load_file
 
     from models.backbone import LanguageModel
-    from models.loaders import load_state_dict_checked
+    from models.checkpoint_io import load_state_dict_checked
 
     model_dir = Path(model_dir)
     config = read_native_config(model_dir)

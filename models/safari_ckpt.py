@@ -118,7 +118,7 @@ def load_safari(target: str | Path):
     """(LanguageModel with the safari checkpoint's weights, directory to look for a tokenizer in)."""
     from ar_slicing.io import read_json
     from models.backbone import LanguageModel
-    from models.loaders import load_state_dict_checked, read_weights
+    from models.checkpoint_io import load_state_dict_checked, read_weights
 
     path = Path(target)
     if path.is_dir():

@@ -139,7 +139,7 @@ def model_config_from_zoology(data: dict, source: str):
 def load_zoology(target: str | Path):
     """(LanguageModel with the checkpoint's weights, directory to look for a tokenizer in)."""
     from models.backbone import LanguageModel
-    from models.loaders import load_state_dict_checked, read_checkpoint, state_dict_from
+    from models.checkpoint_io import load_state_dict_checked, read_checkpoint, state_dict_from
 
     weights_file, config_file = find_files(target)
     obj = read_checkpoint(weights_file)
