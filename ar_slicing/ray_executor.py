@@ -174,6 +174,18 @@ class RayExecutor:
             self._workers = max(1, int(self.cluster_cpus // max(self.num_cpus, 1e-9)))
         return self._workers
 
+    def call(self, fn: Callable[[Any], Any], arg: Any, *, num_gpus: float = 0) -> Any:
+        """`fn(arg)` run once as a Ray task on a worker with `num_gpus` GPUs (e.g. to ask a GPU
+        what it supports), its result returned here."""
+        ray = self.ray
+        ref = self._remote.options(num_cpus=self.num_cpus, num_gpus=num_gpus).remote(
+            fn, arg, os.getcwd()
+        )
+        try:
+            return ray.get(ref)
+        except Exception as err:
+            _reraise(err)
+
     def map_unordered(
         self, fn: Callable[[Any], Any], tasks: Iterable[Any]
     ) -> Iterator[tuple[Any, Any]]:

@@ -70,21 +70,6 @@ def parse_spec(spec: str) -> tuple[str, str]:
     return prefix, target
 
 
-def _resolve_dtype(dtype):
-    import torch
-
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    names = {
-        "float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-        "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    }  # fmt: skip
-    try:
-        return names[str(dtype).removeprefix("torch.")]
-    except KeyError:
-        raise ArSliceError(f"unknown dtype {dtype!r}; use one of {', '.join(names)}") from None
-
-
 def load_model(spec: str, device="cpu", dtype=None, fast_rwkv: bool = True) -> LoadedModel:
     """Load the model named by `spec` (see the module docstring) onto `device`, in eval mode.
 
@@ -92,7 +77,9 @@ def load_model(spec: str, device="cpu", dtype=None, fast_rwkv: bool = True) -> L
     runs hf: RWKV checkpoints through this project's chunked RWKV instead of transformers' loop.
     """
     prefix, target = parse_spec(spec)
-    dtype = _resolve_dtype(dtype)
+    from models.precision import torch_dtype
+
+    dtype = torch_dtype(dtype)
     if prefix == "hf":
         return _load_hf(spec, target, device, dtype, fast_rwkv)
     if prefix == "native":

@@ -1,7 +1,7 @@
 """`arslice train`: train a small language model of one `models/` architecture on a token store.
 
 A deliberately small, correct trainer in the nanoGPT mould: AdamW (weight decay on matrices
-only), linear warmup then cosine decay, gradient clipping, bf16 autocast on CUDA, a fixed seed.
+only), linear warmup then cosine decay, gradient clipping, bf16 autocast on CUDA GPUs that have it (`models.precision`), a fixed seed.
 The batch order depends only on the store, `seq_len`, `batch_size` and `seed` — never on the
 architecture — so models of different families trained with the same settings see the same
 training tokens in the same order, as in the Zoology comparison.
@@ -113,6 +113,14 @@ class TrainConfig:
         default=200, metadata={"help": "save a resumable checkpoint every N steps (0: never)"}
     )
     device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N or auto"})
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "autocast dtype of the forward and backward passes; auto = bf16 on CUDA GPUs "
+            "that have it, else fp32 (also on every CPU, so weights do not depend on the CPU)",
+            "choices": ["auto", "bf16", "fp32"],
+        },
+    )
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
     overwrite: bool = field(default=False, metadata={"help": "retrain even if OUT is complete"})
@@ -241,18 +249,6 @@ def count_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def resolve_device(name: str) -> str:
-    import torch
-
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ArSliceError(
-            f"--device {name}: CUDA is not available on this machine; use --device cpu"
-        )
-    return name
-
-
 def make_optimizer(model, cfg: TrainConfig):
     """AdamW with weight decay on matrices (dim >= 2) only, as nanoGPT's configure_optimizers."""
     import torch
@@ -353,12 +349,11 @@ def write_checkpoint(out: Path, model, tokenizer_json: str | None) -> None:
 
 def train(cfg: TrainConfig) -> dict:
     """Train one model as `cfg` says; returns the summary written to `<out>/meta.json`."""
-    import contextlib
-
     import torch
     from tqdm.auto import tqdm
 
     from models.backbone import LanguageModel
+    from models.precision import autocast, resolve_device, resolve_dtype
 
     out = Path(cfg.out)
     if not prepare_out_dir(out, cfg.overwrite):
@@ -392,6 +387,7 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device, training=True)
     torch.manual_seed(cfg.seed)
     model_cfg = model_config_for(cfg, store.vocab_size)
     try:
@@ -400,11 +396,9 @@ def train(cfg: TrainConfig) -> dict:
         raise ArSliceError(f"cannot build the model for --arch {cfg.arch}: {e}") from None
     n_params = count_parameters(model)
     optimizer = make_optimizer(model, cfg)
-    autocast_ctx = (
-        (lambda: torch.autocast("cuda", dtype=torch.bfloat16))
-        if device.startswith("cuda")
-        else contextlib.nullcontext
-    )
+
+    def autocast_ctx():
+        return autocast(device, dtype)
 
     identity = _identity(cfg)
     state_dir = out / STATE_DIR
@@ -543,6 +537,7 @@ def train(cfg: TrainConfig) -> dict:
         final_train_loss=train_loss_ema,
         final_val_loss=last_val,
         device=device,
+        dtype=dtype,
         history=history,
     )
     write_meta(out, meta)

@@ -307,12 +307,23 @@ def test_cpu_bf16_detection(cpuinfo, native):
 
 
 def test_auto_dtype_follows_the_cpu(monkeypatch):
-    import pipeline.eval as ev
+    import models.precision as precision
 
-    monkeypatch.setattr(ev, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
     assert resolve_dtype("auto", "cpu") == "bf16" and resolve_dtype("fp32", "cpu") == "fp32"
-    monkeypatch.setattr(ev, "cpu_has_native_bf16", lambda: False)
+    # training stays fp32 on every CPU: trained weights must not depend on the CPU model
+    assert resolve_dtype("auto", "cpu", training=True) == "fp32"
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
     assert resolve_dtype("auto", "cpu") == "fp32" and resolve_dtype("bf16", "cpu") == "bf16"
+
+
+def test_auto_dtype_on_a_gpu_without_bf16(monkeypatch):
+    """One policy for eval and train: fp16 autocast for evaluation, fp32 for training."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert resolve_dtype("auto", "cuda") == "fp16"
+    assert resolve_dtype("auto", "cuda:1", training=True) == "fp32"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_dtype("auto", "cuda") == resolve_dtype("auto", "cuda", training=True) == "bf16"
 
 
 def test_bf16_on_cpu_stays_close_to_fp32(corpus, models_dir, tmp_path):
