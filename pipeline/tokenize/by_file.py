@@ -26,6 +26,13 @@ import numpy as np
 
 from ar_slicing.io import atomic_path
 from ar_slicing.readers import HF_PREFIX, DirectoryReader, ReadStats, iter_documents
+from pipeline.tokenize.shards import (
+    cached_tokenizer,
+    encode_texts,
+    part_paths,
+    part_schema,
+    shard_documents,
+)
 
 log = logging.getLogger(__name__)
 
@@ -88,14 +95,6 @@ def encode_file(task: FileTask) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pipeline.tokenize import (
-        _shard_documents,
-        cached_tokenizer,
-        encode_texts,
-        part_paths,
-        part_schema,
-    )
-
     if task.threads <= 1:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tok = cached_tokenizer(task.tokenizer_path)
@@ -105,7 +104,7 @@ def encode_file(task: FileTask) -> dict:
     tokens_path, docs_path = part_paths(task.parts_dir, task.index)
     n_tokens = 0
     with atomic_path(tokens_path) as tmp, open(tmp, "wb") as f:
-        batches = _shard_documents(task.documents(stats), task.shard_docs, task.shard_chars)
+        batches = shard_documents(task.documents(stats), task.shard_docs, task.shard_chars)
         for _, batch in batches:
             stream, lengths, eos_in_text = encode_texts(
                 tok, [d.text for d in batch], dtype, task.eos_id
@@ -139,8 +138,6 @@ def encode_file(task: FileTask) -> dict:
 def _done_file(parts_dir: Path, index: int, itemsize: int) -> dict | None:
     """{docs, tokens, stats} of a file part an earlier run finished, or None."""
     import pyarrow.parquet as pq
-
-    from pipeline.tokenize import part_paths
 
     tokens_path, docs_path = part_paths(parts_dir, index)
     if not (docs_path.is_file() and tokens_path.is_file()):
