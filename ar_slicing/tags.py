@@ -10,8 +10,9 @@ is at most `threshold` (count 0, never seen, qualifies).
 How it is computed, per batch of windows. With numba (`ar_slicing.tag_kernels`): one pass over
 each window with a small window-local table of the bigrams seen so far (their most recent target
 and its count), so only a window's first occurrence of a bigram is looked up in the training
-counts; with a `BigramCounts` of 16-bit ids that lookup happens inside the same pass, otherwise
-the first occurrences are looked up once per batch and their counts spread to the repeats.
+counts; with a `BigramCounts` of 16-bit ids that lookup probes its region table inside the same
+pass (`ar_slicing.counts.regions`), otherwise the first occurrences are looked up once per batch
+and their counts spread to the repeats.
 
 Without numba, in numpy, without a Python loop over tokens: the batch's targets
 are ordered by (bigram, stream index) — two stable radix passes over 16-bit ids (GPT-2 and GPT-NeoX
@@ -33,7 +34,7 @@ import numpy as np
 from ar_slicing.errors import BadInput
 
 if TYPE_CHECKING:
-    from ar_slicing.counts import BigramCounts
+    from ar_slicing.counts.lookup import BigramCounts
 
 # (prev, next) -> training count, int64, 0 for pairs never seen (BigramCounts.lookup).
 Lookup = Callable[[np.ndarray, np.ndarray], np.ndarray]
@@ -148,6 +149,7 @@ def tag_windows(
     `6 7 8 5 6 9 5 6`; pos 5 and 8 repeat bigram (5, 6) with prev_pos 1 and 5; with a training
     count of 10 for (5, 6) and threshold 1250 both are AR hits.
     """
+    from ar_slicing.counts.lookup import BigramCounts
     from ar_slicing.tag_kernels import compiled
 
     L = int(window)
@@ -156,14 +158,18 @@ def tag_windows(
         return _empty_columns()
     tokens = _checked_tokens(stream, vocab_size, first_window)
     kernels = compiled()
-    regions = getattr(lookup, "regions", None)
-    lookup_fn = lookup.lookup if hasattr(lookup, "lookup") else lookup
+    table = lookup.region_table if isinstance(lookup, BigramCounts) else None
+    lookup_fn = lookup.lookup if isinstance(lookup, BigramCounts) else lookup
     if kernels is None:
         return _tag_windows_numpy(
             tokens, first_window, L, docs, lookup_fn, threshold, vocab_size, reset_at_doc_boundary
         )
-    use_table = regions is not None and tokens.dtype == np.uint16
-    starts, slots = regions if use_table else (np.zeros(2, np.int64), np.zeros(1, np.uint64))
+    use_table = table is not None and tokens.dtype == np.uint16
+    starts, slots = (
+        (table.starts, table.slots)
+        if use_table
+        else (np.zeros(2, np.int64), np.zeros(1, np.uint64))
+    )
     if out is None or len(out["pos"]) < n:
         out = column_buffers(n)
     if out["pos_window"][0] != L:  # batches start at windows: one ramp serves them all

@@ -153,7 +153,7 @@ def run_engine(engine: str, store: Path, result: Path, workers: int) -> None:
     if engine == "arslice":
         import pyarrow.parquet as pq
 
-        from ar_slicing.counts import count_stores
+        from pipeline.count import count_stores
 
         out = result.with_suffix(".counts")
         import shutil
@@ -360,7 +360,7 @@ def main() -> None:
     n = 5_000_000 if args.quick else args.tokens
     big = 0 if args.quick else args.big_tokens
     DATA.mkdir(parents=True, exist_ok=True)
-    from ar_slicing.counts import warm_kernels
+    from ar_slicing.counts.kernels import warm_kernels
 
     warm_kernels()  # numba compiles once into its on-disk cache; the timed runs load it
     print(

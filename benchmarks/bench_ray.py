@@ -65,9 +65,9 @@ def main() -> None:
 
     import ray
 
-    from ar_slicing.counts import count_stores
     from ar_slicing.executor import LocalExecutor
     from ar_slicing.ray_executor import RayExecutor
+    from pipeline.count import count_stores
 
     n_tokens = 4_000_000 if args.quick else 50_000_000
     store = zipf_store(n_tokens)

@@ -107,8 +107,8 @@ def prepare(n_tokens: int, workers: int) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from ar_slicing.counts import count_stores
     from ar_slicing.io import atomic_path, is_complete
+    from pipeline.count import count_stores
 
     root = DATA / f"v2-n{n_tokens}"
     val = make_store(root / "val", n_tokens, seed=1)

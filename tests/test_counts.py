@@ -13,11 +13,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ar_slicing.counts import BigramCounts, count_stores, parse_unit
+from ar_slicing.counts import BigramCounts, parse_unit
 from ar_slicing.errors import BadInput, TokenizerMismatch
 from ar_slicing.executor import LocalExecutor
 from ar_slicing.io import read_json, stable_meta
 from ar_slicing.store import write_token_store
+from pipeline.count import count_stores
 
 FP = "a" * 64
 
@@ -152,14 +153,14 @@ def test_many_shards_and_workers_equal_single_pass(tmp_path, engine):
 def test_many_reduce_ranges_and_batches_equal_one(tmp_path, engine, monkeypatch):
     """Reduce ranges of a few hundred entries: many Parquet parts joined into bigrams.parquet,
     each range merged from its partials in several batches."""
-    import ar_slicing.counts as counts_module
+    import ar_slicing.counts.reduce as reduce_module
 
     rng = np.random.default_rng(1)
     docs = [(rng.zipf(1.2, size=rng.integers(1, 300)) % 4000).tolist() for _ in range(80)]
     store = store_at(tmp_path / "s", docs, vocab_size=4001, eos=4000)
     whole = count_stores([store.path], tmp_path / "one", shard_tokens=500, progress=False)
     assert whole["counts"]["reduce_ranges"] == 1
-    monkeypatch.setattr(counts_module, "REDUCE_RANGE_ENTRIES", 300)
+    monkeypatch.setattr(reduce_module, "REDUCE_RANGE_ENTRIES", 300)
     split = count_stores(
         [store.path], tmp_path / "many", shard_tokens=500, workers=2, progress=False
     )
@@ -174,7 +175,7 @@ def test_many_reduce_ranges_and_batches_equal_one(tmp_path, engine, monkeypatch)
 def test_counts_of_255_and_more_in_a_shard(tmp_path, engine, monkeypatch):
     """Partials keep counts in one byte and escape the larger ones: repeated pairs in several
     `prev` buckets, counted in shards, ranges and merge batches that split the escapes."""
-    import ar_slicing.counts as counts_module
+    import ar_slicing.counts.reduce as reduce_module
 
     rng = np.random.default_rng(2)
     docs = []
@@ -184,7 +185,7 @@ def test_counts_of_255_and_more_in_a_shard(tmp_path, engine, monkeypatch):
     docs.append([5] * 70_000)  # (5, 5) reaches 2**16 within one shard
     store = store_at(tmp_path / "s", docs, vocab_size=4001, eos=4000)
     stream = stream_of([store])
-    monkeypatch.setattr(counts_module, "REDUCE_RANGE_ENTRIES", 400)
+    monkeypatch.setattr(reduce_module, "REDUCE_RANGE_ENTRIES", 400)
     for shard_tokens in (1 << 20, 1500):
         out = tmp_path / f"c{shard_tokens}"
         meta = count_stores([store.path], out, shard_tokens=shard_tokens, workers=2, progress=False)

@@ -254,8 +254,8 @@ def test_relative_paths_mean_the_drivers_working_directory(
 
 
 def test_count_retries_killed_map_and_reduce_tasks(cluster, train_stores, tmp_path):
-    from ar_slicing.counts import count_stores
     from ar_slicing.ray_executor import RayExecutor
+    from pipeline.count import count_stores
 
     kw = dict(unit="row:101", shard_tokens=20000, progress=False)
     count_stores(train_stores, tmp_path / "local", workers=1, **kw)
@@ -286,8 +286,8 @@ class FailingOnLastShard:
 
 
 def test_count_rerun_on_ray_skips_finished_shards(cluster, train_stores, tmp_path):
-    from ar_slicing.counts import count_stores
     from ar_slicing.ray_executor import RayExecutor
+    from pipeline.count import count_stores
 
     kw = dict(shard_tokens=10000, progress=False)
     local = count_stores(train_stores, tmp_path / "local", workers=1, **kw)

@@ -638,7 +638,7 @@ def test_cli_prints_a_summary_and_refuses_mismatches_without_traceback(tmp_path)
 
 
 def test_counts_made_by_the_count_stage_are_used_as_written(tmp_path, real_text_run):
-    from ar_slicing.counts import count_stores
+    from pipeline.count import count_stores
 
     store, _, val, subsets, _, info = real_text_run
     # count the validation store itself: every bigram of the stream is then seen in "training"
