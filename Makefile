@@ -1,6 +1,6 @@
 # ar-slicing: `make install`, then `make all` (the demo) or `make test`.
-# Stage targets name the files they produce, so `make` reruns only what is stale; every stage
-# also skips work whose outputs are already complete (pass OVERWRITE=1 to redo it).
+# Stage targets name the files they produce and depend on their stage's settings, so `make` reruns
+# only what is stale; a stage whose settings changed refuses, naming them, unless OVERWRITE=1.
 
 PYTHON ?= python3
 VENV := .venv
@@ -9,10 +9,12 @@ ARSLICE := $(VENV)/bin/arslice
 CONFIG ?= pipeline/configs/demo.toml
 # The run directory named by the config (`run_dir = "..."`).
 RUN := $(shell sed -n 's/^run_dir *= *"\([^"]*\)".*/\1/p' $(CONFIG) 2>/dev/null)
-RUNFLAGS := $(if $(OVERWRITE),--overwrite,)
+# OVERWRITE=1: redo the stages whose settings or inputs changed (without it they refuse, naming
+# the change); complete outputs of unchanged stages are still kept.
+RUNFLAGS := $(if $(OVERWRITE),--redo-changed,)
 STAGE = $(ARSLICE) run --config $(CONFIG) $(RUNFLAGS) --stage
 
-.PHONY: install test test-slow test-demo test-gpu lint format bench bench-gpu all tokenizer tokenize counts tags train eval report verify readme-demo clean-run
+.PHONY: FORCE install test test-slow test-demo test-gpu lint format bench bench-gpu all tokenizer tokenize counts tags train eval report verify readme-demo clean-run
 
 install:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,35 +51,31 @@ bench-gpu:
 	@set -e; for f in benchmarks/gpu_*.py; do echo "== $$f"; $(PY) $$f; done
 
 # ---- the pipeline, one target per stage -------------------------------------------------------
+# `arslice run --make-rules` checks the whole config first (keys, values, sources, model specs,
+# and outputs made with other settings), then writes each stage's resolved settings to
+# $(RUN)/.settings/<stage>.json only when they change, and the stage rules below (file names from
+# the run layout) to $(RUN)/.settings/stages.mk. A stage target depends on its settings file and
+# on the markers of the stages it reads, so editing the config reruns exactly what it changed.
+PIPELINE_GOALS := all tokenizer tokenize counts tags train eval report readme-demo
+ifneq ($(filter $(PIPELINE_GOALS),$(MAKECMDGOALS)),)
+ifeq ($(RUN),)
+$(error CONFIG=$(CONFIG): no such file, or no `run_dir = "runs/<name>"` line in it)
+endif
+$(RUN)/.settings/stages.mk: FORCE
+	@$(ARSLICE) run --config $(CONFIG) $(RUNFLAGS) --make-rules
+include $(RUN)/.settings/stages.mk
+endif
+
 all: report
+tokenizer: $(MARK_tokenizer)
+tokenize: $(MARK_tokenize)
+counts: $(MARK_count)
+tags: $(MARK_tag)
+train: $(MARK_train)
+eval: $(MARK_eval)
+report: $(MARK_report)
 
-tokenizer: $(RUN)/tokenizer.json
-$(RUN)/tokenizer.json: $(CONFIG)
-	$(STAGE) tokenizer
-
-tokenize: $(RUN)/tokens/train/meta.json $(RUN)/tokens/val/meta.json
-$(RUN)/tokens/train/meta.json $(RUN)/tokens/val/meta.json &: $(RUN)/tokenizer.json
-	$(STAGE) tokenize
-
-counts: $(RUN)/counts/meta.json
-$(RUN)/counts/meta.json: $(RUN)/tokens/train/meta.json
-	$(STAGE) count
-
-tags: $(RUN)/tags/meta.json
-$(RUN)/tags/meta.json: $(RUN)/tokens/val/meta.json $(RUN)/counts/meta.json
-	$(STAGE) tag
-
-train: $(RUN)/models/meta.json
-$(RUN)/models/meta.json: $(RUN)/tokens/train/meta.json
-	$(STAGE) train
-
-eval: $(RUN)/losses/meta.json
-$(RUN)/losses/meta.json: $(RUN)/tags/meta.json $(RUN)/models/meta.json
-	$(STAGE) eval
-
-report: $(RUN)/report/report.html
-$(RUN)/report/report.html: $(RUN)/tags/meta.json $(RUN)/losses/meta.json
-	$(STAGE) report
+FORCE:
 
 # Every invariant of the run's outputs (sizes, fingerprints, one loss per tag row, ...).
 verify:

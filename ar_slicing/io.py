@@ -20,16 +20,45 @@ from pathlib import Path
 from typing import Any
 
 from ar_slicing import __version__
+from ar_slicing.layout import META_NAME, TMP_SUFFIX, is_complete
 
-META_NAME = "meta.json"
+__all__ = ["META_NAME", "is_complete"]  # (their home is ar_slicing.layout)
 # Keys of meta.json that legitimately differ between two identical runs.
 VOLATILE_META_KEYS = ("wall_time_s", "throughput", "created_at", "tokens_per_s", "host")
 
 
 def tmp_path_for(path: str | os.PathLike) -> Path:
-    """A temporary sibling of `path` (same directory, so the final rename is atomic)."""
+    """A temporary sibling of `path` (same directory, so the final rename is atomic). Every
+    temporary name of the project is made here, so `sweep_temporaries` finds them all."""
     path = Path(path)
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    return path.with_name(f".{path.name}.{os.getpid()}{TMP_SUFFIX}")
+
+
+def sweep_temporaries(directory: str | os.PathLike) -> int:
+    """Remove the temporaries (files and directories) that killed runs left anywhere under
+    `directory`; returns how many. Called by a stage before it writes into its output."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return 0
+    # a kill between atomic_dir's two renames leaves the old directory aside: put it back
+    for old in directory.rglob(f".*.old{TMP_SUFFIX}"):
+        original = old.with_name(old.name[1 : -len(f".old{TMP_SUFFIX}")])
+        if old.is_dir() and not original.exists():
+            old.replace(original)
+    found = sorted(
+        (p for p in directory.rglob(f".*{TMP_SUFFIX}") if p.name != TMP_SUFFIX),
+        key=lambda p: len(p.parts),
+    )
+    removed = 0
+    for p in found:
+        if not p.exists() and not p.is_symlink():
+            continue  # inside a directory removed just before
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed += 1
+    return removed
 
 
 @contextlib.contextmanager
@@ -51,6 +80,35 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary directory to fill; it replaces the directory `path` only if the block
+    succeeds (the old one is moved aside first and removed after, so a kill leaves either)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_path_for(path)
+    old = path.with_name(f".{path.name}.old{TMP_SUFFIX}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        yield tmp
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb+") as fh:
+                    os.fsync(fh.fileno())
+        if path.exists():
+            if old.exists():
+                shutil.rmtree(old)
+            path.replace(old)
+        tmp.replace(path)
+        if old.exists():
+            shutil.rmtree(old)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
@@ -89,11 +147,6 @@ def to_jsonable(obj: Any) -> Any:
     if hasattr(obj, "item") and callable(obj.item):  # numpy / torch scalars
         return obj.item()
     return obj
-
-
-def is_complete(out_dir: str | os.PathLike) -> bool:
-    """True when a stage's output directory holds its final `meta.json`."""
-    return (Path(out_dir) / META_NAME).is_file()
 
 
 def prepare_out_dir(out_dir: str | os.PathLike, overwrite: bool) -> bool:

@@ -93,6 +93,30 @@ class ReadStats:
             "other_split_part": self.other_split_part,
         }
 
+    def describe_empty(self) -> str:
+        """Why nothing was kept, for the error a source without documents gets."""
+        return (
+            f"{self.empty} empty, {self.bad_records} bad records skipped, "
+            f"{self.other_split_part} in the other split part"
+        )
+
+
+def check_sources(sources: Sequence[str]) -> None:
+    """Refuse, before anything is read, a source list that is empty, holds an empty path (an
+    unset variable would otherwise mean the current directory) or a local path that is missing."""
+    from ar_slicing.errors import ArSliceError, BadInput
+
+    if not sources:
+        raise ArSliceError("give at least one --source")
+    for s in sources:
+        if not str(s).strip():
+            raise ArSliceError(
+                f"--source {s!r}: an empty path (an unset variable?); give a file, a directory "
+                "or hf://OWNER/NAME"
+            )
+        if not str(s).startswith(HF_PREFIX) and not Path(s).exists():
+            raise BadInput(f"source {s}: no such file or directory")
+
 
 def is_pretokenized(spec: str, source_format: str | None = None) -> bool:
     return source_format is not None or (

@@ -34,16 +34,20 @@ from typing import Any
 
 from ar_slicing import __version__
 from ar_slicing.errors import BadInput
-from ar_slicing.io import atomic_path, is_complete, read_json, sha256_file
+from ar_slicing.io import atomic_path, read_json, sha256_file
+from ar_slicing.layout import (
+    BIGRAMS_NAME,
+    LOSS_PART_GLOB,
+    META_NAME,
+    TAG_PART_GLOB,
+    WINDOWS_NAME,
+    RunLayout,
+    is_complete,
+    looks_like_run_dir,
+)
 from ar_slicing.tokenizer import require_same_fingerprint
 
 log = logging.getLogger(__name__)
-
-RESULTS_NAME = "results.duckdb"
-TAG_SHARD_GLOB = "tags-*.parquet"
-LOSS_SHARD_GLOB = "losses-*.parquet"
-WINDOWS_NAME = "windows.parquet"
-BIGRAMS_NAME = "bigrams.parquet"
 
 # Model columns of the `models` table, in order, with their DuckDB types.
 MODEL_COLUMNS = (
@@ -69,8 +73,9 @@ _NOT_ATTENTION = re.compile(r"hyena|rwkv|conv|mamba|based|s4|h3|ssm|retnet", re.
 
 
 @dataclass
-class RunLayout:
-    """Where a run's inputs are: found by the run-directory layout and the tags' meta.json."""
+class RunInputs:
+    """Where a run's inputs are: found by the run layout (`ar_slicing.layout`) and the tags'
+    meta.json, and checked to belong together."""
 
     run_dir: Path
     tags_dir: Path
@@ -86,8 +91,12 @@ class RunLayout:
     scored_windows: int | None = None
 
     @property
+    def layout(self) -> RunInputs:
+        return RunLayout(self.run_dir)
+
+    @property
     def results_path(self) -> Path:
-        return self.run_dir / RESULTS_NAME
+        return self.layout.results
 
 
 def _first_existing(*candidates: str | os.PathLike | None, marker: str) -> Path | None:
@@ -97,33 +106,36 @@ def _first_existing(*candidates: str | os.PathLike | None, marker: str) -> Path 
     return None
 
 
-def find_run(run_dir: str | os.PathLike) -> RunLayout:
+def find_run(run_dir: str | os.PathLike) -> RunInputs:
     """Locate tags, losses, counts and the validation store of the run in `run_dir`."""
-    run_dir = Path(run_dir).resolve()
+    given = Path(run_dir)
+    run_dir = given.resolve()
     if not run_dir.is_dir():
-        raise BadInput(f"run directory {run_dir}: no such directory")
-    tags_dir = run_dir / "tags"
+        raise BadInput(f"run directory {given}: no such directory")
+    paths = RunLayout(run_dir)
+    tags_dir = paths.tags
     if not is_complete(tags_dir):
+        parent = next((p for p in given.resolve().parents if looks_like_run_dir(p)), None)
+        if not looks_like_run_dir(run_dir) and parent is not None:
+            raise BadInput(
+                f"{given} is a folder inside the run directory {parent}; pass --run {parent}"
+            )
         raise BadInput(
             f"{tags_dir}: no complete tags (meta.json missing); run `arslice tag ... --out {tags_dir}` first"
         )
     tags_meta = read_json(tags_dir / "meta.json")
-    shards = sorted(tags_dir.glob(TAG_SHARD_GLOB))
+    shards = sorted(tags_dir.glob(TAG_PART_GLOB))
     if not shards:
         raise BadInput(
-            f"{tags_dir}: meta.json is there but no {TAG_SHARD_GLOB}; rerun `arslice tag --overwrite`"
+            f"{tags_dir}: meta.json is there but no {TAG_PART_GLOB}; rerun `arslice tag --overwrite`"
         )
     if not (tags_dir / WINDOWS_NAME).is_file():
         raise BadInput(f"{tags_dir}: no {WINDOWS_NAME}; rerun `arslice tag --overwrite`")
 
     # The tags record absolute paths; when the run was moved since, the run layout finds them.
-    tokens_dir = _first_existing(
-        tags_meta.get("tokens"), run_dir / "tokens" / "val", marker="meta.json"
-    )
-    counts_dir = _first_existing(
-        tags_meta.get("counts_dir"), run_dir / "counts", marker=BIGRAMS_NAME
-    )
-    layout = RunLayout(
+    tokens_dir = _first_existing(tags_meta.get("tokens"), paths.store("val"), marker=META_NAME)
+    counts_dir = _first_existing(tags_meta.get("counts_dir"), paths.counts, marker=BIGRAMS_NAME)
+    layout = RunInputs(
         run_dir=run_dir,
         tags_dir=tags_dir,
         tokens_dir=tokens_dir,
@@ -131,17 +143,18 @@ def find_run(run_dir: str | os.PathLike) -> RunLayout:
         tags_meta=tags_meta,
         tag_shards=shards,
     )
-    losses_root = run_dir / "losses"
+    losses_root = paths.losses_root
     for d in sorted(losses_root.iterdir()) if losses_root.is_dir() else []:
         if not d.is_dir():
             continue  # losses/meta.json marks every model evaluated; it is not a model
         if not is_complete(d):
             layout.skipped_losses[d.name] = "incomplete (no meta.json)"
-        elif not any(d.glob(LOSS_SHARD_GLOB)):
-            layout.skipped_losses[d.name] = f"no {LOSS_SHARD_GLOB}"
+        elif not any(d.glob(LOSS_PART_GLOB)):
+            layout.skipped_losses[d.name] = f"no {LOSS_PART_GLOB}"
         else:
             layout.models[d.name] = d
-            meta = read_json(d / "meta.json")
+            meta = read_json(d / META_NAME)
+            check_losses_belong(d, meta, layout)
             if meta.get("partial"):
                 n = int(meta.get("windows_evaluated", 0))
                 layout.scored_windows = (
@@ -162,7 +175,39 @@ def find_run(run_dir: str | os.PathLike) -> RunLayout:
     return layout
 
 
-def inputs_signature(layout: RunLayout) -> str:
+def check_losses_belong(losses_dir: Path, meta: dict, layout: RunInputs) -> None:
+    """Refuse losses scored on other windows than the tags': another window length, another
+    validation store or another tokenizer would join each loss to the wrong token."""
+    from ar_slicing.plan import identity
+
+    tags = layout.tags_meta
+    if meta.get("fingerprint") and tags.get("fingerprint"):
+        require_same_fingerprint(
+            meta["fingerprint"],
+            f"losses {losses_dir}",
+            tags["fingerprint"],
+            f"tags {layout.tags_dir}",
+        )
+    problems = []
+    if meta.get("window") is not None and tags.get("window") is not None:
+        if meta["window"] != tags["window"]:
+            problems.append(f"window length: losses {meta['window']}, tags {tags['window']}")
+    plan_tokens = (meta.get("plan") or {}).get("inputs", {}).get("tokens")
+    if plan_tokens and layout.tokens_dir is not None and is_complete(layout.tokens_dir):
+        if plan_tokens != identity(layout.tokens_dir):
+            problems.append(
+                f"validation store: the losses were scored on another {layout.tokens_dir.name} "
+                f"store than the tags' {layout.tokens_dir}"
+            )
+    if problems:
+        raise BadInput(
+            f"losses {losses_dir} do not belong to the tags {layout.tags_dir} ("
+            + "; ".join(problems)
+            + f"); re-run `arslice eval --overwrite --tags {layout.tags_dir} --out {losses_dir}`"
+        )
+
+
+def inputs_signature(layout: RunInputs) -> str:
     """sha256 over where the inputs are and the meta.json of each: changes when anything moves or is redone."""
     h = hashlib.sha256()
     parts: list[Any] = [
@@ -178,7 +223,7 @@ def inputs_signature(layout: RunLayout) -> str:
                 name,
                 str(d),
                 sha256_file(d / "meta.json"),
-                sorted(p.name for p in d.glob(LOSS_SHARD_GLOB)),
+                sorted(p.name for p in d.glob(LOSS_PART_GLOB)),
             ]
         )
     h.update(json.dumps(parts).encode())
@@ -194,7 +239,7 @@ def _parquet_list(paths: list[Path]) -> str:
     return "[" + ", ".join(sql_string(p) for p in paths) + "]"
 
 
-def model_rows(layout: RunLayout) -> list[tuple]:
+def model_rows(layout: RunInputs) -> list[tuple]:
     """One `models` row per losses folder; refuses losses made with another tokenizer than the tags."""
     rows = []
     tags_fp = layout.tags_meta.get("fingerprint")
@@ -242,14 +287,14 @@ def default_reference(models: list[tuple[str, str | None, str | None]]) -> str:
     return ordered[0][0]
 
 
-def _window_filter(layout: RunLayout) -> str:
+def _window_filter(layout: RunInputs) -> str:
     """The WHERE clause restricting every view to the windows all models scored."""
     if layout.scored_windows is None:
         return ""
     return f" WHERE window_id < {int(layout.scored_windows)}"
 
 
-def _check_coverage(con, layout: RunLayout) -> None:
+def _check_coverage(con, layout: RunInputs) -> None:
     """Every model must have exactly one loss per tag row of the compared windows.
 
     With complete losses this reads only Parquet footers; with partial ones it counts rows of
@@ -267,7 +312,7 @@ def _check_coverage(con, layout: RunLayout) -> None:
 
     n_tags = n_rows(layout.tag_shards)
     for d in layout.models.values():
-        n = n_rows(sorted(d.glob(LOSS_SHARD_GLOB)))
+        n = n_rows(sorted(d.glob(LOSS_PART_GLOB)))
         if n != n_tags:
             scope = (
                 ""
@@ -281,7 +326,7 @@ def _check_coverage(con, layout: RunLayout) -> None:
             )
 
 
-def build_results(layout: RunLayout) -> Path:
+def build_results(layout: RunInputs) -> Path:
     """Write `<run>/results.duckdb` atomically (built under a temporary name, then renamed)."""
     import duckdb
 
@@ -302,7 +347,7 @@ def build_results(layout: RunLayout) -> Path:
             )
             selects = [
                 f"SELECT {sql_string(name)} AS model, window_id, pos, nll "
-                f"FROM read_parquet({_parquet_list(sorted(d.glob(LOSS_SHARD_GLOB)))}){where}"
+                f"FROM read_parquet({_parquet_list(sorted(d.glob(LOSS_PART_GLOB)))}){where}"
                 for name, d in layout.models.items()
             ]
             con.execute("CREATE VIEW losses AS " + "\nUNION ALL\n".join(selects))
@@ -373,7 +418,7 @@ def recorded_signature(path: Path) -> str | None:
         con.close()
 
 
-def ensure_results(run_dir: str | os.PathLike, rebuild: bool = False) -> tuple[RunLayout, bool]:
+def ensure_results(run_dir: str | os.PathLike, rebuild: bool = False) -> tuple[RunInputs, bool]:
     """The run's layout, with results.duckdb up to date. Returns (layout, whether it was (re)built)."""
     layout = find_run(run_dir)
     path = layout.results_path

@@ -70,6 +70,22 @@ def parse_spec(spec: str) -> tuple[str, str]:
     return prefix, target
 
 
+def spec_identity(spec: str) -> dict:
+    """What identifies the weights a spec names, cheaply (no weights are read): a checkpoint
+    this project wrote by its meta.json's digest, other local files by size and modification
+    time, a hub id by its name (the hub's revision is not asked for)."""
+    from ar_slicing.layout import META_NAME
+    from ar_slicing.plan import file_identity, identity
+
+    prefix, target = parse_spec(spec)
+    path = Path(target).expanduser()
+    if not path.exists():
+        return {"spec": spec}
+    if path.is_dir() and (path / META_NAME).is_file() and prefix == "native":
+        return {"native": identity(path)}
+    return {"files": file_identity(path)}
+
+
 def load_model(spec: str, device="cpu", dtype=None, fast_rwkv: bool = True) -> LoadedModel:
     """Load the model named by `spec` (see the module docstring) onto `device`, in eval mode.
 

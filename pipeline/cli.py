@@ -14,23 +14,7 @@ import sys
 
 from ar_slicing import __version__
 from ar_slicing.errors import ArSliceError
-
-# name -> (module defining COMMAND, one-line summary shown by `arslice --help`)
-COMMANDS: dict[str, tuple[str, str]] = {
-    "train-tokenizer": (
-        "pipeline.train_tokenizer",
-        "train a byte-level BPE tokenizer on text sources",
-    ),
-    "tokenize": ("pipeline.tokenize", "text sources or pre-tokenized data -> token store"),
-    "count": ("pipeline.count", "exact training bigram counts of token stores"),
-    "tag": ("pipeline.tag", "evaluation windows, in-context repeats and AR hits"),
-    "train": ("pipeline.train", "train a small model of one architecture on a token store"),
-    "eval": ("pipeline.eval", "per-token losses of one model over the tagged windows"),
-    "report": ("pipeline.report", "results.duckdb, Table 1, Figure 1 and the HTML report"),
-    "query": ("pipeline.query", "run one SQL question from queries/ against a run"),
-    "verify": ("pipeline.verify", "check a run's invariants"),
-    "run": ("pipeline.run", "run stages of a pipeline config file (what `make` calls)"),
-}
+from pipeline.stages import BY_COMMAND, COMMANDS
 
 EPILOG = """examples:
   arslice tokenize --source val.jsonl.zst --tokenizer gpt2 --out runs/pile/tokens/val
@@ -44,7 +28,7 @@ Each subcommand has its own --help with examples, and --dry-run to print its res
 
 
 def top_level_help() -> str:
-    width = max(len(n) for n in COMMANDS)
+    width = max(len(s.command) for s in COMMANDS)
     lines = [
         f"usage: arslice COMMAND [options]   (ar-slicing {__version__})",
         "",
@@ -52,7 +36,7 @@ def top_level_help() -> str:
         "",
         "commands:",
     ]
-    lines += [f"  {name.ljust(width)}  {summary}" for name, (_, summary) in COMMANDS.items()]
+    lines += [f"  {s.command.ljust(width)}  {s.summary}" for s in COMMANDS]
     return "\n".join(lines) + "\n\n" + EPILOG
 
 
@@ -60,11 +44,11 @@ def build_parser(name: str):
     """The argparse parser of subcommand `name`, and its Command."""
     from pipeline.config import add_config_arguments
 
-    module_name, summary = COMMANDS[name]
-    command = importlib.import_module(module_name).COMMAND
+    stage = BY_COMMAND[name]
+    command = importlib.import_module(stage.module).COMMAND
     parser = argparse.ArgumentParser(
         prog=f"arslice {name}",
-        description=command.description or summary,
+        description=command.description or stage.summary,
         epilog="examples:\n" + command.examples.strip("\n") if command.examples else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -102,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ar-slicing {__version__}")
         return 0
     name = argv[0]
-    if name not in COMMANDS:
+    if name not in BY_COMMAND:
         print(f"arslice: unknown command {name!r}\n\n{top_level_help()}", file=sys.stderr)
         return 2
     parser, command = build_parser(name)
@@ -114,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_namespace(command.config_cls, ns)
         if ns.dry_run:
+            if command.dry_run is not None:
+                command.dry_run(cfg)
+                return 0
+            if command.validate is not None:
+                command.validate(cfg)
             print_config(cfg)
             return 0
         command.run(cfg)

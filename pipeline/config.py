@@ -31,13 +31,23 @@ from ar_slicing.errors import ArSliceError
 
 @dataclass(frozen=True)
 class Command:
-    """One `arslice` subcommand: a config dataclass and the pure function that runs it."""
+    """One `arslice` subcommand: a config dataclass and the pure function that runs it.
+
+    `validate(cfg)` checks what can be checked from the config alone (ranges, names, specs,
+    sources that must already exist) and raises ArSliceError; `--dry-run` and `arslice run` call
+    it before anything runs. A stage with outputs says what decides them: `plan_settings(cfg)` is
+    the settings part of its plan (`ar_slicing.plan`) for the output `cfg.out`, which `arslice
+    run` compares with a complete output's before the first stage starts.
+    """
 
     config_cls: type
     run: Callable[[Any], Any]
     summary: str
     examples: str = ""
     description: str = ""
+    validate: Callable[[Any], None] | None = None
+    plan_settings: Callable[[Any], dict] | None = None
+    dry_run: Callable[[Any], None] | None = None  # instead of printing the config (`arslice run`)
 
 
 def _field_type(cls: type, f: dataclasses.Field) -> Any:
@@ -125,13 +135,60 @@ def config_from_mapping(cls: type, mapping: Mapping[str, Any], context: str = "c
         )
     values = dict(mapping)
     for f in dataclasses.fields(cls):
+        if f.name not in values:
+            continue
         tp = _unwrap_optional(_field_type(cls, f))
-        if f.name in values and typing.get_origin(tp) is tuple:
+        values[f.name] = _checked_value(f, tp, values[f.name], context)
+        if typing.get_origin(tp) is tuple:
             values[f.name] = tuple(values[f.name])
     try:
         return cls(**values)
     except TypeError as e:
         raise ArSliceError(f"{context}: {e}") from None
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (list, tuple):
+        (item,) = typing.get_args(tp)[:1]
+        return f"a list of {_type_name(item)}"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+def _checked_value(f: dataclasses.Field, tp: Any, value: Any, context: str) -> Any:
+    """`value` of a config-file key, refused when it has the wrong type or is not a choice (the
+    checks argparse does for flags)."""
+    if value is None:
+        return value
+    origin = typing.get_origin(tp)
+    items = [value] if origin not in (list, tuple) else value
+    item_tp = typing.get_args(tp)[0] if origin in (list, tuple) else tp
+    ok = isinstance(value, (list, tuple)) if origin in (list, tuple) else True
+    for v in items if ok else []:
+        if item_tp is float and isinstance(v, int) and not isinstance(v, bool):
+            continue
+        if item_tp is int and isinstance(v, bool):
+            ok = False
+        elif item_tp in (int, float, str, bool) and not isinstance(v, item_tp):
+            ok = False
+    if not ok:
+        raise ArSliceError(f"{context}: `{f.name} = {_shown(value)}` must be {_type_name(tp)}")
+    choices = f.metadata.get("choices")
+    if choices is not None:
+        for v in items:
+            if v not in choices:
+                raise ArSliceError(
+                    f"{context}: `{f.name} = {_shown(v)}` is not one of {', '.join(map(str, choices))}"
+                )
+    if item_tp is float:
+        value = [float(v) for v in value] if origin in (list, tuple) else float(value)
+    return value
+
+
+def _shown(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (str, list, bool)) else str(value)
 
 
 def config_to_dict(cfg: Any) -> dict:

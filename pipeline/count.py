@@ -158,42 +158,50 @@ def plan_reduce_tasks(work: Path, partials: list[str], shift: int) -> list[reduc
     ]
 
 
-# ---- resume and completion: the stage's only calls of the plan and atomic-write helpers -------
+# ---- the stage plan ----------------------------------------------------------------------------
 
 
-def _complete_meta(out: Path, overwrite: bool) -> dict | None:
-    """meta.json of a complete `out` (skip the work), or None with `out` ready to be written."""
-    from ar_slicing.io import prepare_out_dir, read_json
-
-    if prepare_out_dir(out, overwrite):
-        return None
-    return read_json(out / "meta.json")
+PARTIALS_FORMAT = 2  # 2: reduced ranges are Parquet parts; bump when the work files change
 
 
-def _open_work(out: Path, plan: dict) -> Path:
-    """`out/.work` for this plan: kept from an unfinished run with the same plan, else emptied."""
-    import json
-
-    from ar_slicing.io import read_json, write_json_atomic
-
-    work = out / WORK_NAME
-    if (work / "plan.json").exists() and read_json(work / "plan.json") != json.loads(
-        json.dumps(plan)
-    ):
-        log.info("%s: inputs or settings changed since the unfinished run; starting over", work)
-        shutil.rmtree(work)
-    (work / "partials").mkdir(parents=True, exist_ok=True)
-    (work / "reduced").mkdir(parents=True, exist_ok=True)
-    write_json_atomic(work / "plan.json", plan)
-    return work
+def count_settings(unit: str, shard_tokens: int) -> dict:
+    """What decides the counts (and the resumable work files) besides the input stores."""
+    return {"unit": unit, "shard_tokens": shard_tokens, "partials_format": PARTIALS_FORMAT}
 
 
-def _finish(out: Path, work: Path, meta: dict) -> None:
-    """meta.json last (it marks `out` complete), then the work directory goes."""
-    from ar_slicing.io import write_meta
+def open_stores(store_paths) -> list:
+    """The token stores to count, all of one tokenizer, with at least one pair among them."""
+    from ar_slicing.store import TokenStore
+    from ar_slicing.tokenizer import require_same_fingerprint
 
-    write_meta(out, meta)
-    shutil.rmtree(work, ignore_errors=True)
+    if not store_paths:
+        raise BadInput("count: no token stores given (--tokens STORE [STORE ...])")
+    stores = [TokenStore.open(p) for p in store_paths]
+    for store in stores[1:]:
+        require_same_fingerprint(
+            stores[0].fingerprint,
+            f"token store {stores[0].path}",
+            store.fingerprint,
+            f"token store {store.path}",
+        )
+    if sum(s.n_tokens for s in stores) < 2:
+        raise BadInput(
+            f"count: the token store(s) {', '.join(str(s.path) for s in stores)} hold "
+            f"{sum(s.n_tokens for s in stores)} token(s), so no bigram to count; tokenize a "
+            "training set with at least one document"
+        )
+    return stores
+
+
+def open_count_stage(stores, out, unit: str, shard_tokens: int, overwrite: bool):
+    from ar_slicing.plan import StagePlan, identity, open_stage
+
+    plan = StagePlan(
+        "count",
+        settings=count_settings(unit, shard_tokens),
+        inputs={"stores": [identity(s.path) for s in stores]},
+    )
+    return open_stage(out, plan, overwrite=overwrite)
 
 
 # ---- the whole count: plan, map, reduce, write -------------------------------------------------
@@ -218,32 +226,34 @@ def count_stores(
     """
     import time
 
+    t0 = time.time()
+    row = parse_unit(unit)
+    _check_shard_tokens(shard_tokens)
+    stores = open_stores(store_paths)
+    stage = open_count_stage(stores, out, unit, shard_tokens, overwrite)
+    if stage.complete:
+        meta = stage.skip()
+        log.debug("%s is complete (%s pairs); --overwrite to redo", out, meta.get("total_pairs"))
+        return meta
+    with stage.running():
+        return _count(
+            stage, stores, row, unit, shard_tokens, workers, config, executor, progress, t0
+        )
+
+
+def _check_shard_tokens(shard_tokens: int) -> None:
+    if shard_tokens < 2 or shard_tokens >= 1 << 32:
+        raise BadInput(f"--shard-tokens {shard_tokens}: must be between 2 and 2**32 - 1")
+
+
+def _count(stage, stores, row, unit, shard_tokens, workers, config, executor, progress, t0):
+    import time
+
     from ar_slicing.counts.kernels import warm_kernels
     from ar_slicing.executor import LocalExecutor
     from ar_slicing.io import build_meta
-    from ar_slicing.store import TokenStore
-    from ar_slicing.tokenizer import require_same_fingerprint
 
-    t0 = time.time()
-    if not store_paths:
-        raise BadInput("count: no token stores given (--tokens STORE [STORE ...])")
-    row = parse_unit(unit)
-    if shard_tokens < 2 or shard_tokens >= 1 << 32:
-        raise BadInput(f"--shard-tokens {shard_tokens}: must be between 2 and 2**32 - 1")
-    stores = [TokenStore.open(p) for p in store_paths]
-    for store in stores[1:]:
-        require_same_fingerprint(
-            stores[0].fingerprint,
-            f"token store {stores[0].path}",
-            store.fingerprint,
-            f"token store {store.path}",
-        )
-    out = Path(out)
-    meta = _complete_meta(out, overwrite)
-    if meta is not None:
-        log.info("%s is complete (%s pairs); --overwrite to redo", out, meta.get("total_pairs"))
-        return meta
-
+    out = stage.out
     shift = max(key_shift_for(s.dtype) for s in stores)
     vocab_size = max(s.vocab_size for s in stores)
     sources = [
@@ -255,16 +265,9 @@ def count_stores(
         }
         for s in stores
     ]
-    plan = {
-        # a store re-created in place must not reuse partials of the old one
-        "stores_created_at": [s.meta.get("created_at") for s in stores],
-        "sources": sources,
-        "unit": unit,
-        "shard_tokens": shard_tokens,
-        "shift": shift,
-        "version": 2,  # 2: reduced ranges are Parquet parts
-    }
-    work = _open_work(out, plan)
+    work = out / WORK_NAME  # partials kept by an unfinished run of the same plan, else new
+    (work / "partials").mkdir(parents=True, exist_ok=True)
+    (work / "reduced").mkdir(parents=True, exist_ok=True)
 
     warm_kernels()
     import pyarrow.parquet  # noqa: F401  (here, so forked reduce workers inherit it loaded)
@@ -293,7 +296,7 @@ def count_stores(
     meta = build_meta(
         "count",
         config=config
-        or {"tokens": [str(p) for p in store_paths], "unit": unit, "shard_tokens": shard_tokens},
+        or {"tokens": [str(s.path) for s in stores], "unit": unit, "shard_tokens": shard_tokens},
         inputs={"stores": sources},
         counts={
             "tokens": sum(s.n_tokens for s in stores),
@@ -313,7 +316,8 @@ def count_stores(
         unit=unit,
         sources=sources,
     )
-    _finish(out, work, meta)
+    meta = stage.finish(meta)
+    shutil.rmtree(work, ignore_errors=True)
     return meta
 
 
@@ -389,13 +393,28 @@ def _run_reduce(executor, tasks: list, path: Path, progress: bool) -> tuple[int,
 # ---- the command -------------------------------------------------------------------------------
 
 
+def validate_count(cfg: CountConfig) -> None:
+    parse_unit(cfg.unit)
+    _check_shard_tokens(cfg.shard_tokens)
+    if cfg.workers < 0:
+        raise BadInput(f"--workers must be >= 0 (0 = all cores), got {cfg.workers}")
+    if not cfg.tokens or any(not str(t).strip() for t in cfg.tokens):
+        raise BadInput("count: --tokens needs one or more token store directories (not empty)")
+
+
 def run_count(cfg: CountConfig) -> dict:
     from ar_slicing.executor import default_workers, get_executor
-    from ar_slicing.io import is_complete
 
-    was_complete = is_complete(cfg.out) and not cfg.overwrite
+    validate_count(cfg)
+    stage = open_count_stage(
+        open_stores(cfg.tokens), cfg.out, cfg.unit, cfg.shard_tokens, cfg.overwrite
+    )
+    if stage.complete:
+        meta = stage.skip()
+        print(f"count: {cfg.out} is complete ({meta['total_pairs']:,} pairs); --overwrite to redo")
+        return meta
     executor = None
-    if cfg.executor != "local" and not was_complete:
+    if cfg.executor != "local":
         executor = get_executor(cfg.executor, cfg.workers or None, address=cfg.ray_address)
     workers = cfg.workers if cfg.workers > 0 else default_workers()  # (the executor's, if given)
     meta = count_stores(
@@ -408,9 +427,6 @@ def run_count(cfg: CountConfig) -> dict:
         config=config_to_dict(cfg),
         executor=executor,
     )
-    if was_complete:
-        print(f"count: {cfg.out} is complete ({meta['total_pairs']:,} pairs); --overwrite to redo")
-        return meta
     rate = meta.get("throughput", {}).get("tokens_per_s")
     print(
         f"count: {meta['total_pairs']:,} pairs, {meta['distinct_bigrams']:,} distinct bigrams "
@@ -423,6 +439,8 @@ def run_count(cfg: CountConfig) -> dict:
 COMMAND = Command(
     CountConfig,
     run_count,
+    validate=validate_count,
+    plan_settings=lambda cfg: count_settings(cfg.unit, cfg.shard_tokens),
     summary="exact training bigram counts of token stores",
     examples="""\
   arslice count --tokens runs/pile/tokens/train --out runs/pile/counts

@@ -32,13 +32,17 @@ tables hold each stage's own config fields (the same names as its command-line f
     reference = "attention"
 
 Strings may use `{run_dir}` and `{stdlib}` (this Python's standard-library directory). Paths
-that follow the run layout (`tokens/train`, `counts`, `tags`, `models/<name>`, `losses/<name>`,
-...) are filled in when a table leaves them out, so a config only says what differs.
+that follow the run layout (`ar_slicing.layout`: `tokens/train`, `counts`, `tags`,
+`models/<name>`, `losses/<name>`, ...) are filled in when a table leaves them out.
 
-Each stage writes its own completion markers; this module adds the ones that span several
-commands, which the Makefile targets name: `<run_dir>/tokenizer.json`,
-`<run_dir>/models/meta.json` (after every model is trained) and `<run_dir>/losses/meta.json`
-(after every model is evaluated). The resolved config is written to `<run_dir>/config.toml`.
+Before the first stage starts, every stage's config is resolved and checked (keys, types,
+choices, values, sources, model specs), and every chosen stage whose complete output was made
+with other settings is named, all at once; nothing is written until all of that passes. Then
+the resolved config goes to `<run_dir>/config.toml` and each stage's resolved settings to
+`<run_dir>/.settings/<stage>.json` (rewritten only when they change, so the Makefile's stage
+targets, which depend on them, rerun exactly the stages whose settings changed), and the
+stages run. The markers that span several commands are written here: `<run_dir>/models/meta.json`
+(after every model is trained) and `<run_dir>/losses/meta.json` (after every model is evaluated).
 """
 
 from __future__ import annotations
@@ -47,40 +51,27 @@ import dataclasses
 import importlib
 import json
 import logging
-import math
-import re
-import sysconfig
 import time
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ar_slicing.errors import ArSliceError, BadInput
-from ar_slicing.io import atomic_path, build_meta, is_complete, read_json, write_meta
-from pipeline.config import Command, config_from_mapping, config_to_dict
+from ar_slicing.io import atomic_path, build_meta, is_complete, read_json, write_bytes_atomic
+from ar_slicing.layout import STORE_PARTS, RunLayout
+from pipeline.config import Command, config_from_mapping, config_to_dict, print_config
+from pipeline.pipeline_file import (  # noqa: F401  (re-exported: the config-file helpers)
+    dumps_toml,
+    load_pipeline_config,
+    resolve_placeholders,
+    stdlib_dir,
+)
+from pipeline.stages import PIPELINE, PIPELINE_STAGES
 
 log = logging.getLogger(__name__)
 
-STAGES = ("tokenizer", "tokenize", "count", "tag", "train", "eval", "report")
-# The stage module whose COMMAND each table configures.
-STAGE_MODULES = {
-    "tokenizer": "pipeline.train_tokenizer",
-    "tokenize": "pipeline.tokenize",
-    "count": "pipeline.count",
-    "tag": "pipeline.tag",
-    "train": "pipeline.train",
-    "eval": "pipeline.eval",
-    "report": "pipeline.report",
-}
-TOKENIZER_NAME = "tokenizer.json"
-CONFIG_NAME = "config.toml"
-STORE_PARTS = ("train", "val")
+STAGES = PIPELINE_STAGES
 
 
 @dataclass(frozen=True)
@@ -96,114 +87,35 @@ class RunConfig:
         default=False,
         metadata={"help": "redo the chosen stages even where their outputs are complete"},
     )
+    redo_changed: bool = field(
+        default=False,
+        metadata={
+            "help": "redo the chosen stages whose settings or inputs changed instead of refusing "
+            "(complete outputs of the same plan are still skipped; what `make OVERWRITE=1` passes)"
+        },
+    )
+    make_rules: bool = field(
+        default=False,
+        metadata={
+            "help": "check the config, write each stage's settings and the Makefile's stage rules "
+            "(<run_dir>/.settings/), and stop: what the Makefile does first"
+        },
+    )
 
 
-# ---- reading the config -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PretrainedTokenizer:
+    """The `[tokenizer] pretrained = NAME` table: copy an existing tokenizer to `out`."""
+
+    pretrained: str
+    out: str
 
 
-def stdlib_dir() -> str:
-    """This interpreter's standard-library source directory (the demo corpus)."""
-    return sysconfig.get_paths()["stdlib"]
-
-
-def resolve_placeholders(value: Any, placeholders: Mapping[str, str]) -> Any:
-    """`value` with every `{name}` of `placeholders` replaced inside its strings, recursively.
-
-    Only the named placeholders are touched, so other braces in strings survive.
-    """
-    if isinstance(value, str):
-        for name, replacement in placeholders.items():
-            value = value.replace("{" + name + "}", replacement)
-        return value
-    if isinstance(value, Mapping):
-        return {k: resolve_placeholders(v, placeholders) for k, v in value.items()}
-    if isinstance(value, list):
-        return [resolve_placeholders(v, placeholders) for v in value]
-    return value
-
-
-def load_pipeline_config(path: str | Path) -> dict:
-    """Parse a pipeline config and resolve its placeholders; refuses unknown top-level keys."""
-    path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise BadInput(f"pipeline config {path}: no such file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise BadInput(f"pipeline config {path}: not valid TOML ({e})") from None
-    if not isinstance(raw.get("run_dir"), str) or not raw["run_dir"]:
-        raise BadInput(f'pipeline config {path}: needs a top-level `run_dir = "runs/<name>"`')
-    allowed = {"run_dir", "description", *STAGES}
-    unknown = sorted(set(raw) - allowed)
-    if unknown:
-        raise BadInput(
-            f"pipeline config {path}: unknown top-level key(s) {', '.join(unknown)}; "
-            f"valid keys: {', '.join(sorted(allowed))}"
-        )
-    for name in STAGES:
-        if name in raw and not isinstance(raw[name], dict):
-            raise BadInput(f"pipeline config {path}: `{name}` must be a table ([{name}])")
-    placeholders = {"stdlib": stdlib_dir()}
-    run_dir = resolve_placeholders(raw["run_dir"], placeholders)
-    placeholders["run_dir"] = run_dir
-    return resolve_placeholders(raw, placeholders)
-
-
-# ---- writing the resolved config ----------------------------------------------------------------
-
-
-_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
-
-
-def _toml_key(key: str) -> str:
-    return key if _BARE_KEY.fullmatch(key) else _toml_value(key)
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            return {math.inf: "inf", -math.inf: "-inf"}.get(value, "nan")
-        return repr(value)
-    if isinstance(value, str):
-        # JSON's escapes (\" \\ \n \t \uXXXX) are all valid in a TOML basic string; DEL is
-        # the one control character JSON leaves raw and TOML does not allow
-        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"cannot write {value!r} ({type(value).__name__}) to TOML")
-
-
-def dumps_toml(mapping: Mapping[str, Any], _prefix: str = "") -> str:
-    """A TOML document for `mapping` (tables, strings, numbers, bools and lists of them).
-
-    None values are left out (TOML has no null; a missing key means the stage's default).
-    """
-    lines = [
-        f"{_toml_key(k)} = {_toml_value(v)}"
-        for k, v in mapping.items()
-        if v is not None and not isinstance(v, Mapping)
-    ]
-    for key, value in mapping.items():
-        if isinstance(value, Mapping):
-            name = f"{_prefix}{_toml_key(key)}"
-            if lines:
-                lines.append("")
-            lines.append(f"[{name}]")
-            body = dumps_toml(value, name + ".")
-            if body:
-                lines.append(body.rstrip("\n"))
-    return "\n".join(lines) + "\n" if lines else ""
-
-
-# ---- building and running each stage ------------------------------------------------------------
+# ---- building each stage's config -------------------------------------------------------------
 
 
 def load_command(stage: str) -> Command:
-    module_name = STAGE_MODULES[stage]
+    module_name = PIPELINE[stage].module
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
@@ -242,6 +154,20 @@ def _split_subtables(table: Mapping[str, Any], key: str) -> tuple[dict, dict]:
     return common, {name: dict(v) for name, v in sub.items()}
 
 
+def _settings_without_overwrite(cfg: Any) -> dict:
+    if isinstance(cfg, PretrainedTokenizer):
+        return dataclasses.asdict(cfg)
+    return {k: v for k, v in config_to_dict(cfg).items() if k != "overwrite"}
+
+
+def _write_if_changed(path: Path, text: str) -> bool:
+    """Write `text` to `path` unless it already holds it (its mtime is what make compares)."""
+    if path.is_file() and path.read_text(encoding="utf-8") == text:
+        return False
+    write_bytes_atomic(path, text.encode("utf-8"))
+    return True
+
+
 @dataclass
 class Pipeline:
     """One pipeline config, resolved, and the functions that run its stages."""
@@ -255,27 +181,29 @@ class Pipeline:
     def run_dir(self) -> Path:
         return Path(self.config["run_dir"])
 
+    @property
+    def layout(self) -> RunLayout:
+        return RunLayout(self.run_dir)
+
     def table(self, stage: str) -> dict:
         return dict(self.config.get(stage, {}))
 
     def path(self, *parts: str) -> str:
         return str(self.run_dir.joinpath(*parts))
 
-    def write_resolved_config(self) -> Path:
-        out = self.run_dir / CONFIG_NAME
-        header = f"# Resolved from {self.config_path} by `arslice run`; placeholders filled in.\n\n"
-        with atomic_path(out) as tmp:
-            tmp.write_text(header + dumps_toml(self.config), encoding="utf-8")
-        return out
+    def _build(self, stage: str, table, defaults, context: str) -> Any:
+        return build_config(
+            self.loader(stage), table, defaults, f"{self.config_path} {context}", self.overwrite
+        )
+
+    def configs(self, stage: str) -> dict[str, Any]:
+        """Every config `stage` runs with, by name (one per store, per model, or just one)."""
+        return getattr(self, f"{stage}_configs")()
 
     # -- tokenizer ---------------------------------------------------------------------------
-    def run_tokenizer(self) -> dict:
-        """Train the run's tokenizer, or copy the configured one, to `<run_dir>/tokenizer.json`."""
-        out = self.run_dir / TOKENIZER_NAME
+    def tokenizer_configs(self) -> dict[str, Any]:
         table = self.table("tokenizer")
-        if out.is_file() and not self.overwrite:
-            print(f"tokenizer: {out} exists, skipped")
-            return {"tokenizer": str(out), "skipped": True}
+        out = str(self.layout.tokenizer)
         if "pretrained" in table:
             extra = sorted(set(table) - {"pretrained"})
             if extra:
@@ -283,29 +211,25 @@ class Pipeline:
                     f"{self.config_path} [tokenizer]: `pretrained` copies an existing tokenizer, "
                     f"so {', '.join(extra)} cannot be used with it"
                 )
-            from ar_slicing.tokenizer import describe, load_tokenizer
+            if not isinstance(table["pretrained"], str) or not table["pretrained"].strip():
+                raise BadInput(
+                    f"{self.config_path} [tokenizer]: `pretrained` must name a tokenizer"
+                )
+            return {"tokenizer": PretrainedTokenizer(table["pretrained"], out)}
+        return {"tokenizer": self._build("tokenizer", table, {"out": out}, "[tokenizer]")}
 
-            tok = load_tokenizer(table["pretrained"])
-            with atomic_path(out) as tmp:
-                tok.save(str(tmp))
-            info = describe(tok, table["pretrained"])
-            print(f"tokenizer: copied {table['pretrained']} ({info['vocab_size']} tokens) to {out}")
-            return {"tokenizer": str(out), **info}
-        command = self.loader("tokenizer")
-        cfg = build_config(
-            command, table, {"out": str(out)}, f"{self.config_path} [tokenizer]", self.overwrite
-        )
-        result = command.run(cfg)
-        if not out.is_file():
-            raise ArSliceError(
-                f"tokenizer: train-tokenizer finished but {out} does not exist; "
-                f"point its `out` at {out}"
-            )
+    def run_tokenizer(self) -> dict:
+        """Train the run's tokenizer, or copy the configured one, to `<run_dir>/tokenizer.json`."""
+        (cfg,) = self.tokenizer_configs().values()
+        if isinstance(cfg, PretrainedTokenizer):
+            return copy_pretrained_tokenizer(cfg, overwrite=self.overwrite)
+        result = self.loader("tokenizer").run(cfg)
+        if not Path(cfg.out).is_file():
+            raise ArSliceError(f"tokenizer: train-tokenizer finished but {cfg.out} does not exist")
         return result
 
     # -- tokenize ----------------------------------------------------------------------------
     def tokenize_configs(self) -> dict[str, Any]:
-        command = self.loader("tokenize")
         # [tokenize.train] and [tokenize.val] override the shared [tokenize] keys per store.
         common = self.table("tokenize")
         parts = {
@@ -316,12 +240,13 @@ class Pipeline:
         configs = {}
         for part in STORE_PARTS:
             table = {**common, **parts.get(part, {})}
-            defaults = {"out": self.path("tokens", part), "tokenizer": self.path(TOKENIZER_NAME)}
+            defaults = {
+                "out": str(self.layout.store(part)),
+                "tokenizer": str(self.layout.tokenizer),
+            }
             if "split_fraction" in table:
                 defaults["split_part"] = part
-            configs[part] = build_config(
-                command, table, defaults, f"{self.config_path} [tokenize.{part}]", self.overwrite
-            )
+            configs[part] = self._build("tokenize", table, defaults, f"[tokenize.{part}]")
         return configs
 
     def run_tokenize(self) -> dict:
@@ -329,35 +254,23 @@ class Pipeline:
         return {part: command.run(cfg) for part, cfg in self.tokenize_configs().items()}
 
     # -- count, tag --------------------------------------------------------------------------
-    def count_config(self) -> Any:
-        defaults = {"tokens": [self.path("tokens", "train")], "out": self.path("counts")}
-        return build_config(
-            self.loader("count"),
-            self.table("count"),
-            defaults,
-            f"{self.config_path} [count]",
-            self.overwrite,
-        )
+    def count_configs(self) -> dict[str, Any]:
+        defaults = {"tokens": [str(self.layout.store("train"))], "out": str(self.layout.counts)}
+        return {"count": self._build("count", self.table("count"), defaults, "[count]")}
 
     def run_count(self) -> dict:
-        return self.loader("count").run(self.count_config())
+        return self.loader("count").run(self.count_configs()["count"])
 
-    def tag_config(self) -> Any:
+    def tag_configs(self) -> dict[str, Any]:
         defaults = {
-            "tokens": self.path("tokens", "val"),
-            "counts": self.path("counts"),
-            "out": self.path("tags"),
+            "tokens": str(self.layout.store("val")),
+            "counts": str(self.layout.counts),
+            "out": str(self.layout.tags),
         }
-        return build_config(
-            self.loader("tag"),
-            self.table("tag"),
-            defaults,
-            f"{self.config_path} [tag]",
-            self.overwrite,
-        )
+        return {"tag": self._build("tag", self.table("tag"), defaults, "[tag]")}
 
     def run_tag(self) -> dict:
-        return self.loader("tag").run(self.tag_config())
+        return self.loader("tag").run(self.tag_configs()["tag"])
 
     # -- train -------------------------------------------------------------------------------
     def train_configs(self) -> dict[str, Any]:
@@ -370,22 +283,15 @@ class Pipeline:
             raise BadInput(
                 f"{self.config_path} [train]: no models; add a [train.models.<name>] table"
             )
-        command = self.loader("train")
-        val_store = self.path("tokens", "val")
         configs = {}
         for name, model_table in models.items():
             defaults = {
-                "tokens": self.path("tokens", "train"),
-                "val_tokens": val_store,
-                "out": self.path("models", name),
+                "tokens": str(self.layout.store("train")),
+                "val_tokens": str(self.layout.store("val")),
+                "out": str(self.layout.model(name)),
             }
-            configs[name] = build_config(
-                command,
-                {**common, **model_table},
-                defaults,
-                f"{self.config_path} [train.models.{name}]",
-                self.overwrite,
-            )
+            context = f"[train.models.{name}]"
+            configs[name] = self._build("train", {**common, **model_table}, defaults, context)
         return configs
 
     def run_train(self) -> dict:
@@ -396,15 +302,14 @@ class Pipeline:
         for name, cfg in configs.items():
             command.run(cfg)
             models[name] = self._model_entry(name, Path(cfg.out))
-        meta = build_meta(
+        self._write_marker(
+            self.layout.models,
             "train-all",
-            config={name: config_to_dict(cfg) for name, cfg in configs.items()},
-            inputs={"config": str(self.config_path)},
-            counts={"models": len(models)},
-            wall_time_s=time.time() - t0,
+            configs,
+            {"config": str(self.config_path)},
+            t0,
             models=models,
         )
-        write_meta(self.run_dir / "models", meta)
         return {"models": models}
 
     @staticmethod
@@ -416,6 +321,7 @@ class Pipeline:
             "arch",
             "n_params",
             "tokens_seen",
+            "epochs",
             "final_train_loss",
             "final_val_loss",
             "wall_time_s",
@@ -423,8 +329,8 @@ class Pipeline:
         return {"dir": str(out), "spec": f"native:{out}", **{k: meta.get(k) for k in keep}}
 
     # -- eval --------------------------------------------------------------------------------
-    def eval_configs(self) -> dict[str, Any]:
-        """Every trained model (as `native:<dir>`), then every `[eval.models.<name>]` spec."""
+    def eval_entries(self) -> dict[str, dict]:
+        """Every trained model (as `native:<dir>`), then every `[eval.models.<name>]` table."""
         common, extra = _split_subtables(self.table("eval"), "models")
         trained = (
             list(_split_subtables(self.table("train"), "models")[1]) if self.table("train") else []
@@ -435,7 +341,7 @@ class Pipeline:
                 f"{self.config_path}: model name(s) {', '.join(overlap)} are both trained and listed "
                 "in [eval.models]; give the external checkpoint another name"
             )
-        entries = {name: {"model": f"native:{self.path('models', name)}"} for name in trained}
+        entries = {name: {"model": f"native:{self.layout.model(name)}"} for name in trained}
         for name, table in extra.items():
             if "model" not in table:
                 raise BadInput(
@@ -448,17 +354,17 @@ class Pipeline:
                 f"{self.config_path}: nothing to evaluate; add [train.models.<name>] or "
                 "[eval.models.<name>] tables"
             )
-        command = self.loader("eval")
+        return {name: {**common, **table} for name, table in entries.items()}
+
+    def eval_configs(self) -> dict[str, Any]:
         configs = {}
-        for name, table in entries.items():
-            defaults = {"tags": self.path("tags"), "out": self.path("losses", name), "name": name}
-            configs[name] = build_config(
-                command,
-                {**common, **table},
-                defaults,
-                f"{self.config_path} [eval.models.{name}]",
-                self.overwrite,
-            )
+        for name, table in self.eval_entries().items():
+            defaults = {
+                "tags": str(self.layout.tags),
+                "out": str(self.layout.losses(name)),
+                "name": name,
+            }
+            configs[name] = self._build("eval", table, defaults, f"[eval.models.{name}]")
         return configs
 
     def run_eval(self) -> dict:
@@ -473,62 +379,232 @@ class Pipeline:
                 raise ArSliceError(f"eval {name}: finished without writing {out / 'meta.json'}")
             meta = read_json(out / "meta.json")
             losses[name] = {"dir": str(out), "spec": meta.get("spec"), "tokens": meta.get("tokens")}
-        meta = build_meta(
-            "eval-all",
-            config={name: config_to_dict(cfg) for name, cfg in configs.items()},
-            inputs={"config": str(self.config_path), "tags": self.path("tags")},
-            counts={"models": len(losses)},
-            wall_time_s=time.time() - t0,
-            losses=losses,
-        )
-        write_meta(self.run_dir / "losses", meta)
+        inputs = {"config": str(self.config_path), "tags": str(self.layout.tags)}
+        self._write_marker(self.layout.losses_root, "eval-all", configs, inputs, t0, losses=losses)
         return {"losses": losses}
 
     # -- report ------------------------------------------------------------------------------
-    def report_config(self) -> Any:
-        return build_config(
-            self.loader("report"),
-            self.table("report"),
-            {"run": str(self.run_dir)},
-            f"{self.config_path} [report]",
-            self.overwrite,
-        )
+    def report_configs(self) -> dict[str, Any]:
+        defaults = {"run": str(self.run_dir)}
+        return {"report": self._build("report", self.table("report"), defaults, "[report]")}
 
     def run_report(self) -> dict:
-        result = self.loader("report").run(self.report_config())
-        html = self.run_dir / "report" / "report.html"
-        print(f"report: {html.resolve() if html.exists() else html}")
-        return result
+        return self.loader("report").run(self.report_configs()["report"])
 
     def run_stage(self, stage: str) -> Any:
         return getattr(self, f"run_{stage}")()
 
+    def _write_marker(self, directory: Path, stage: str, configs, inputs, t0, **extra) -> None:
+        """The meta.json marking a stage of many commands (every model trained, evaluated):
+        rewritten when what it records changes, else only touched (make sees it up to date)."""
+        import os
 
-def run_pipeline(cfg: RunConfig) -> dict:
-    """Run `cfg.stage` of the pipeline config `cfg.config`, in pipeline order."""
+        from ar_slicing.io import stable_meta, to_jsonable, write_meta
+
+        meta = build_meta(
+            stage,
+            config={name: config_to_dict(cfg) for name, cfg in configs.items()},
+            inputs=inputs,
+            counts={"models": len(configs)},
+            wall_time_s=time.time() - t0,
+            **extra,
+        )
+        path = directory / "meta.json"
+        if path.is_file() and stable_meta(read_json(path)) == stable_meta(to_jsonable(meta)):
+            os.utime(path)
+            return
+        write_meta(directory, meta)
+
+    # -- checks before anything runs ---------------------------------------------------------
+    def check(self, chosen) -> dict[str, dict[str, Any]]:
+        """Resolve and check the configs (keys, types, values, sources, specs) of every chosen
+        stage and of every stage the config file has a table for. Returns them by stage."""
+        stages = [s for s in STAGES if s in chosen or s in self.config]
+        all_configs = {stage: self.configs(stage) for stage in stages}
+        for stage, configs in all_configs.items():
+            command = self.loader(stage)
+            for cfg in configs.values():
+                if command.validate is not None and not isinstance(cfg, PretrainedTokenizer):
+                    command.validate(cfg)
+        trained = {str(Path(c.out)) for c in all_configs.get("train", {}).values()}
+        for name, cfg in all_configs.get("eval", {}).items():
+            _check_external_spec(cfg.model, trained, f"{self.config_path} [eval.models.{name}]")
+        return all_configs
+
+    def conflicts(self, stages, all_configs) -> list[str]:
+        """For each chosen stage whose complete output was made with other settings than the
+        config now asks for: a line per differing setting (empty when every plan agrees)."""
+        from ar_slicing.plan import differences, recorded_plan
+
+        lines = []
+        for stage in stages:
+            command = self.loader(stage)
+            for cfg in all_configs[stage].values():
+                single = stage == "tokenizer"
+                out = Path(cfg.out) if hasattr(cfg, "out") else self.layout.report
+                old = recorded_plan(out, single_file=single)
+                if old is None:
+                    continue
+                new = (
+                    {"pretrained": cfg.pretrained}
+                    if isinstance(cfg, PretrainedTokenizer)
+                    else command.plan_settings(cfg)
+                    if command.plan_settings
+                    else {}
+                )
+                recorded = old.get("settings", {})
+                # (None: decided by the inputs, e.g. a default reference; not comparable here)
+                asked = {k: v for k, v in new.items() if v is not None}
+                diff = differences({k: recorded.get(k) for k in asked}, asked)
+                if diff or (not old and asked):
+                    lines.append(f"[{stage}] {out}:")
+                    lines += [f"    settings.{d}" for d in diff] or [
+                        "    (made by an older version, which recorded no plan)"
+                    ]
+        return lines
+
+    # -- what make reads ---------------------------------------------------------------------
+    def write_settings(self, all_configs) -> list[str]:
+        """Each stage's resolved settings, and the make rules; returns the stages changed."""
+        changed = []
+        for stage in all_configs:
+            configs = {n: _settings_without_overwrite(c) for n, c in all_configs[stage].items()}
+            text = json.dumps(configs, indent=2, sort_keys=True, default=str) + "\n"
+            if _write_if_changed(self.layout.settings(stage), text):
+                changed.append(stage)
+        from pipeline.make_rules import make_rules
+
+        _write_if_changed(self.layout.make_rules, make_rules(self.layout))
+        return changed
+
+    def write_resolved_config(self) -> Path:
+        out = self.layout.config
+        header = f"# Resolved from {self.config_path} by `arslice run`; placeholders filled in.\n\n"
+        with atomic_path(out) as tmp:
+            tmp.write_text(header + dumps_toml(self.config), encoding="utf-8")
+        return out
+
+
+def _check_external_spec(spec: str, trained: set[str], context: str) -> None:
+    """A spec of a checkpoint outside the run must name something that exists already."""
+    from models.loaders import parse_spec
+
+    try:
+        prefix, target = parse_spec(spec)
+    except ArSliceError as e:
+        raise ArSliceError(f"{context}: {e}") from None
+    local = target.startswith((".", "/", "~")) or prefix != "hf"
+    path = Path(target).expanduser()
+    if local and str(path) not in trained and not path.exists():
+        raise BadInput(f"{context}: {spec}: {path} does not exist")
+
+
+def copy_pretrained_tokenizer(cfg: PretrainedTokenizer, overwrite: bool = False) -> dict:
+    """Copy the tokenizer `cfg.pretrained` (a file, directory or hub name) to `cfg.out`, under
+    the same stage plan as every other output (same name and fingerprint: skipped)."""
+    from ar_slicing.plan import StagePlan, open_stage
+    from ar_slicing.tokenizer import describe, load_tokenizer
+
+    tok = load_tokenizer(cfg.pretrained)
+    info = describe(tok, cfg.pretrained)
+    plan = StagePlan(
+        "tokenizer",
+        settings={"pretrained": cfg.pretrained},
+        inputs={"fingerprint": info["fingerprint"]},
+    )
+    out = Path(cfg.out)
+    stage = open_stage(out, plan, overwrite=overwrite, single_file=True)
+    if stage.complete:
+        print(f"tokenizer: {out} is complete; pass --overwrite to copy it again")
+        stage.skip()
+        return {"tokenizer": str(out), "skipped": True}
+    with stage.running():
+        with atomic_path(out) as tmp:
+            tok.save(str(tmp))
+        stage.finish(
+            build_meta(
+                "tokenizer", config=cfg, inputs=plan.inputs, counts={}, wall_time_s=0, **info
+            )
+        )
+    print(f"tokenizer: copied {cfg.pretrained} ({info['vocab_size']} tokens) to {out}")
+    return {"tokenizer": str(out), **info}
+
+
+def prepare_pipeline(cfg: RunConfig) -> tuple[Pipeline, dict, list[str]]:
+    """The pipeline of `cfg.config`, every stage's configs checked, and the chosen stages."""
     unknown = sorted(set(cfg.stage) - set(STAGES))
     if unknown:
         raise ArSliceError(f"unknown stage(s) {', '.join(unknown)}; stages: {', '.join(STAGES)}")
     pipeline = Pipeline(Path(cfg.config), load_pipeline_config(cfg.config), overwrite=cfg.overwrite)
+    chosen = [s for s in STAGES if s in cfg.stage]
+    all_configs = pipeline.check(chosen)
+    return pipeline, all_configs, chosen
+
+
+def run_pipeline(cfg: RunConfig) -> dict:
+    """Run `cfg.stage` of the pipeline config `cfg.config`, in pipeline order."""
+    from ar_slicing.plan import PlanMismatch, redoing_changed
+
+    pipeline, all_configs, chosen = prepare_pipeline(cfg)
+    if not (cfg.overwrite or cfg.redo_changed):
+        lines = pipeline.conflicts(chosen, all_configs)
+        if lines:
+            raise PlanMismatch(
+                f"{cfg.config}: these outputs were made with other settings than the config "
+                "asks for:\n  " + "\n  ".join(lines) + "\n  pass --overwrite or --redo-changed "
+                "to redo them (make: OVERWRITE=1), or restore the settings; nothing was run"
+            )
     pipeline.run_dir.mkdir(parents=True, exist_ok=True)
+    changed = pipeline.write_settings(all_configs)
+    if cfg.make_rules:
+        if changed:
+            log.info("settings changed for: %s", ", ".join(changed))
+        return {"run_dir": str(pipeline.run_dir), "settings_changed": changed}
     pipeline.write_resolved_config()
     timings = {}
     results = {}
-    for stage in (s for s in STAGES if s in cfg.stage):
-        log.info("stage %s", stage)
+    for k, stage in enumerate(chosen, 1):
+        print(f"[{k}/{len(chosen)}] {stage}", flush=True)
         t0 = time.time()
-        results[stage] = pipeline.run_stage(stage)
+        if cfg.redo_changed:
+            with redoing_changed():
+                results[stage] = pipeline.run_stage(stage)
+        else:
+            results[stage] = pipeline.run_stage(stage)
         timings[stage] = round(time.time() - t0, 1)
         print(f"== {stage} done in {timings[stage]:.1f} s")
+    if "report" in chosen:
+        html = pipeline.layout.report / "report.html"
+        print(f"report: {html.resolve() if html.exists() else html}")
     return {"run_dir": str(pipeline.run_dir), "wall_time_s": timings, "results": results}
+
+
+def dry_run(cfg: RunConfig) -> None:
+    """`arslice run --dry-run`: every stage's resolved and checked configs, nothing written."""
+    pipeline, all_configs, chosen = prepare_pipeline(cfg)
+    for stage in chosen:
+        for name, stage_cfg in all_configs[stage].items():
+            print(f"# [{stage}] {name}")
+            if isinstance(stage_cfg, PretrainedTokenizer):
+                print(json.dumps({"pretrained": stage_cfg.pretrained, "out": stage_cfg.out}))
+            else:
+                print_config(stage_cfg)
+    lines = pipeline.conflicts(chosen, all_configs)
+    if lines:
+        print(
+            "# outputs made with other settings (a run would refuse them):\n# " + "\n# ".join(lines)
+        )
 
 
 COMMAND = Command(
     RunConfig,
     run_pipeline,
+    dry_run=dry_run,
     summary="run stages of a pipeline config file (what `make` calls)",
     examples="""\
   arslice run --config pipeline/configs/demo.toml                 # every stage, skipping complete ones
   arslice run --config pipeline/configs/demo.toml --stage train eval
+  arslice run --config pipeline/configs/demo.toml --dry-run       # check every stage, print the configs
+  arslice run --config pipeline/configs/demo.toml --redo-changed  # redo what the config changed
   arslice run --config pipeline/configs/pile-gpt2.toml --stage report --overwrite""",
 )

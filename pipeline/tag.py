@@ -20,13 +20,12 @@ from pathlib import Path
 import numpy as np
 
 from ar_slicing.errors import ArSliceError
-from ar_slicing.io import read_json, write_json_atomic
+from ar_slicing.io import read_json
+from ar_slicing.layout import META_NAME, TAG_PART
 from pipeline.config import Command
 
 log = logging.getLogger(__name__)
 
-PART_PATTERN = "tags-{:05d}.parquet"
-PARAMS_NAME = ".tag-params.json"  # parameters the parts were made with, checked before resuming
 BATCH_TOKENS = 1 << 20  # targets tagged at once (one Parquet row group): bounds worker memory
 
 
@@ -67,7 +66,7 @@ class PartTask:
 
     @property
     def path(self) -> Path:
-        return Path(self.out) / PART_PATTERN.format(self.index)
+        return Path(self.out) / TAG_PART.format(self.index)
 
 
 def part_tasks(
@@ -204,35 +203,6 @@ def part_is_complete(task: PartTask, n_targets: np.ndarray) -> bool:
         return False
 
 
-def _resume_params(cfg: TagConfig, store, counts_meta: dict) -> dict:
-    return {
-        "tokens": str(Path(cfg.tokens).resolve()),
-        "counts_dir": str(Path(cfg.counts).resolve()),
-        "n_tokens": store.n_tokens,
-        "fingerprint": store.fingerprint,
-        "counts_meta": {k: counts_meta.get(k) for k in ("total_pairs", "distinct_bigrams", "unit")},
-        "window": cfg.window,
-        "threshold": cfg.threshold,
-        "reset_at_doc_boundary": cfg.reset_at_doc_boundary,
-        "part_tokens": cfg.part_tokens,
-    }
-
-
-def _check_resumable(out: Path, params: dict, overwrite: bool) -> None:
-    """Refuse to mix parts of an unfinished run made with other parameters (or clear them)."""
-    stale = sorted(out.glob("tags-*.parquet"))
-    previous = read_json(out / PARAMS_NAME) if (out / PARAMS_NAME).is_file() else None
-    if previous == params or not stale:
-        return
-    if not overwrite:
-        raise ArSliceError(
-            f"{out}: holds parts of an unfinished tag run with other parameters or inputs "
-            f"({out / PARAMS_NAME}); pass --overwrite to discard them or choose another --out"
-        )
-    for path in stale:
-        path.unlink()
-
-
 @contextmanager
 def _gc_paused():
     enabled = gc.isenabled()
@@ -252,54 +222,104 @@ def run_tag(cfg: TagConfig) -> dict:
         return _run_tag(cfg)
 
 
-def _run_tag(cfg: TagConfig) -> dict:
-    from tqdm import tqdm
+def validate_tag(cfg: TagConfig) -> None:
+    from ar_slicing.windows import check_window
 
-    from ar_slicing.counts import BigramCounts
-    from ar_slicing.executor import LocalExecutor, default_workers
-    from ar_slicing.io import build_meta, is_complete, prepare_out_dir, write_meta
-    from ar_slicing.store import TokenStore
-    from ar_slicing.tag_kernels import warm
-    from ar_slicing.tags import DocTable
-    from ar_slicing.tokenizer import require_same_fingerprint
-    from ar_slicing.windows import WINDOWS_NAME, check_window, window_table, write_window_table
-
-    t0 = time.time()
     check_window(cfg.window)
     if cfg.threshold < 0:
         raise ArSliceError(f"--threshold must be >= 0, got {cfg.threshold}")
     if cfg.part_tokens < 1:
         raise ArSliceError(f"--part-tokens must be >= 1, got {cfg.part_tokens}")
+    if cfg.workers < 0:
+        raise ArSliceError(f"--workers must be >= 0 (0 = all cores), got {cfg.workers}")
+
+
+def tag_settings(cfg: TagConfig) -> dict:
+    """What decides the tag files' bytes besides the inputs (the settings part of the plan)."""
+    return {
+        "window": cfg.window,
+        "threshold": cfg.threshold,
+        "reset_at_doc_boundary": cfg.reset_at_doc_boundary,
+        "part_tokens": cfg.part_tokens,
+    }
+
+
+def _counted_sources(counts_meta: dict, store) -> list[str]:
+    """The counts' source stores that are `store` itself (a store tagged against its own counts
+    finds every bigram seen at least once: no AR hit can have a training count of 0)."""
+    here = str(Path(store.path).resolve())
+    return [
+        str(s.get("path"))
+        for s in counts_meta.get("sources", [])
+        if isinstance(s, dict) and s.get("path") == here and s.get("n_tokens") == store.n_tokens
+    ]
+
+
+def _run_tag(cfg: TagConfig) -> dict:
+
+    from ar_slicing.plan import StagePlan, identity, open_stage
+    from ar_slicing.store import TokenStore
+    from ar_slicing.tokenizer import require_same_fingerprint
+
+    t0 = time.time()
+    validate_tag(cfg)
     store = TokenStore.open(cfg.tokens)
+    if store.n_tokens < 2:
+        raise ArSliceError(
+            f"token store {cfg.tokens}: {store.n_tokens} token(s), so nothing to tag (a target "
+            "needs a token before it); tokenize a validation set with at least one document"
+        )
     out = Path(cfg.out)
-    if is_complete(out) and not cfg.overwrite:
-        meta = read_json(out / "meta.json")
-        print(f"tag: {out} is complete ({meta['counts']['tokens']:,} tokens); --overwrite to redo")
-        return meta
     # Refuse mismatched inputs from the counts' meta.json, before building their lookup table.
-    counts_meta = read_json(Path(cfg.counts) / "meta.json")
+    counts_meta = read_json(Path(cfg.counts) / META_NAME)
     require_same_fingerprint(
         store.fingerprint,
         f"token store {cfg.tokens}",
         str(counts_meta.get("fingerprint")),
         f"counts {cfg.counts}",
     )
+    plan = StagePlan(
+        "tag",
+        settings=tag_settings(cfg),
+        inputs={"tokens": identity(cfg.tokens), "counts": identity(cfg.counts)},
+    )
+    stage = open_stage(out, plan, overwrite=cfg.overwrite)
+    if stage.complete:
+        meta = stage.skip()
+        print(f"tag: {out} is complete ({meta['counts']['tokens']:,} tokens); --overwrite to redo")
+        return meta
+    warnings = []
+    if _counted_sources(counts_meta, store):
+        warnings.append(
+            f"the counts {cfg.counts} were made from {cfg.tokens} itself: every bigram of it "
+            "has a training count of at least 1; tag a held-out store (tokens/val) instead"
+        )
+        log.warning(warnings[-1])
+    with stage.running():
+        return _tag_into(stage, cfg, store, counts_meta, warnings, t0)
+
+
+def _tag_into(stage, cfg: TagConfig, store, counts_meta: dict, warnings: list[str], t0: float):
+    from tqdm import tqdm
+
+    from ar_slicing.counts import BigramCounts
+    from ar_slicing.executor import LocalExecutor, default_workers
+    from ar_slicing.io import build_meta
+    from ar_slicing.tag_kernels import warm
+    from ar_slicing.tags import DocTable
+    from ar_slicing.windows import WINDOWS_NAME, window_table, write_window_table
+
+    out = stage.out
     # The counts' table is read and built on a thread (Parquet decoding and the build kernel
-    # release the GIL) while this one loads the compiled code, which the workers then inherit,
-    # and clears the output directory.
+    # release the GIL) while this one loads the compiled code, which the workers then inherit.
     with ThreadPoolExecutor(1) as background:
         opening = background.submit(BigramCounts.open, cfg.counts)
         warm()
-        prepare_out_dir(out, cfg.overwrite)
         docs = DocTable.from_store(store)
         counts = opening.result()
     tokens_path = str(Path(cfg.tokens).resolve())
     counts_path = str(Path(cfg.counts).resolve())
-    params = _resume_params(cfg, store, counts_meta)
-    _check_resumable(out, params, cfg.overwrite)
-    write_json_atomic(out / PARAMS_NAME, params)
-    for leftover in out.glob(".tags-*.tmp"):  # from a worker killed mid-write
-        leftover.unlink()
+    counts_summary = {k: counts_meta.get(k) for k in ("total_pairs", "distinct_bigrams", "unit")}
 
     # Worker processes forked from here inherit these (copy-on-write) instead of rebuilding the
     # counts' lookup table each; under "spawn" they open their own.
@@ -366,7 +386,7 @@ def _run_tag(cfg: TagConfig) -> dict:
                 "n_docs": store.n_docs,
                 "git_hash": store.meta.get("git_hash"),
             },
-            "counts": {"path": counts_path, **params["counts_meta"]},
+            "counts": {"path": counts_path, **counts_summary},
         },
         counts={
             **summary,
@@ -384,9 +404,12 @@ def _run_tag(cfg: TagConfig) -> dict:
         threshold=cfg.threshold,
         reset_at_doc_boundary=cfg.reset_at_doc_boundary,
         parts=[t.path.name for t in tasks],
+        warnings=warnings,
     )
-    write_meta(out, meta)
+    meta = stage.finish(meta)
     _print_summary(out, summary, by_subset, cfg, wall)
+    for line in warnings:
+        print(f"tag: warning: {line}")
     return meta
 
 
@@ -415,6 +438,8 @@ def _print_summary(
 COMMAND = Command(
     TagConfig,
     run_tag,
+    validate=validate_tag,
+    plan_settings=tag_settings,
     summary="evaluation windows, in-context repeats and AR hits",
     examples="""\
   arslice tag --tokens runs/pile/tokens/val --counts runs/pile/counts --out runs/pile/tags

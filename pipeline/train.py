@@ -36,11 +36,10 @@ import numpy as np
 
 from ar_slicing.errors import ArSliceError, BadInput
 from ar_slicing.io import (
+    atomic_dir,
     build_meta,
-    prepare_out_dir,
     read_json,
     write_json_atomic,
-    write_meta,
 )
 from ar_slicing.store import TOKENIZER_NAME, TokenStore
 from ar_slicing.tokenizer import require_same_fingerprint
@@ -272,9 +271,42 @@ def sequence_loss(model, batch, autocast_ctx):
 # ---- checkpoints --------------------------------------------------------------------------------
 
 
-def _identity(cfg: TrainConfig) -> dict:
-    """What decides the trained weights; a saved state is only resumed when it matches."""
-    return {k: v for k, v in config_to_dict(cfg).items() if k not in _RESUMABLE_CHANGES}
+def train_settings(cfg: TrainConfig, dtype: str | None = None) -> dict:
+    """What decides the trained weights besides the token stores (the settings of the plan; a
+    saved state is only resumed under the same plan). `dtype` is the resolved one."""
+    from models.precision import resolve_device, resolve_dtype
+
+    settings = {
+        k: v
+        for k, v in config_to_dict(cfg).items()
+        if k not in _RESUMABLE_CHANGES and k not in ("tokens", "val_tokens", "out")
+    }
+    if dtype is None:
+        dtype = resolve_dtype(cfg.dtype, resolve_device(cfg.device), training=True)
+    return {**settings, "dtype": dtype}
+
+
+def validate_train(cfg: TrainConfig) -> None:
+    if cfg.steps <= 0 or cfg.batch_size <= 0 or cfg.seq_len <= 0:
+        raise ArSliceError("--steps, --batch-size and --seq-len must be positive")
+    if cfg.lr <= 0 or cfg.warmup_steps < 0 or cfg.eval_batches < 1:
+        raise ArSliceError("--lr must be positive, --warmup-steps >= 0 and --eval-batches >= 1")
+    build_model(model_config_for(cfg, vocab_size=256), device="meta")  # options, shapes: no memory
+
+
+def build_model(model_cfg, device: str):
+    """The LanguageModel of `model_cfg` on `device` ("meta": shapes only, for validation)."""
+    import torch
+
+    from models.backbone import LanguageModel
+
+    try:
+        with torch.device(device):
+            return LanguageModel(model_cfg)
+    except (TypeError, ValueError) as e:
+        raise ArSliceError(
+            f"cannot build the model for --arch {model_cfg.sequence_mixer}: {e}"
+        ) from None
 
 
 def save_state(state_dir: Path, model, optimizer, step: int, extra: dict) -> None:
@@ -282,47 +314,22 @@ def save_state(state_dir: Path, model, optimizer, step: int, extra: dict) -> Non
     import torch
     from safetensors.torch import save_model
 
-    tmp = state_dir.with_name(state_dir.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    # save_model (not save_file) handles the tied embedding / output head
-    save_model(model, str(tmp / "model.safetensors"))
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    write_json_atomic(tmp / "state.json", {"step": step, **extra})
-    old = state_dir.with_name(state_dir.name + ".old")
-    if old.exists():  # left by a run killed before it finished removing it
-        shutil.rmtree(old)
-    if state_dir.exists():
-        state_dir.rename(old)
-    tmp.rename(state_dir)
-    if old.exists():
-        shutil.rmtree(old)
+    with atomic_dir(state_dir) as tmp:
+        # save_model (not save_file) handles the tied embedding / output head
+        save_model(model, str(tmp / "model.safetensors"))
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        write_json_atomic(tmp / "state.json", {"step": step, **extra})
 
 
-def load_state(state_dir: Path, model, optimizer, identity: dict, device: str) -> dict | None:
-    """Restore a saved state into `model` and `optimizer`; None when there is none to resume."""
+def load_state(state_dir: Path, model, optimizer, device: str) -> dict | None:
+    """Restore a saved state into `model` and `optimizer`; None when there is none to resume.
+    (A state is only there under the same stage plan: another plan is refused or cleared first.)"""
     import torch
     from safetensors.torch import load_model
 
     if not (state_dir / "state.json").is_file():
-        # A run killed between save_state's two renames left the new state in .tmp (state.json is
-        # written last, so it is complete when that file is there) and the previous one in .old.
-        for kept in (".tmp", ".old"):
-            candidate = state_dir.with_name(state_dir.name + kept)
-            if (candidate / "state.json").is_file():
-                if state_dir.exists():
-                    shutil.rmtree(state_dir)
-                candidate.rename(state_dir)
-                break
-        else:
-            return None
+        return None
     state = read_json(state_dir / "state.json")
-    if state.get("identity") != identity:
-        raise ArSliceError(
-            f"{state_dir}: holds an unfinished run with different settings; rerun with --overwrite "
-            "to start over, or with the original settings to resume it"
-        )
     load_model(model, str(state_dir / "model.safetensors"), device=device)
     optimizer.load_state_dict(
         torch.load(state_dir / "optimizer.pt", map_location=device, weights_only=True)
@@ -330,42 +337,43 @@ def load_state(state_dir: Path, model, optimizer, identity: dict, device: str) -
     return state
 
 
-def write_checkpoint(out: Path, model, tokenizer_json: str | None) -> None:
-    """Write the native checkpoint into `out` without ever exposing a half-written file."""
-    from models.native import save_native
-
-    staging = out / ".final.tmp"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
-    save_native(model, staging, tokenizer_json=tokenizer_json)
-    for path in sorted(staging.iterdir()):
-        path.replace(out / path.name)
-    staging.rmdir()
-
-
 # ---- the training loop --------------------------------------------------------------------------
 
 
 def train(cfg: TrainConfig) -> dict:
     """Train one model as `cfg` says; returns the summary written to `<out>/meta.json`."""
+    from ar_slicing.plan import StagePlan, identity, open_stage
+    from models.precision import resolve_device, resolve_dtype
+
+    validate_train(cfg)
+    t0 = time.time()
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device, training=True)
+    plan = StagePlan(
+        "train",
+        settings=train_settings(cfg, dtype),
+        inputs={
+            "tokens": identity(cfg.tokens),
+            "val_tokens": identity(cfg.val_tokens) if cfg.val_tokens else None,
+        },
+    )
+    out = Path(cfg.out)
+    stage = open_stage(out, plan, overwrite=cfg.overwrite)
+    if stage.complete:
+        print(f"train {cfg.arch}: {out} is complete, skipped (use --overwrite to retrain)")
+        return stage.skip()
+    with stage.running(keep_if=lambda out: (out / STATE_DIR).exists()):
+        return _train(stage, cfg, device, dtype, t0)
+
+
+def _train(stage, cfg: TrainConfig, device: str, dtype: str, t0: float) -> dict:
     import torch
     from tqdm.auto import tqdm
 
-    from models.backbone import LanguageModel
-    from models.precision import autocast, resolve_device, resolve_dtype
+    from models.native import save_native
+    from models.precision import autocast
 
-    out = Path(cfg.out)
-    if not prepare_out_dir(out, cfg.overwrite):
-        meta = read_json(out / "meta.json")
-        print(f"train {cfg.arch}: {out} is complete, skipped (use --overwrite to retrain)")
-        return meta
-    if cfg.overwrite and (out / STATE_DIR).exists():
-        shutil.rmtree(out / STATE_DIR)
-    if cfg.steps <= 0 or cfg.batch_size <= 0 or cfg.seq_len <= 0:
-        raise ArSliceError("--steps, --batch-size and --seq-len must be positive")
-
-    t0 = time.time()
+    out = stage.out
     store = TokenStore.open(cfg.tokens)
     order = BatchOrder(store.n_tokens, cfg.seq_len, cfg.batch_size, cfg.seed)
     if order.n_rows < 1:
@@ -386,23 +394,17 @@ def train(cfg: TrainConfig) -> dict:
 
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
-    device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device, training=True)
     torch.manual_seed(cfg.seed)
     model_cfg = model_config_for(cfg, store.vocab_size)
-    try:
-        model = LanguageModel(model_cfg).to(device)
-    except (TypeError, ValueError) as e:
-        raise ArSliceError(f"cannot build the model for --arch {cfg.arch}: {e}") from None
+    model = build_model(model_cfg, device)
     n_params = count_parameters(model)
     optimizer = make_optimizer(model, cfg)
 
     def autocast_ctx():
         return autocast(device, dtype)
 
-    identity = _identity(cfg)
     state_dir = out / STATE_DIR
-    state = load_state(state_dir, model, optimizer, identity, device)
+    state = load_state(state_dir, model, optimizer, device)
     start_step = int(state["step"]) if state else 0
     history: list[dict] = list(state["history"]) if state else []
     if state:
@@ -497,7 +499,6 @@ def train(cfg: TrainConfig) -> dict:
                 optimizer,
                 done,
                 {
-                    "identity": identity,
                     "history": history,
                     "train_loss_ema": train_loss_ema,
                     "last_val": last_val,
@@ -506,7 +507,7 @@ def train(cfg: TrainConfig) -> dict:
     bar.close()
 
     model.eval()
-    write_checkpoint(out, model, tokenizer_json)
+    save_native(model, out, tokenizer_json=tokenizer_json)  # each file atomically
     wall = time.time() - t0
     trained_tokens = (cfg.steps - start_step) * tokens_per_step
     meta = build_meta(
@@ -540,7 +541,7 @@ def train(cfg: TrainConfig) -> dict:
         dtype=dtype,
         history=history,
     )
-    write_meta(out, meta)
+    meta = stage.finish(meta)
     if state_dir.exists():
         shutil.rmtree(state_dir)
     val_text = "n/a" if last_val is None else f"{last_val:.3f}"
@@ -555,6 +556,8 @@ def train(cfg: TrainConfig) -> dict:
 COMMAND = Command(
     TrainConfig,
     train,
+    validate=validate_train,
+    plan_settings=train_settings,
     summary="train a small model of one architecture on a token store",
     examples="""\
   arslice train --arch attention --tokens runs/demo/tokens/train --val-tokens runs/demo/tokens/val \\

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ar_slicing.errors import ArSliceError
 from ar_slicing.io import atomic_path
-from ar_slicing.readers import ReadStats, iter_documents
+from ar_slicing.readers import ReadStats, check_sources, check_split_options, iter_documents
 from pipeline.config import Command, glob_option, on_bad_record_option, text_field_option
 
 EOS_TOKEN = "<|endoftext|>"
@@ -80,11 +80,49 @@ def train_bpe(texts, vocab_size: int, min_frequency: int = 2):
     return tok
 
 
+def validate_train_tokenizer(cfg: TrainTokenizerConfig) -> None:
+    check_sources(list(cfg.source))
+    check_split_options(cfg.split_fraction, cfg.split_part)
+    if cfg.max_docs is not None and cfg.max_docs < 1:
+        raise ArSliceError(f"--max-docs {cfg.max_docs}: must be at least 1")
+    if cfg.min_frequency < 1:
+        raise ArSliceError(f"--min-frequency {cfg.min_frequency}: must be at least 1")
+
+
+def train_tokenizer_settings(cfg: TrainTokenizerConfig) -> dict:
+    keys = ("vocab_size", "glob", "text_field", "split_fraction", "split_part", "max_docs")
+    return {
+        "sources": [str(s) for s in cfg.source],
+        "min_frequency": cfg.min_frequency,
+        **{k: getattr(cfg, k) for k in keys},
+    }
+
+
 def run_train_tokenizer(cfg: TrainTokenizerConfig) -> dict:
+    from ar_slicing.plan import StagePlan, open_stage
+    from pipeline.tokenize.shards import source_identity
+
+    validate_train_tokenizer(cfg)
     out = Path(cfg.out)
-    if out.exists() and not cfg.overwrite:
-        print(f"train-tokenizer: {out} exists; pass --overwrite to retrain it")
+    plan = StagePlan(
+        "train-tokenizer",
+        settings=train_tokenizer_settings(cfg),
+        inputs={"sources": [source_identity(s, cfg.glob) for s in cfg.source]},
+    )
+    stage = open_stage(out, plan, overwrite=cfg.overwrite, single_file=True)
+    if stage.complete:
+        stage.skip()
+        print(f"train-tokenizer: {out} is complete; pass --overwrite to retrain it")
         return {"out": str(out), "skipped": True}
+    with stage.running():
+        return _train(stage, cfg)
+
+
+def _train(stage, cfg: TrainTokenizerConfig) -> dict:
+    from ar_slicing.io import build_meta
+    from ar_slicing.tokenizer import fingerprint
+
+    out = stage.out
     t0 = time.time()
     stats = ReadStats()
     docs = iter_documents(
@@ -105,8 +143,6 @@ def run_train_tokenizer(cfg: TrainTokenizerConfig) -> dict:
         )
     with atomic_path(out) as tmp:
         tok.save(str(tmp), pretty=True)
-    from ar_slicing.tokenizer import fingerprint
-
     summary = {
         "out": str(out),
         "skipped": False,
@@ -119,6 +155,19 @@ def run_train_tokenizer(cfg: TrainTokenizerConfig) -> dict:
         "empty": stats.empty,
         "wall_time_s": time.time() - t0,
     }
+    stage.finish(
+        build_meta(
+            "train-tokenizer",
+            config=cfg,
+            inputs=stage.plan["inputs"],
+            counts=stats.as_counts(),
+            wall_time_s=summary["wall_time_s"],
+            skipped={"bad_records": stats.bad_records, "empty": stats.empty},
+            fingerprint=summary["fingerprint"],
+            vocab_size=summary["vocab_size"],
+            eos_id=summary["eos_id"],
+        )
+    )
     print(
         f"train-tokenizer: vocabulary {summary['vocab_size']} from {stats.documents:,} docs "
         f"({stats.bytes / 1e6:.1f} MB) -> {out} (fingerprint {summary['fingerprint'][:12]}) "
@@ -130,6 +179,8 @@ def run_train_tokenizer(cfg: TrainTokenizerConfig) -> dict:
 COMMAND = Command(
     TrainTokenizerConfig,
     run_train_tokenizer,
+    validate=validate_train_tokenizer,
+    plan_settings=train_tokenizer_settings,
     summary="train a byte-level BPE tokenizer on text sources",
     examples="""
   arslice train-tokenizer --source /usr/lib/python3.11 --glob '**/*.py' --split-fraction 0.1 \\

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ar_slicing.counts import BigramCounts, parse_unit
-from ar_slicing.errors import BadInput, TokenizerMismatch
+from ar_slicing.errors import ArSliceError, BadInput, TokenizerMismatch
 from ar_slicing.executor import LocalExecutor
 from ar_slicing.io import read_json, stable_meta
 from ar_slicing.store import write_token_store
@@ -100,6 +100,11 @@ def test_counts_equal_counter_of_pairwise_stream(engine, case):
         ]
         expected_dtype = "uint16" if vocab <= 1 << 16 else "uint32"
         assert all(s.dtype.name == expected_dtype for s in stores)
+        if sum(s.n_tokens for s in stores) < 2:  # no pair at all: refused, nothing written
+            with pytest.raises(BadInput, match="no bigram to count"):
+                count_stores([s.path for s in stores], tmp / "counts", workers=1, progress=False)
+            assert not (tmp / "counts").exists()
+            return
         count_stores(
             [s.path for s in stores],
             tmp / "counts",
@@ -341,11 +346,19 @@ def test_lookup_large_counts_and_empty_table(tmp_path, engine):
         0,
     ]
 
-    store = store_at(tmp_path / "one", [[]], vocab_size=5)  # a stream of one token (EOS): no pairs
-    meta = count_stores([store.path], tmp_path / "empty", progress=False)
-    assert meta["total_pairs"] == 0 and meta["distinct_bigrams"] == 0
+    # an empty table (restricted counts of bigrams never seen, say) looks everything up as 0
+    (tmp_path / "empty").mkdir()
+    pq.write_table(table.slice(0, 0), tmp_path / "empty" / "bigrams.parquet")
+    write_meta(
+        tmp_path / "empty",
+        build_meta("count", config={}, inputs={}, counts={}, wall_time_s=0, fingerprint=FP),
+    )
     empty = BigramCounts.open(tmp_path / "empty")
     assert empty.lookup(np.arange(5), np.arange(5)).tolist() == [0] * 5
+    # while counting a stream without one pair is refused, not an empty success
+    store = store_at(tmp_path / "one", [[]], vocab_size=5)  # a stream of one token (EOS)
+    with pytest.raises(BadInput, match="1 token\\(s\\), so no bigram to count"):
+        count_stores([store.path], tmp_path / "none", progress=False)
 
 
 def test_open_refuses_incomplete_dir(tmp_path):
@@ -386,11 +399,18 @@ def test_resume_after_interrupted_run_reuses_finished_shards(tmp_path):
     assert read_bigrams(out) == read_bigrams(tmp_path / "fresh")
     assert stable_meta(meta)["distinct_bigrams"] == fresh["distinct_bigrams"]
 
-    # a rerun with other settings does not reuse partials of the interrupted one
+    # a rerun with other settings is refused, naming them; --overwrite discards the partials
     out2 = tmp_path / "c2"
     with pytest.raises(KeyboardInterrupt):
         count_stores([store.path], out2, shard_tokens=200, executor=StopAfter(3), progress=False)
-    meta2 = count_stores([store.path], out2, shard_tokens=300, unit="row:50", progress=False)
+    with pytest.raises(
+        ArSliceError, match='shard_tokens: 200 -> 300(?s:.*)unit: "stream" -> "row:50"'
+    ):
+        count_stores([store.path], out2, shard_tokens=300, unit="row:50", progress=False)
+    assert len(list((out2 / ".work" / "partials").iterdir())) == 3  # untouched by the refusal
+    meta2 = count_stores(
+        [store.path], out2, shard_tokens=300, unit="row:50", overwrite=True, progress=False
+    )
     assert meta2["counts"]["shards_resumed"] == 0
     check_output(out2, stream_of([store]), 50)
 

@@ -378,11 +378,19 @@ def test_resume_with_other_settings_is_refused(corpus, models_dir, tmp_path):
     out = tmp_path / "out"
     run_eval(config(corpus, models_dir["native"], out, max_windows=4))
     with pytest.raises(
-        ArSliceError, match=r"other settings \(chunk_windows: 4 -> 2\).*--overwrite"
+        ArSliceError, match=r"other settings(?s:.*)settings.chunk_windows: 4 -> 2(?s:.*)--overwrite"
     ):
         run_eval(config(corpus, models_dir["native"], out, chunk_windows=2))
-    with pytest.raises(ArSliceError, match="already holds losses with spec"):
+    with pytest.raises(ArSliceError, match="settings.spec: "):
         run_eval(config(corpus, models_dir["neox"], out, max_windows=2))
+    # another dtype is another result: refused too, naming both values, never "complete"
+    with pytest.raises(ArSliceError, match='settings.dtype: "fp32" -> "bf16"'):
+        run_eval(config(corpus, models_dir["native"], out, max_windows=4, dtype="bf16"))
+    # another windowing likewise; nothing of the finished output is touched by a refusal
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir())
+    with pytest.raises(ArSliceError, match='settings.windowing: "fixed" -> "rolling"'):
+        run_eval(config(corpus, models_dir["native"], out, max_windows=4, windowing="rolling"))
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir()) == before
 
 
 @pytest.mark.slow

@@ -131,14 +131,14 @@ def test_config_from_mapping_names_unknown_keys():
 
 
 def test_cli_help_lists_every_command_and_dry_run_prints_config():
-    from pipeline.cli import COMMANDS
+    from pipeline.stages import COMMANDS
 
     out = subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "--help"], capture_output=True, text=True
     )
     assert out.returncode == 0
-    for name in COMMANDS:
-        assert name in out.stdout
+    for stage in COMMANDS:
+        assert f"  {stage.command} " in out.stdout
     bad = subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "nope"], capture_output=True, text=True
     )
@@ -148,9 +148,9 @@ def test_cli_help_lists_every_command_and_dry_run_prints_config():
 def test_every_config_field_has_help_text():
     import importlib
 
-    from pipeline.cli import COMMANDS
+    from pipeline.stages import COMMANDS
 
-    for name, (module, _) in COMMANDS.items():
+    for name, module in ((s.command, s.module) for s in COMMANDS):
         command = importlib.import_module(module).COMMAND
         for f in dataclasses.fields(command.config_cls):
             assert f.metadata.get("help"), f"arslice {name}: field {f.name} has no help text"

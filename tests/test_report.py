@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from test_queries import QUOTED, tiny_run, write_run  # noqa: F401  (tiny_run is a fixture)
 
+from ar_slicing.errors import ArSliceError
 from ar_slicing.metrics import (
     WindowSums,
     ar_share_of_gap,
@@ -355,8 +356,10 @@ def test_report_skips_when_up_to_date_and_reruns_identically(text_run, capsys):
     assert first.keys() == second.keys()
     for name in first:
         assert first[name] == second[name], name  # deterministic, PNGs included
-    # other settings: not skipped
-    run_report(ReportConfig(run=str(run), bootstrap=50, seed=1))
+    # other settings: refused, naming them, until --overwrite
+    with pytest.raises(ArSliceError, match="settings.seed: 0 -> 1"):
+        run_report(ReportConfig(run=str(run), bootstrap=50, seed=1))
+    run_report(ReportConfig(run=str(run), bootstrap=50, seed=1, overwrite=True))
     assert (out / "table1.csv").read_bytes() != first["table1.csv"]
 
 
@@ -371,7 +374,7 @@ def test_report_reference_choice_with_a_quoted_name(tiny_run, capsys):  # noqa: 
     assert float(t1["hyena"]["ar_share"]) == pytest.approx((3.0 - 1.5) / (32 - 37.5))
     assert "ppl_all_lo" not in t1["hyena"]  # no bootstrap, no intervals
 
-    meta = run_report(ReportConfig(run=str(tiny_run), bootstrap=0))
+    meta = run_report(ReportConfig(run=str(tiny_run), bootstrap=0, overwrite=True))
     assert meta["reference"] == "attention"  # the default: the attention model
     t1 = {r["model"]: r for r in read_csv(tiny_run / "report" / "table1.csv")}
     assert float(t1["hyena"]["ar_share"]) == pytest.approx(1.5)  # 150%

@@ -118,8 +118,8 @@ def test_demo_config_builds_every_stage_and_matches_the_makefile():
         parts["train"].source == [stdlib_dir()]
         and parts["train"].tokenizer == "runs/demo/tokenizer.json"
     )
-    assert p.count_config().tokens == ["runs/demo/tokens/train"]
-    tag = p.tag_config()
+    assert p.count_configs()["count"].tokens == ["runs/demo/tokens/train"]
+    tag = p.tag_configs()["tag"]
     assert (tag.tokens, tag.counts, tag.out) == (
         "runs/demo/tokens/val",
         "runs/demo/counts",
@@ -145,7 +145,7 @@ def test_demo_config_builds_every_stage_and_matches_the_makefile():
     assert {n: c.model for n, c in evals.items()} == {
         n: f"native:runs/demo/models/{n}" for n in trains
     }
-    assert p.report_config().reference == "attention"
+    assert p.report_configs()["report"].reference == "attention"
 
     # the Makefile's RUN (sed over `run_dir = "..."`) names the same directory
     out = subprocess.run(
@@ -169,12 +169,12 @@ def test_pile_configs_build_every_stage(name, reference):
     parts = p.tokenize_configs()
     assert parts["train"].source != parts["val"].source
     assert all(c.tokenizer == f"{p.run_dir}/tokenizer.json" for c in parts.values())
-    tag = p.tag_config()
+    tag = p.tag_configs()["tag"]
     assert (tag.window, tag.threshold) == (2048, 1250)
-    p.count_config()
+    p.count_configs()["count"]
     assert p.train_configs() == {}
     evals = p.eval_configs()
-    assert reference in evals and p.report_config().reference == reference
+    assert reference in evals and p.report_configs()["report"].reference == reference
     assert all(c.out == f"{p.run_dir}/losses/{n}" and c.name == n for n, c in evals.items())
 
 
@@ -183,7 +183,7 @@ def test_unknown_stage_keys_name_the_table(tmp_path):
     cfg.write_text('run_dir = "r"\n[tag]\nwindw = 8\n')
     p = Pipeline(cfg, load_pipeline_config(cfg))
     with pytest.raises(ArSliceError, match=r"\[tag\].*windw"):
-        p.tag_config()
+        p.tag_configs()["tag"]
     cfg.write_text('run_dir = "r"\n[train]\nsteps = 3\n')
     with pytest.raises(BadInput, match=r"\[train.models.<name>\]"):
         Pipeline(cfg, load_pipeline_config(cfg)).train_configs()
@@ -260,6 +260,7 @@ def test_every_stage_runs_writes_its_markers_and_reruns_skip(tmp_path, capsys):
         "tags/meta.json",
         "models/meta.json",
         "losses/meta.json",
+        "report/meta.json",
         "report/report.html",
     ]
     assert all((run_dir / m).is_file() for m in markers)
@@ -284,15 +285,17 @@ def test_every_stage_runs_writes_its_markers_and_reruns_skip(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"report: {(run_dir / 'report' / 'report.html').resolve()}" in out
 
-    # a rerun skips every stage and leaves the outputs as they were
+    # a rerun skips every stage and leaves the outputs as they were (a skipped stage's meta.json
+    # is touched, so make sees it up to date, but not rewritten)
     weights = run_dir / "models/attention/model.safetensors"
-    before = {
-        p: p.stat().st_mtime_ns
-        for p in (weights, run_dir / "tags/meta.json", run_dir / "tokenizer.json")
-    }
+    data = [weights, *sorted((run_dir / "tags").glob("tags-*.parquet")), run_dir / "tokenizer.json"]
+    before = {p: p.stat().st_mtime_ns for p in data}
+    metas = {p: p.read_bytes() for p in run_dir.glob("*/meta.json")}
     run_pipeline(RunConfig(config=str(cfg)))
     assert {p: p.stat().st_mtime_ns for p in before} == before
+    assert {p: p.read_bytes() for p in metas} == metas
     assert "skipped" in capsys.readouterr().out
+    before[run_dir / "tags/meta.json"] = (run_dir / "tags/meta.json").stat().st_mtime_ns
 
     # --overwrite on one stage redoes that stage only
     run_pipeline(RunConfig(config=str(cfg), stage=["tag"], overwrite=True))

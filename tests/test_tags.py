@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from ar_slicing.counts import BigramCounts
 from ar_slicing.errors import ArSliceError, BadInput, TokenizerMismatch
-from ar_slicing.io import build_meta, read_json, stable_meta, write_meta
+from ar_slicing.io import build_meta, read_json, stable_meta, write_json_atomic, write_meta
 from ar_slicing.store import write_token_store
 from ar_slicing.tags import TAG_COLUMNS, DocTable, tag_windows
 from pipeline.tag import TagConfig, run_tag
@@ -342,6 +342,11 @@ def test_stage_output_matches_naive_reference(case, part_tokens):
             workers=1,
             part_tokens=part_tokens,
         )
+        if store.n_tokens < 2:  # no target at all: refused, and no output directory is left
+            with pytest.raises(ArSliceError, match="nothing to tag"):
+                run_tag(cfg)
+            assert not (tmp / "tags").exists()
+            return
         meta = run_tag(cfg)
         expected = naive_tags(documents, subsets, 0, window, counts, threshold, reset)
         assert read_tags(tmp / "tags") == expected
@@ -420,19 +425,24 @@ def test_reset_at_doc_boundary_ignores_occurrences_in_earlier_documents():
 
 def test_streams_of_one_and_two_tokens(tmp_path):
     write_counts(tmp_path / "counts", Counter({(5, 0): 7}))
-    # one empty document: the stream is just its EOS, no targets, no windows, no parts
+    # one empty document: the stream is just its EOS, no target: refused, not an empty result
+    store = make_store(tmp_path / "one", [[]], vocab_size=10, eos=0)
+    cfg = TagConfig(
+        tokens=str(store.path), counts=str(tmp_path / "counts"), out=str(tmp_path / "t1"), workers=1
+    )
+    with pytest.raises(ArSliceError, match=r"1 token\(s\), so nothing to tag"):
+        run_tag(cfg)
+    assert not (tmp_path / "t1").exists()
     # two tokens: one window with one target
-    for name, documents, expected in [("one", [[]], 0), ("two", [[5]], 1)]:
-        store = make_store(tmp_path / name, documents, vocab_size=10, eos=0)
-        out = tmp_path / f"tags-{name}"
-        meta = run_tag(
-            TagConfig(
-                tokens=str(store.path), counts=str(tmp_path / "counts"), out=str(out), workers=1
-            )
-        )
-        assert meta["counts"]["tokens"] == expected == len(read_tags(out))
-        assert pq.read_table(out / "windows.parquet").num_rows == expected
-    assert read_tags(tmp_path / "tags-two")[0]["train_count"] == 7
+    store = make_store(tmp_path / "two", [[5]], vocab_size=10, eos=0)
+    out = tmp_path / "tags-two"
+    cfg = TagConfig(
+        tokens=str(store.path), counts=str(tmp_path / "counts"), out=str(out), workers=1
+    )
+    meta = run_tag(cfg)
+    assert meta["counts"]["tokens"] == 1 == len(read_tags(out))
+    assert pq.read_table(out / "windows.parquet").num_rows == 1
+    assert read_tags(out)[0]["train_count"] == 7
 
 
 # ---- the stage: real text, files, mismatch, resume, workers, CLI ------------------------------------
@@ -551,7 +561,9 @@ def test_resume_after_interruption_gives_identical_output(tmp_path, real_text_ru
     first = run_tag(cfg)
     saved = tmp_path / "saved"
     shutil.copytree(out, saved)
-    # what a kill leaves behind: no meta.json, some parts missing, one half-written temporary part
+    # what a kill leaves behind: the run's plan but no meta.json, some parts missing, one
+    # half-written temporary part
+    write_json_atomic(out / ".plan.json", first["plan"])
     (out / "meta.json").unlink()
     parts = first["parts"]
     (out / parts[1]).unlink()
@@ -573,6 +585,19 @@ def test_resume_after_interruption_gives_identical_output(tmp_path, real_text_ru
     assert redone["skipped"] == {"parts_already_complete": 0}
 
 
+def test_changed_settings_on_a_complete_output_are_refused(tmp_path, real_text_run):
+    """A finished tag directory is not "complete" for another threshold: refused, naming it."""
+    store, counts_dir, *_ = real_text_run
+    out = tmp_path / "tags"
+    cfg = TagConfig(tokens=str(store.path), counts=str(counts_dir), out=str(out), workers=1)
+    run_tag(TagConfig(**{**cfg.__dict__, "threshold": 8}))
+    with pytest.raises(ArSliceError, match="settings.threshold: 8 -> 100(?s:.*)--overwrite"):
+        run_tag(TagConfig(**{**cfg.__dict__, "threshold": 100}))
+    assert read_json(out / "meta.json")["threshold"] == 8
+    meta = run_tag(TagConfig(**{**cfg.__dict__, "threshold": 100, "overwrite": True}))
+    assert meta["threshold"] == 100 and meta["plan"]["settings"]["threshold"] == 100
+
+
 def test_unfinished_run_with_other_parameters_is_not_mixed_in(tmp_path, real_text_run):
     store, counts_dir, *_ = real_text_run
     out = tmp_path / "tags"
@@ -584,10 +609,11 @@ def test_unfinished_run_with_other_parameters_is_not_mixed_in(tmp_path, real_tex
         workers=1,
         part_tokens=2048,
     )
-    run_tag(cfg)
+    first = run_tag(cfg)
+    write_json_atomic(out / ".plan.json", first["plan"])  # as a killed run leaves it
     (out / "meta.json").unlink()
     other = TagConfig(**{**cfg.__dict__, "threshold": 5})
-    with pytest.raises(ArSliceError, match="other parameters"):
+    with pytest.raises(ArSliceError, match="unfinished run(?s:.*)settings.threshold: 1250 -> 5"):
         run_tag(other)
     meta = run_tag(TagConfig(**{**other.__dict__, "overwrite": True}))
     assert meta["threshold"] == 5 and meta["skipped"] == {"parts_already_complete": 0}

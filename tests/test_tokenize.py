@@ -3,6 +3,7 @@ with a real BPE tokenizer trained by `tokenizers`; and `arslice train-tokenizer`
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -20,8 +21,8 @@ from conftest import stdlib_files
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ar_slicing.errors import BadInput
-from ar_slicing.io import stable_meta
+from ar_slicing.errors import ArSliceError, BadInput
+from ar_slicing.io import read_json, stable_meta, write_json_atomic
 from ar_slicing.store import TokenStore
 from ar_slicing.tokenizer import fingerprint
 from pipeline.cli import main as cli_main
@@ -106,9 +107,12 @@ def test_same_bytes_with_one_and_two_workers(tmp_path, corpus, bpe_tokenizer_pat
 
 def test_complete_store_is_skipped_unless_overwrite(tmp_path, corpus, bpe_tokenizer_path, capsys):
     tokenize(tmp_path / "s", corpus, bpe_tokenizer_path, workers=1)
-    before = (tmp_path / "s" / "meta.json").stat().st_mtime_ns
+    before = {p.name: p.read_bytes() for p in (tmp_path / "s").iterdir()}
     assert tokenize(tmp_path / "s", corpus, bpe_tokenizer_path, workers=1)["skipped"]
-    assert (tmp_path / "s" / "meta.json").stat().st_mtime_ns == before
+    assert {p.name: p.read_bytes() for p in (tmp_path / "s").iterdir()} == before
+    # another setting on the complete store is refused, naming it
+    with pytest.raises(ArSliceError, match="settings.max_docs: null -> 4"):
+        tokenize(tmp_path / "s", corpus, bpe_tokenizer_path, workers=1, max_docs=4)
     again = tokenize(
         tmp_path / "s", corpus, bpe_tokenizer_path, workers=1, overwrite=True, max_docs=4
     )
@@ -172,14 +176,19 @@ def test_killed_run_resumes_to_the_same_bytes(tmp_path, bpe_tokenizer_path):
 def test_parts_of_another_configuration_are_not_reused(tmp_path, corpus, bpe_tokenizer_path):
     out = tmp_path / "s"
     tokenize(out, corpus, bpe_tokenizer_path, workers=1, shard_docs=2)
-    # Leave the parts of a finished run behind, as a kill right before assembly would.
-    (out / "meta.json").unlink()
-    (out / "tokens.bin").unlink()
-    (out / "docs.parquet").unlink()
+    # What a kill right before assembly leaves: the run's plan and its finished parts.
+    plan = read_json(out / "meta.json")["plan"]
+    for name in ("meta.json", "tokens.bin", "docs.parquet"):
+        (out / name).unlink()
+    write_json_atomic(out / ".plan.json", plan)
     stale = tmp_path / "stale_parts"
     tokenize(stale, corpus, bpe_tokenizer_path, workers=1, shard_docs=2, max_docs=6)
-    # a different max_docs must not pick up parts made for the full corpus
-    summary = tokenize(out, corpus, bpe_tokenizer_path, workers=1, shard_docs=2, max_docs=6)
+    # a different max_docs must not pick up parts made for the full corpus: refused, naming it
+    with pytest.raises(ArSliceError, match="unfinished run(?s:.*)settings.max_docs: null -> 6"):
+        tokenize(out, corpus, bpe_tokenizer_path, workers=1, shard_docs=2, max_docs=6)
+    summary = tokenize(
+        out, corpus, bpe_tokenizer_path, workers=1, shard_docs=2, max_docs=6, overwrite=True
+    )
     assert summary["n_docs"] == 6
     assert (out / "tokens.bin").read_bytes() == (stale / "tokens.bin").read_bytes()
 
@@ -225,14 +234,23 @@ def test_invalid_utf8_counted_in_meta(tmp_path, bpe_tokenizer_path):
     assert texts == ["caf\ufffd", "ok"]
 
 
-def test_cli_dry_run_and_help():
-    def arslice(*args):
+def test_cli_dry_run_and_help(tmp_path):
+    def arslice(*args, check=True):
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         cmd = [sys.executable, "-m", "pipeline.cli", *args]
-        return subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, check=check)
 
-    printed = json.loads(arslice("tokenize", "--source", "x.jsonl", "--out", "o", "--dry-run"))
-    assert printed["TokenizeConfig"]["source"] == ["x.jsonl"]
+    src = tmp_path / "x.jsonl"
+    src.write_text('{"text": "a document"}\n')
+    printed = json.loads(
+        arslice("tokenize", "--source", str(src), "--out", "o", "--dry-run").stdout
+    )
+    assert printed["TokenizeConfig"]["source"] == [str(src)]
+    # --dry-run checks what it prints: a missing source, or an empty one, is an error
+    for bad, why in ((str(tmp_path / "missing.jsonl"), "no such file"), ("", "an empty path")):
+        done = arslice("tokenize", "--source", bad, "--out", "o", "--dry-run", check=False)
+        assert done.returncode == 2 and why in done.stderr and "Traceback" not in done.stderr
+    arslice = functools.partial(lambda f, *a: f(*a).stdout, arslice)
     assert "--on-bad-record {error,skip}" in arslice("tokenize", "--help")
     assert "--vocab-size VOCAB_SIZE" in arslice("train-tokenizer", "--help")
 
@@ -327,9 +345,14 @@ def test_any_sharding_gives_the_naive_stream(
         shard_docs=shard_docs,
         shard_mb=shard_mb,
     )
+    kept = [t for t in texts if t]
+    if not kept:  # a source without a document is an error, and leaves no store behind
+        with pytest.raises(BadInput, match="no documents in"):
+            run_tokenize(cfg)
+        assert not (tmp / "s").exists()
+        return
     run_tokenize(cfg)
     store = TokenStore.open(tmp / "s")
-    kept = [t for t in texts if t]
     eos = bpe_tokenizer.token_to_id("<|endoftext|>")
     assert store.tokens.tolist() == _naive_stream(bpe_tokenizer, kept, eos)
     assert store.n_docs == len(kept) and store.meta["counts"]["empty"] == len(texts) - len(kept)

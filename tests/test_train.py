@@ -286,14 +286,25 @@ def test_killed_run_leaves_no_checkpoint_and_resumes_to_the_same_weights(stores,
 
 
 def test_a_stale_state_with_other_settings_is_refused(stores, tmp_path):
+    from ar_slicing.io import write_json_atomic
     from pipeline.train import load_state
 
     out = tmp_path / "m"
-    (out / STATE_DIR).mkdir(parents=True)
-    (out / STATE_DIR / "state.json").write_text('{"step": 3, "identity": {"lr": 1.0}}')
-    with pytest.raises(ArSliceError, match="different settings.*--overwrite"):
-        train(tiny_config(stores, out, steps=4))
-    assert load_state(tmp_path / "none", None, None, {}, "cpu") is None
+    first = train(tiny_config(stores, out, steps=4))
+    # what a kill leaves: the plan of the unfinished run (and its last checkpoint)
+    write_json_atomic(out / ".plan.json", first["plan"])
+    (out / "meta.json").unlink()
+    lr = tiny_config(stores, out).lr
+    with pytest.raises(
+        ArSliceError, match=f"unfinished run(?s:.*)settings.lr: {lr} -> 1.0(?s:.*)--overwrite"
+    ):
+        train(tiny_config(stores, out, steps=4, lr=1.0))
+    # a complete model is not "complete" for other settings either
+    done = tmp_path / "done"
+    train(tiny_config(stores, done, steps=4))
+    with pytest.raises(ArSliceError, match="complete output(?s:.*)settings.steps: 4 -> 5"):
+        train(tiny_config(stores, done, steps=5))
+    assert load_state(tmp_path / "none", None, None, "cpu") is None
 
 
 # ---- clear errors -------------------------------------------------------------------------------

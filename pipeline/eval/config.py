@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-LOSSES_GLOB = "losses-*.parquet"
-PLAN_KEY = b"ar_slicing.eval_plan"
 # On CPU a few windows per batch amortise per-op overhead; more only grows memory.
 CPU_TOKENS_PER_BATCH = 8192
 # A first guess on CUDA (back-off halves it when it does not fit): 128 windows of 2048 tokens.

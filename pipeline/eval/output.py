@@ -10,33 +10,29 @@ import numpy as np
 
 from ar_slicing.errors import ArSliceError
 from ar_slicing.io import atomic_path
-from pipeline.eval.config import PLAN_KEY, EvalConfig
+from ar_slicing.layout import LOSS_PART
+from pipeline.eval.config import EvalConfig
 from pipeline.eval.forward import BatchRunner, make_forward
 from pipeline.eval.inputs import TagsInput, fixed_sequences, open_tags, rolling_sequences
 
 log = logging.getLogger(__name__)
 
 
-def losses_schema(plan: dict | None = None):
-    import json
-
+def losses_schema():
     import pyarrow as pa
 
     # never null, like the tag table's keys (REQUIRED in Parquet)
-    schema = pa.schema(
+    return pa.schema(
         [
             pa.field("window_id", pa.int32(), nullable=False),
             pa.field("pos", pa.int32(), nullable=False),
             pa.field("nll", pa.float32(), nullable=False),
         ]
     )
-    if plan is not None:
-        schema = schema.with_metadata({PLAN_KEY: json.dumps(plan, sort_keys=True).encode()})
-    return schema
 
 
 def chunk_path(out_dir: Path, chunk: int) -> Path:
-    return out_dir / f"losses-{chunk:05d}.parquet"
+    return out_dir / LOSS_PART.format(chunk)
 
 
 def chunk_keys(tags: TagsInput, w0: int, w1: int) -> tuple[np.ndarray, np.ndarray]:
@@ -48,33 +44,21 @@ def chunk_keys(tags: TagsInput, w0: int, w1: int) -> tuple[np.ndarray, np.ndarra
     return window_id, pos
 
 
-def existing_chunk_ok(path: Path, n_rows: int, plan: dict) -> bool:
-    """True when `path` is a finished chunk of this plan with the expected number of rows;
-    raises when it was made with other settings."""
-    import json
-
+def chunk_done(path: Path, n_rows: int) -> bool:
+    """True when `path` is a finished chunk with the expected number of rows. (Which settings made
+    it is the stage plan's business: an unfinished run's chunks are only kept under the same plan.)"""
     import pyarrow.parquet as pq
 
     if not path.is_file():
         return False
     try:
-        pf = pq.ParquetFile(path)
+        return pq.ParquetFile(path).metadata.num_rows == n_rows
     except Exception:
         log.warning("%s: unreadable, recomputing it", path)
         return False
-    raw = (pf.schema_arrow.metadata or {}).get(PLAN_KEY)
-    old = json.loads(raw) if raw else None
-    if old != plan:
-        diff = sorted(k for k in set(plan) | set(old or {}) if (old or {}).get(k) != plan.get(k))
-        detail = ", ".join(f"{k}: {(old or {}).get(k)!r} -> {plan.get(k)!r}" for k in diff)
-        raise ArSliceError(
-            f"{path} was written by an evaluation with other settings ({detail}); pass "
-            f"--overwrite to redo {path.parent}, or another --out"
-        )
-    return pf.metadata.num_rows == n_rows
 
 
-def write_chunk(path: Path, window_id, pos, nll: np.ndarray, plan: dict) -> None:
+def write_chunk(path: Path, window_id, pos, nll: np.ndarray) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -88,7 +72,7 @@ def write_chunk(path: Path, window_id, pos, nll: np.ndarray, plan: dict) -> None
         )
     table = pa.table(
         {"window_id": pa.array(window_id), "pos": pa.array(pos), "nll": pa.array(nll)},
-        schema=losses_schema(plan),
+        schema=losses_schema(),
     )
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
@@ -99,17 +83,18 @@ class ChunkEvaluator:
     driver of a local run, or in each Ray actor of `--executor ray` (which loads its own model
     and tags from the paths in `cfg`)."""
 
-    def __init__(self, cfg: EvalConfig, plan: dict, batch_size: int, loaded=None, tags=None):
+    def __init__(
+        self, cfg: EvalConfig, device: str, dtype: str, batch_size: int, loaded=None, tags=None
+    ):
         import torch
 
         self.tags = tags if tags is not None else open_tags(cfg.tags, cfg.tokens)
         if loaded is None:
             from models import load_model
 
-            loaded = load_model(cfg.model, device=plan["device"])
+            loaded = load_model(cfg.model, device=device)
         self.out = Path(cfg.out)
-        self.plan = plan
-        forward = make_forward(loaded, plan["device"], plan["dtype"])
+        forward = make_forward(loaded, device, dtype)
         self.runner = BatchRunner(forward, batch_size, on_oom=torch.cuda.empty_cache)
         self.make_sequences = rolling_sequences if cfg.windowing == "rolling" else fixed_sequences
 
@@ -120,7 +105,7 @@ class ChunkEvaluator:
         nll = np.full(rows, np.nan, dtype=np.float32)
         read = self.runner.run(self.make_sequences(self.tags, w0, w1), nll, progress)
         window_id, pos = chunk_keys(self.tags, w0, w1)
-        write_chunk(chunk_path(self.out, c), window_id, pos, nll, self.plan)
+        write_chunk(chunk_path(self.out, c), window_id, pos, nll)
         return {
             "rows": rows,
             "read": read,

@@ -8,30 +8,57 @@ import time
 from pathlib import Path
 
 from ar_slicing.errors import ArSliceError
-from ar_slicing.io import META_NAME, build_meta, is_complete, read_json, write_meta
+from ar_slicing.io import build_meta
 from models.precision import resolve_device, resolve_dtype, resolve_on_cluster
 from pipeline.config import Command
 from pipeline.eval.checks import check_model_fits
-from pipeline.eval.config import LOSSES_GLOB, EvalConfig
+from pipeline.eval.config import EvalConfig
 from pipeline.eval.forward import resolve_batch_size
 from pipeline.eval.inputs import chunk_bounds, model_name_from_spec, open_tags
-from pipeline.eval.output import ChunkEvaluator, chunk_path, existing_chunk_ok
+from pipeline.eval.output import ChunkEvaluator, chunk_done, chunk_path
 
 log = logging.getLogger(__name__)
 
 
-def run_eval(cfg: EvalConfig) -> dict:
-    """Evaluate `cfg.model` on the windows of `cfg.tags`; write losses and meta.json to `cfg.out`."""
-    t0 = time.time()
-    out = Path(cfg.out)
-    name = cfg.name or model_name_from_spec(cfg.model)
+def validate_eval(cfg: EvalConfig) -> None:
+    from models.loaders import parse_spec
+
+    parse_spec(cfg.model)
     if cfg.chunk_windows < 1:
         raise ArSliceError(f"--chunk-windows {cfg.chunk_windows}: must be at least 1")
     if cfg.max_windows is not None and cfg.max_windows < 1:
         raise ArSliceError(f"--max-windows {cfg.max_windows}: must be at least 1")
+    if cfg.ray_actors < 0:
+        raise ArSliceError(f"--ray-actors {cfg.ray_actors}: must be 0 (one per GPU) or more")
+    resolve_batch_size(cfg.batch_size, "cpu", 1)  # refuses what is neither a number nor auto
+
+
+def eval_settings(cfg: EvalConfig, device: str | None = None, dtype: str | None = None) -> dict:
+    """What decides the loss files' bytes besides the inputs. Without `device`/`dtype` they are
+    resolved here as a local run would (a Ray run resolves them on the cluster: None here)."""
+    if device is None and cfg.executor == "local":
+        device = resolve_device(cfg.device)
+        dtype = resolve_dtype(cfg.dtype, device)
+    return {
+        "spec": cfg.model,
+        "windowing": cfg.windowing,
+        "chunk_windows": cfg.chunk_windows,
+        "device": device,
+        "dtype": dtype,
+    }
+
+
+def run_eval(cfg: EvalConfig) -> dict:
+    """Evaluate `cfg.model` on the windows of `cfg.tags`; write losses and meta.json to `cfg.out`."""
+    from ar_slicing.plan import StagePlan, identity, open_stage
+    from models.loaders import spec_identity
+
+    t0 = time.time()
+    validate_eval(cfg)
+    out = Path(cfg.out)
+    name = cfg.name or model_name_from_spec(cfg.model)
     tags = open_tags(cfg.tags, cfg.tokens)
     n_windows = tags.n_windows if cfg.max_windows is None else min(cfg.max_windows, tags.n_windows)
-    partial = n_windows < tags.n_windows
 
     executor = None
     if cfg.executor != "local":
@@ -45,29 +72,22 @@ def run_eval(cfg: EvalConfig) -> dict:
     else:
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
-    plan = {
-        "spec": cfg.model,
-        "tags": str(tags.dir.resolve()),
-        "tokens_store": str(Path(tags.store.path).resolve()),
-        "fingerprint": tags.store.fingerprint,
-        "window": tags.window,
-        "windowing": cfg.windowing,
-        "chunk_windows": cfg.chunk_windows,
-        "dtype": dtype,
-        "device": device,
-    }
-    if cfg.overwrite:
-        for p in [out / META_NAME, *out.glob(LOSSES_GLOB)]:
-            p.unlink(missing_ok=True)
-    elif is_complete(out):
-        meta = read_json(out / META_NAME)
-        for key, want in (("spec", cfg.model), ("windowing", cfg.windowing)):
-            if meta.get(key) != want:
-                raise ArSliceError(
-                    f"{out} already holds losses with {key} {meta.get(key)!r}, not {want!r}; "
-                    "pass --overwrite to replace them, or another --out"
-                )
+    plan = StagePlan(
+        "eval",
+        settings=eval_settings(cfg, device, dtype),
+        inputs={
+            # the windows are all a loss depends on: re-tagging with another threshold keeps them
+            "tokens": identity(tags.store.path),
+            "windows": {"window": tags.window, "n_windows": tags.n_windows},
+            "model": spec_identity(cfg.model),
+        },
+    )
+    stage = open_stage(out, plan, overwrite=cfg.overwrite)
+    extend = False
+    if stage.complete:
+        meta = stage.meta
         if not (meta.get("partial") and n_windows > int(meta.get("windows_evaluated", 0))):
+            stage.skip()
             print(f"eval {name}: {out} is already complete ({meta.get('tokens')} tokens); skipped")
             return {
                 "out": str(out),
@@ -75,29 +95,32 @@ def run_eval(cfg: EvalConfig) -> dict:
                 "tokens": meta.get("tokens"),
                 "skipped": True,
             }
-    out.mkdir(parents=True, exist_ok=True)
-    for tmp in out.glob(".losses-*.tmp"):  # left by a run killed while writing a chunk
-        tmp.unlink(missing_ok=True)
-
-    chunks = chunk_bounds(n_windows, cfg.chunk_windows)
-    chunk_rows = [int(tags.n_targets[w0:w1].sum()) for w0, w1 in chunks]
-    todo = [
-        c
-        for c in range(len(chunks))
-        if not existing_chunk_ok(chunk_path(out, c), chunk_rows[c], plan)
-    ]
-    reused = len(chunks) - len(todo)
-    # A partial (--max-windows) result being extended is incomplete again until meta.json is rewritten.
-    (out / META_NAME).unlink(missing_ok=True)
-    if reused:
-        log.info("resuming %s: %d of %d chunks already done", out, reused, len(chunks))
+        extend = True  # a partial (--max-windows) result, now asked for more windows
 
     from models import load_model
 
-    # with Ray the model is loaded here only for the checks and meta.json; the actors load their own
+    # Loaded before OUT is made, so a bad spec or a model that does not fit leaves nothing behind.
+    # With Ray the model is loaded here only for the checks and meta.json; the actors load their own.
     loaded = load_model(cfg.model, device=device if executor is None else "cpu")
     check_model_fits(loaded, tags, n_windows, cfg)
     batch_size = resolve_batch_size(cfg.batch_size, device, tags.window)
+    with stage.running():
+        if extend:
+            stage.reopen()  # incomplete again until its meta.json is rewritten
+        return _evaluate(
+            stage, cfg, name, tags, n_windows, loaded, executor, device, dtype, batch_size, t0
+        )
+
+
+def _evaluate(stage, cfg, name, tags, n_windows, loaded, executor, device, dtype, batch_size, t0):
+    out = stage.out
+    partial = n_windows < tags.n_windows
+    chunks = chunk_bounds(n_windows, cfg.chunk_windows)
+    chunk_rows = [int(tags.n_targets[w0:w1].sum()) for w0, w1 in chunks]
+    todo = [c for c in range(len(chunks)) if not chunk_done(chunk_path(out, c), chunk_rows[c])]
+    reused = len(chunks) - len(todo)
+    if reused:
+        log.info("resuming %s: %d of %d chunks already done", out, reused, len(chunks))
     scored = read = backoffs = 0
     t_compute = 0.0
     from tqdm import tqdm
@@ -113,10 +136,10 @@ def run_eval(cfg: EvalConfig) -> dict:
     tasks = [(c, *chunks[c]) for c in todo]
     t_loop = time.time()
     if executor is None:
-        evaluator = ChunkEvaluator(cfg, plan, batch_size, loaded=loaded, tags=tags)
+        evaluator = ChunkEvaluator(cfg, device, dtype, batch_size, loaded=loaded, tags=tags)
         results = ((task, evaluator(task, bar.update)) for task in tasks)
     else:
-        make_evaluator = functools.partial(ChunkEvaluator, cfg, plan, batch_size)
+        make_evaluator = functools.partial(ChunkEvaluator, cfg, device, dtype, batch_size)
         results = executor.map_actors(
             make_evaluator,
             tasks,
@@ -186,7 +209,7 @@ def run_eval(cfg: EvalConfig) -> dict:
         windows_total=tags.n_windows,
         files=[chunk_path(out, c).name for c in range(len(chunks))],
     )
-    write_meta(out, meta)
+    stage.finish(meta)
     rate = f"{tokens_per_s:,.0f} tokens/s" if todo else "all chunks reused"
     print(
         f"eval {name}: {total_rows:,} losses over {n_windows:,} windows"
@@ -198,6 +221,8 @@ def run_eval(cfg: EvalConfig) -> dict:
 COMMAND = Command(
     EvalConfig,
     run_eval,
+    validate=validate_eval,
+    plan_settings=eval_settings,
     summary="per-token losses of one model over the tagged windows",
     examples="""\
   arslice eval --model hf:EleutherAI/pythia-160m --tags runs/pile/tags --out runs/pile/losses/pythia-160m

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from ar_slicing.errors import ArSliceError, BadInput
-from ar_slicing.io import atomic_path, build_meta, prepare_out_dir, write_meta
+from ar_slicing.io import atomic_path, build_meta
 from ar_slicing.store import DOCS_NAME, TOKENIZER_NAME, TOKENS_NAME, docs_schema, dtype_for_vocab
 from pipeline.config import config_to_dict
 from pipeline.tokenize.config import _DOCS_BATCH, _IMPORT_CHUNK, TokenizeConfig
@@ -83,20 +83,27 @@ def _resolve_import_source(spec: str, source_format: str | None) -> _ImportSourc
     return _ImportSource(path, source_format)
 
 
-def run_import(cfg: TokenizeConfig) -> dict:
+def run_import(cfg: TokenizeConfig, open_store_stage) -> dict:
     """Copy pre-tokenized streams into a store, unchanged; documents from the idx or from EOS."""
+    if cfg.split_fraction is not None or cfg.max_docs is not None:
+        raise ArSliceError("--split-fraction and --max-docs apply to text sources, not to imports")
+    t0 = time.time()
+    tok, info = _import_tokenizer_info(cfg)
+    stage = open_store_stage(info)
+    if stage.complete:
+        stage.skip()
+        print(f"tokenize: {cfg.out} is already complete; pass --overwrite to redo it")
+        return {"out": str(cfg.out), "skipped": True}
+    with stage.running():
+        return _import(stage, cfg, tok, info, t0)
+
+
+def _import(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict:
     from tqdm import tqdm
 
     from ar_slicing import megatron
 
-    if cfg.split_fraction is not None or cfg.max_docs is not None:
-        raise ArSliceError("--split-fraction and --max-docs apply to text sources, not to imports")
-    out = Path(cfg.out)
-    if not prepare_out_dir(out, cfg.overwrite):
-        print(f"tokenize: {out} is already complete; pass --overwrite to redo it")
-        return {"out": str(out), "skipped": True}
-    t0 = time.time()
-    tok, info = _import_tokenizer_info(cfg)
+    out = stage.out
     vocab, eos = int(info["vocab_size"]), int(info["eos_id"])
     dtype = dtype_for_vocab(vocab)
     sources = [_resolve_import_source(s, cfg.source_format) for s in cfg.source]
@@ -110,6 +117,8 @@ def run_import(cfg: TokenizeConfig) -> dict:
             raw = megatron.raw_dtype(src.path, src.kind)
             plans.append((src, raw, src.path.stat().st_size // raw.itemsize))
     total = sum(n for _, _, n in plans)
+    if total == 0:
+        raise BadInput(f"tokenize: {', '.join(cfg.source)} hold no tokens; nothing to import")
     documents = []  # per source: (stream offsets, lengths, source name) of its non-empty documents
     empty = stream_pos = 0
     progress = tqdm(total=total, desc="import", unit=" tokens", unit_scale=True, mininterval=1.0)
@@ -163,7 +172,7 @@ def run_import(cfg: TokenizeConfig) -> dict:
         n_docs=n_docs,
         eos_appended=False,
     )
-    write_meta(out, meta)
+    stage.finish(meta)
     summary = {
         "out": str(out),
         "skipped": False,

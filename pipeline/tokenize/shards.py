@@ -124,14 +124,22 @@ def done_shard_counts(parts_dir: Path, index: int, itemsize: int) -> dict | None
     }
 
 
-def source_identity(spec: str) -> dict:
-    """What identifies a source's content for the resume plan (path, size, mtime)."""
+def source_identity(spec: str, glob: str | None = None) -> dict:
+    """What identifies a source's content in the stage plan: a file's path, size and mtime; a
+    directory's files matching `glob` likewise (so an edited file is a changed input); a hub
+    dataset by its name."""
     p = Path(spec)
     if p.is_file():
         st = p.stat()
         return {"source": str(p.resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
     if p.is_dir():
-        return {"source": str(p.resolve())}
+        files = sorted(f for f in p.glob(glob or "**/*") if f.is_file())
+        return {
+            "source": str(p.resolve()),
+            "files": len(files),
+            "bytes": sum(f.stat().st_size for f in files),
+            "latest_mtime_ns": max((f.stat().st_mtime_ns for f in files), default=0),
+        }
     return {"source": spec}
 
 

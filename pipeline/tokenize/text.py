@@ -7,22 +7,17 @@ import logging
 import shutil
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
-from ar_slicing.errors import ArSliceError
+from ar_slicing.errors import ArSliceError, BadInput
 from ar_slicing.io import (
     atomic_path,
     build_meta,
-    prepare_out_dir,
-    read_json,
     write_bytes_atomic,
-    write_json_atomic,
-    write_meta,
 )
-from ar_slicing.readers import ReadStats, check_split_options, iter_documents
+from ar_slicing.readers import ReadStats, iter_documents
 from ar_slicing.store import TOKENIZER_NAME, dtype_for_vocab
 from pipeline.config import config_to_dict
-from pipeline.tokenize.config import PARTS_DIR, PARTS_FORMAT, PLAN_KEYS, PLAN_NAME, TokenizeConfig
+from pipeline.tokenize.config import PARTS_DIR, TokenizeConfig
 from pipeline.tokenize.shards import (
     ShardTask,
     assemble_store,
@@ -38,66 +33,41 @@ from pipeline.tokenize.shards import (
 log = logging.getLogger(__name__)
 
 
-def _remove_stale_tmp_files(out: Path) -> None:
-    """Temporary files a killed run left behind (atomic writes that never got renamed)."""
-    for tmp in out.glob(".*.tmp"):
-        tmp.unlink(missing_ok=True)
-
-
-def _prepare_parts(parts_dir: Path, plan: dict) -> None:
-    """Keep finished shards only if they were made under the same plan; else start afresh."""
-    plan_path = parts_dir / PLAN_NAME
-    if parts_dir.exists():
-        old = read_json(plan_path) if plan_path.is_file() else None
-        if old != plan:
-            log.info("discarding %s: made with a different configuration or input", parts_dir)
-            shutil.rmtree(parts_dir)
-    parts_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(plan_path, plan)
-
-
-def run_text(cfg: TokenizeConfig) -> dict:
+def run_text(cfg: TokenizeConfig, open_store_stage) -> dict:
     """Tokenize text sources into a store (see the module docstring)."""
-    from tqdm import tqdm
-
-    from ar_slicing.executor import default_workers, get_executor
-
+    t0 = time.time()
     if cfg.tokenizer is None:
         raise ArSliceError(
             "text sources need --tokenizer (a tokenizer.json, directory or hub name)"
         )
-    if cfg.shard_docs < 1 or cfg.shard_mb <= 0:
-        raise ArSliceError("--shard-docs and --shard-mb must be positive")
-    check_split_options(cfg.split_fraction, cfg.split_part)
     if cfg.shard_by_file and cfg.max_docs is not None:
         raise ArSliceError(
             "--max-docs counts documents across the sources in order; it does not go with "
             "--shard-by-file"
         )
-    out = Path(cfg.out)
-    if not prepare_out_dir(out, cfg.overwrite):
-        print(f"tokenize: {out} is already complete; pass --overwrite to redo it")
-        return {"out": str(out), "skipped": True}
-    t0 = time.time()
     tok, info = load_tokenizer_info(cfg)
+    stage = open_store_stage(info)
+    if stage.complete:
+        stage.skip()
+        print(f"tokenize: {cfg.out} is already complete; pass --overwrite to redo it")
+        return {"out": str(cfg.out), "skipped": True}
+    # a shard is finished when its docs part is there (the tokenizer copy alone is no work)
+    with stage.running(keep_if=lambda out: any((out / PARTS_DIR).rglob("*.docs.parquet"))):
+        return _encode(stage, cfg, tok, info, t0)
+
+
+def _encode(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict:
+    from tqdm import tqdm
+
+    from ar_slicing.executor import default_workers, get_executor
+
+    out = stage.out
     dtype = dtype_for_vocab(info["vocab_size"])
     tokenizer_json = tok.to_str(pretty=True)
     executor = get_executor(cfg.executor, cfg.workers or None, address=cfg.ray_address)
     workers = executor.workers
     parts_dir = out / PARTS_DIR
-    _remove_stale_tmp_files(out)
-    plan = {
-        "parts_format": PARTS_FORMAT,
-        "tokenizer": info["fingerprint"],
-        "eos_id": info["eos_id"],
-        "dtype": dtype.name,
-        "sources": [source_identity(s) for s in cfg.source],
-        # on_bad_record is left out on purpose: the shards finished before a run stopped at a bad
-        # record hold the same documents under --on-bad-record skip, so that rerun resumes.
-        **{k: getattr(cfg, k) for k in PLAN_KEYS},
-        **({"shard_by_file": True} if cfg.shard_by_file else {}),  # parts are files, not shards
-    }
-    _prepare_parts(parts_dir, plan)
+    parts_dir.mkdir(exist_ok=True)
     tokenizer_path = parts_dir / TOKENIZER_NAME
     write_bytes_atomic(tokenizer_path, tokenizer_json.encode())
 
@@ -163,6 +133,11 @@ def run_text(cfg: TokenizeConfig) -> dict:
                 account(counts)
     finally:
         progress.close()
+    if totals["docs"] == 0:
+        raise BadInput(
+            f"tokenize: no documents in {', '.join(cfg.source)} ({stats.describe_empty()}); "
+            "check --source, --glob, --text-field and --split-part"
+        )
     n_shards = totals["shards"]
     n_tokens, n_docs, eos_in_text = assemble_store(out, parts_dir, n_shards, dtype)
     if eos_in_text:
@@ -184,7 +159,7 @@ def run_text(cfg: TokenizeConfig) -> dict:
     meta = build_meta(
         "tokenize",
         config=config_to_dict(cfg),
-        inputs={"sources": [source_identity(s) for s in cfg.source]},
+        inputs={"sources": [source_identity(s, cfg.glob) for s in cfg.source]},
         counts=counts,
         skipped={
             "bad_records": stats.bad_records,
@@ -203,7 +178,7 @@ def run_text(cfg: TokenizeConfig) -> dict:
         eos_appended=True,
         bad_record_examples=stats.bad_examples,
     )
-    write_meta(out, meta)
+    stage.finish(meta)
     shutil.rmtree(parts_dir, ignore_errors=True)
     summary = {
         "out": str(out),
