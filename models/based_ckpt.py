@@ -274,6 +274,13 @@ def is_mamba_config(cfg: dict) -> bool:
     return "d_model" in cfg and "n_embd" not in cfg and "hidden_size" not in cfg
 
 
+def is_based_config(cfg: dict) -> bool:
+    """upstream's GPT2Config-style dict: GPT-2's keys and no transformers `model_type`."""
+    if not isinstance(cfg, dict) or "model_type" in cfg:
+        return False
+    return "n_embd" in cfg or "mixer" in cfg or "alt_mixer" in cfg
+
+
 def model_config_from_based(raw: dict, state: dict, source: str):
     """This project's ModelConfig for a published config (and the MLP width its weights have);
     also returns the layers whose convolution keys are `conv1.` upstream."""

@@ -196,6 +196,15 @@ def _load_hf(spec: str, target: str, device, dtype, fast_rwkv: bool) -> LoadedMo
         raise ArSliceError(
             f"{spec}: {path / 'config.json'} not found (not a transformers model directory)"
         )
+    if looks_local:
+        from ar_slicing.io import read_json
+        from models.based_ckpt import is_based_config
+
+        if is_based_config(read_json(path / "config.json")):
+            raise ArSliceError(
+                f"{spec}: {path / 'config.json'} is a HazyResearch/based config (no model_type), "
+                f"not a transformers one; load it with based:{target}"
+            )
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -37,7 +37,7 @@ def expected(case: str) -> dict:
 def token_nll(loaded, seq: list[int]) -> torch.Tensor:
     from models.nll import chunked_nll
 
-    ids = torch.tensor([seq])
+    ids = torch.tensor([seq], device=loaded.device)
     with torch.no_grad():
         hidden, weight, bias = loaded.hidden_and_head(ids[:, :-1])
         return chunked_nll(hidden, weight, bias, ids[:, 1:])[0]
@@ -89,6 +89,20 @@ def test_bf16_stays_close_to_upstream_fp32():
     assert loaded.dtype == torch.bfloat16
     diff = (token_nll(loaded, want["sequences"][1]) - torch.tensor(want["nll"][1])).abs()
     assert diff.mean() < 0.1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES)
+def test_cuda_fp32_equals_upstream(case, monkeypatch):
+    from models.loaders import load_model
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    want = expected(case)
+    loaded = load_model(f"based:{FIXTURES / case}", device="cuda")
+    for seq, nll in zip(want["sequences"], want["nll"]):
+        ours = token_nll(loaded, seq)
+        assert (ours.cpu() - torch.tensor(nll)).abs().max() <= 1e-4, case
 
 
 # ---- the mixers against naive references --------------------------------------------------------
@@ -232,6 +246,9 @@ def test_stored_rotary_frequencies_are_accepted_when_they_agree(tmp_path):
 
 def test_missing_files_mamba_configs_and_unreachable_hubs_are_refused(tmp_path, monkeypatch):
     from models.loaders import load_model
+
+    with pytest.raises(ArSliceError, match="HazyResearch/based config.*load it with based:"):
+        load_model(f"hf:{FIXTURES / 'based-main'}")
 
     with pytest.raises(ArSliceError, match="no such directory"):
         load_model(f"based:{tmp_path / 'nope'}")
