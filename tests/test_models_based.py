@@ -150,6 +150,35 @@ def test_chunked_taylor_attention_equals_the_quadratic_form(T, chunk, feature_di
     assert torch.allclose(got, ref, atol=1e-4)
 
 
+@pytest.mark.parametrize("mixer", ["based_conv", "linear_attention", "sliding_attention"])
+def test_based_mixers_never_look_ahead(mixer):
+    from models.backbone import LanguageModel, ModelConfig
+
+    torch.manual_seed(1)
+    kwargs = {"window": 5, "block": 4} if mixer == "sliding_attention" else {}
+    if mixer == "linear_attention":
+        kwargs = {"feature_dim": 4, "num_heads": 2, "chunk_size": 8}
+    model = LanguageModel(
+        ModelConfig(
+            vocab_size=61,
+            d_model=16,
+            n_layers=2,
+            sequence_mixer=mixer,
+            sequence_mixer_kwargs=kwargs,
+            state_mixer="swiglu",
+            norm="rmsnorm",
+            l_max=48,
+        )  # fmt: skip
+    ).eval()
+    ids = torch.randint(0, 61, (2, 40))
+    changed = ids.clone()
+    changed[:, 25:] = (changed[:, 25:] + 7) % 61
+    with torch.no_grad():
+        a, b = model(ids), model(changed)
+    torch.testing.assert_close(a[:, :25], b[:, :25], atol=1e-5, rtol=1e-5)
+    assert (a[:, 25:] - b[:, 25:]).abs().max() > 1e-3
+
+
 # ---- what the loader refuses ---------------------------------------------------------------------
 
 
