@@ -419,7 +419,7 @@ def _download(repo_id: str, spec: str) -> Path:
         from huggingface_hub import snapshot_download
 
         return Path(
-            snapshot_download(repo_id, allow_patterns=[CONFIG_NAME, "pytorch_model.bin", "*.json"])
+            snapshot_download(repo_id, allow_patterns=[CONFIG_NAME, *WEIGHT_NAMES, "*.json"])
         )
     except Exception as e:
         raise ArSliceError(
