@@ -282,8 +282,9 @@ def is_based_config(cfg: dict) -> bool:
 
 
 def model_config_from_based(raw: dict, state: dict, source: str):
-    """This project's ModelConfig for a published config (and the MLP width its weights have);
-    also returns the layers whose convolution keys are `conv1.` upstream."""
+    """(this project's ModelConfig, the layers whose convolution keys are `conv1.` upstream) for
+    a published config; the MLP width is read from the weights, as upstream's rounding of
+    `n_inner` differs between its versions."""
     from models.backbone import ModelConfig
 
     cfg = normalized_config(raw, source)
@@ -302,7 +303,12 @@ def model_config_from_based(raw: dict, state: dict, source: str):
         )
         if conv1:
             conv1_layers.append(i)
-        if (name, kwargs) != default[:2]:
+        if (name, kwargs) == default[:2]:
+            continue
+        same = next((m for m in layer_mixers if (m["name"], m["kwargs"]) == (name, kwargs)), None)
+        if same:
+            same["layers"].append(i)
+        else:
             layer_mixers.append({"layers": [i], "name": name, "kwargs": kwargs})
     fc2 = state.get("transformer.layers.0.mlp.fc2.weight")
     if fc2 is None:
