@@ -81,6 +81,18 @@ def test_fixture_nll_depends_on_what_is_tested():
     assert (token_nll(loaded, seq) - nll).abs().max() > 1e-2
 
 
+def test_a_loaded_based_model_saves_and_reloads_as_native(tmp_path):
+    from models.loaders import load_model
+    from models.native import save_native
+
+    want = expected("based-2402")
+    save_native(load_model(f"based:{FIXTURES / 'based-2402'}").model, tmp_path / "native")
+    loaded = load_model(f"native:{tmp_path / 'native'}")
+    assert loaded.model.config.norm == "rmsnorm" and loaded.model.config.layer_mixers
+    diff = token_nll(loaded, want["sequences"][1]) - torch.tensor(want["nll"][1])
+    assert diff.abs().max() <= 1e-4
+
+
 def test_bf16_stays_close_to_upstream_fp32():
     from models.loaders import load_model
 
