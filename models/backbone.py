@@ -11,7 +11,9 @@ Parameter names follow HazyResearch/zoology `zoology/model.py`, so a Zoology sta
     lm_head.weight                                    tied to the word embeddings
 
 Each block is Zoology's `TransformerBlock`: the residual stream is carried beside the hidden state,
-`h = mixer(norm(residual))`, `residual = residual + h`.
+`h = mixer(norm(residual))`, `residual = residual + h`. HazyResearch/based's `GPTModel` (Based,
+Transformer++) is the same block with RMSNorm, a SwiGLU state mixer and other sequence mixers on
+some layers (`layer_mixers`); `models/based_ckpt.py` maps its key names onto these.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SEQUENCE_MIXERS = ("attention", "base_conv", "hyena", "rwkv")
-STATE_MIXERS = ("mlp", "glu", "rwkv", "identity")
+SEQUENCE_MIXERS = (
+    "attention", "base_conv", "hyena", "rwkv", "based_conv", "linear_attention", "sliding_attention"
+)  # fmt: skip
+STATE_MIXERS = ("mlp", "glu", "swiglu", "rwkv", "identity")
+NORMS = ("layernorm", "rmsnorm")
 
 
 def sequence_mixer_class(name: str) -> type[nn.Module]:
@@ -46,6 +51,18 @@ def sequence_mixer_class(name: str) -> type[nn.Module]:
         from models.rwkv import RWKVTimeMixer
 
         return RWKVTimeMixer
+    if name == "based_conv":
+        from models.base_conv import GatedConv
+
+        return GatedConv
+    if name == "linear_attention":
+        from models.linear_attention import LinearAttention
+
+        return LinearAttention
+    if name == "sliding_attention":
+        from models.sliding_attention import SlidingWindowAttention
+
+        return SlidingWindowAttention
     raise ValueError(f"unknown sequence mixer {name!r}; choose one of {', '.join(SEQUENCE_MIXERS)}")
 
 
@@ -58,6 +75,10 @@ def state_mixer_class(name: str) -> type[nn.Module]:
         from models.mlp import GLU
 
         return GLU
+    if name == "swiglu":
+        from models.mlp import SwiGLU
+
+        return SwiGLU
     if name == "rwkv":
         from models.rwkv import RWKVChannelMixer
 
@@ -102,12 +123,22 @@ class ModelConfig:
     pad_vocab_size_multiple: int = 1
     embed_dropout: float = 0.0
     resid_dropout: float = 0.0
+    # "layernorm" (Zoology, GPT-2) or "rmsnorm" (Based, Transformer++; weight only)
+    norm: str = "layernorm"
+    # keep the residual stream in fp32 under a bf16/fp16 model, as HazyResearch/based trains it
+    residual_in_fp32: bool = False
+    # other sequence mixers on some layers, e.g. Based's
+    # [{"layers": [1, 6], "name": "linear_attention", "kwargs": {...}}]; later entries win
+    layer_mixers: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self):
-        if self.sequence_mixer not in SEQUENCE_MIXERS:
-            raise ValueError(
-                f"unknown sequence mixer {self.sequence_mixer!r}; choose one of {', '.join(SEQUENCE_MIXERS)}"
-            )
+        for name in [self.sequence_mixer] + [m.get("name") for m in self.layer_mixers]:
+            if name not in SEQUENCE_MIXERS:
+                raise ValueError(
+                    f"unknown sequence mixer {name!r}; choose one of {', '.join(SEQUENCE_MIXERS)}"
+                )
+        if self.norm not in NORMS:
+            raise ValueError(f"unknown norm {self.norm!r}; choose one of {', '.join(NORMS)}")
         if self.state_mixer is None:
             self.state_mixer = "rwkv" if self.sequence_mixer == "rwkv" else "mlp"
         if self.state_mixer not in STATE_MIXERS:
@@ -116,6 +147,13 @@ class ModelConfig:
             )
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.l_max if self.sequence_mixer == "attention" else 0
+
+    def mixer_of_layer(self, layer_idx: int) -> tuple[str, dict[str, Any]]:
+        """(sequence-mixer name, its kwargs) of one layer: `layer_mixers` over the default."""
+        for entry in reversed(self.layer_mixers):
+            if layer_idx in entry["layers"]:
+                return entry["name"], dict(entry.get("kwargs") or {})
+        return self.sequence_mixer, dict(self.sequence_mixer_kwargs)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -156,14 +194,20 @@ class TokenEmbeddings(nn.Module):
         return x
 
 
+def make_norm(config: ModelConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.d_model, eps=config.layer_norm_epsilon)
+    return nn.LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
+
+
 class Block(nn.Module):
     """Pre-norm block: sequence mixer then state mixer, each reading the normalised residual."""
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
-        mixer_kwargs = dict(config.sequence_mixer_kwargs)
+        mixer, mixer_kwargs = config.mixer_of_layer(layer_idx)
         mixer_kwargs.setdefault("n_layers", config.n_layers)
-        self.sequence_mixer = sequence_mixer_class(config.sequence_mixer)(
+        self.sequence_mixer = sequence_mixer_class(mixer)(
             d_model=config.d_model, l_max=config.l_max, layer_idx=layer_idx, **mixer_kwargs
         )
         state_kwargs = dict(config.state_mixer_kwargs)
@@ -174,14 +218,17 @@ class Block(nn.Module):
             d_model=config.d_model, layer_idx=layer_idx, **state_kwargs
         )
         self.dropout1 = nn.Dropout(config.embed_dropout if layer_idx == 0 else config.resid_dropout)
-        self.norm1 = nn.LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
+        self.norm1 = make_norm(config)
         self.dropout2 = nn.Dropout(config.resid_dropout)
-        self.norm2 = nn.LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
+        self.norm2 = make_norm(config)
+        self.residual_in_fp32 = config.residual_in_fp32
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None):
         dropped = self.dropout1(hidden)
         residual = dropped if residual is None else residual + dropped
         hidden = self.sequence_mixer(self.norm1(residual.to(self.norm1.weight.dtype)))
+        if self.residual_in_fp32:
+            residual = residual.float()
         residual = residual + self.dropout2(hidden)
         hidden = self.state_mixer(self.norm2(residual.to(self.norm2.weight.dtype)))
         return hidden, residual
@@ -195,7 +242,7 @@ class LMBackbone(nn.Module):
         )
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.drop_f = nn.Dropout(config.resid_dropout)
-        self.ln_f = nn.LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
+        self.ln_f = make_norm(config)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embeddings(input_ids)  # (B, T, D)

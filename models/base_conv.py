@@ -6,6 +6,10 @@
 whole sequence: Zoology's implicit one (a Hyena-style filter; its `bias` parameter exists but, as
 in Zoology, is not applied: the FFT path adds `u` itself) or, with `implicit_long_conv=False`, its
 explicit `LongConvolution` (one learned filter tap per channel and position, key `conv.filter`).
+
+`GatedConv` is the BaseConv of the Based LM (HazyResearch/based
+`based/models/mixers/convolution.py`): `out_proj(silu(conv(u1)) ⊙ u2)` with `(u1, u2)` the two
+halves of `in_proj(u)` and a bias-free short convolution.
 """
 
 from __future__ import annotations
@@ -20,15 +24,30 @@ from models.hyena import ImplicitFilter, fft_causal_conv
 class ShortConvolution(nn.Module):
     """Causal depthwise Conv1d over time (Zoology key: `conv.conv.{weight,bias}`)."""
 
-    def __init__(self, d_model: int, kernel_size: int):
+    def __init__(self, d_model: int, kernel_size: int, bias: bool = True):
         super().__init__()
         self.conv = nn.Conv1d(
-            d_model, d_model, kernel_size=kernel_size, groups=d_model, padding=kernel_size - 1
+            d_model,
+            d_model,
+            kernel_size=kernel_size,
+            groups=d_model,
+            padding=kernel_size - 1,
+            bias=bias,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         L = x.shape[1]
-        return self.conv(x.transpose(1, 2))[..., :L].transpose(1, 2)  # (B, L, D)
+        weight = self.conv.weight[:, 0]  # (D, K)
+        K = weight.shape[-1]
+        if K > 16:  # long kernels: one convolution over the left-padded, channel-first input
+            y = F.conv1d(F.pad(x.transpose(1, 2), (K - 1, 0)), self.conv.weight, groups=x.shape[2])
+            y = y.transpose(1, 2)  # (B, L, D)
+        else:  # a few taps: K shifted multiply-adds, several times faster than Conv1d on a CPU
+            padded = F.pad(x, (0, 0, K - 1, 0))  # (B, K-1+L, D)
+            y = padded[:, K - 1 :] * weight[:, K - 1]
+            for k in range(K - 1):
+                y = y + padded[:, k : k + L] * weight[:, k]
+        return y if self.conv.bias is None else y + self.conv.bias
 
 
 class ImplicitLongConvolution(ImplicitFilter):
@@ -115,3 +134,32 @@ class BaseConv(nn.Module):
         if self.use_act:
             return F.silu(u_conv) * F.silu(u_proj) + u
         return u_conv * u_proj + u
+
+
+class GatedConv(nn.Module):
+    """Based's BaseConv: `out_proj(silu(conv(u1)) ⊙ u2)`, `(u1, u2) = in_proj(u)` split in halves."""
+
+    def __init__(
+        self,
+        d_model: int,
+        l_max: int | None = None,
+        layer_idx: int | None = None,
+        kernel_size: int = 3,
+        expand_proj: int = 2,  # in_proj width / d_model; Based's LMs use 4 (u1, u2 of 2 d_model)
+        bias: bool = True,  # on in_proj and out_proj
+        conv_bias: bool = False,  # Based's convolution has none (its causal_conv1d path has one)
+        **kwargs,
+    ):
+        super().__init__()
+        if expand_proj * d_model % 2:
+            raise ValueError(f"expand_proj {expand_proj} x d_model {d_model} must be even")
+        self.d_model = d_model
+        self.layer_idx = layer_idx
+        self.d_inner = expand_proj * d_model // 2
+        self.in_proj = nn.Linear(d_model, expand_proj * d_model, bias=bias)
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias)
+        self.conv = ShortConvolution(self.d_inner, kernel_size=kernel_size, bias=conv_bias)
+
+    def forward(self, u: torch.Tensor, **kwargs) -> torch.Tensor:
+        u1, u2 = self.in_proj(u).split(self.d_inner, dim=-1)  # each (B, L, d_inner)
+        return self.out_proj(F.silu(self.conv(u1)) * u2)  # (B, L, D)

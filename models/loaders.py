@@ -5,6 +5,8 @@ Specs:
                                Llama family, RWKV; RWKV runs through models/rwkv.py's chunked form)
     zoology:<checkpoint>       a Zoology state dict + its ModelConfig -> models.backbone
     safari:<checkpoint>        safari's Hyena LM raw state dict (e.g. Hyena-153M) -> models.backbone
+    based:<dir or hub id>      HazyResearch/based's Based / Transformer++ (config.json +
+                               pytorch_model.bin as published) -> models.backbone
     native:<directory>         config.json + model.safetensors written by models.native.save_native
 
 Checkpoints are read with `torch.load(..., weights_only=True)` or safetensors only; a pickle that
@@ -23,7 +25,7 @@ from ar_slicing.errors import ArSliceError
 
 log = logging.getLogger(__name__)
 
-SPEC_PREFIXES = ("hf", "zoology", "safari", "native")
+SPEC_PREFIXES = ("hf", "zoology", "safari", "based", "native")
 
 
 @dataclass
@@ -31,7 +33,7 @@ class LoadedModel:
     """A model ready for scoring, with what the eval stage records about it.
 
     model: the nn.Module in eval mode; architecture: "attention" | "base_conv" | "hyena" | "rwkv"
-    for this project's models, the transformers `model_type` (e.g. "gpt_neox") for hf:;
+    (| "based" for a based: Based LM) for this project's models, the transformers `model_type` (e.g. "gpt_neox") for hf:;
     vocab_size: rows of the output head; max_positions: longest input the model accepts (None: no
     limit); tokenizer_fingerprint: of the tokenizer found with the checkpoint, else None.
     `hidden_and_head(input_ids (B, T))` -> (hidden (B, T, D), head weight (V, D), head bias or None).
@@ -108,17 +110,25 @@ def load_model(spec: str, device="cpu", dtype=None, fast_rwkv: bool = True) -> L
             )
         model = load_native(path, device=device, dtype=dtype)
         return wrap_language_model(model, spec, tokenizer_fingerprint=_fingerprint_near(path))
+    architecture = None
     if prefix == "zoology":
         from models.zoology_ckpt import load_zoology
 
         model, tok_dir = load_zoology(target)
+    elif prefix == "based":
+        from models.based_ckpt import architecture_of, load_based
+
+        model, tok_dir = load_based(target, spec)
+        architecture = architecture_of(model.config)
     else:
         from models.safari_ckpt import load_safari
 
         model, tok_dir = load_safari(target)
     model.eval()
     model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
-    return wrap_language_model(model, spec, tokenizer_fingerprint=_fingerprint_near(tok_dir))
+    return wrap_language_model(
+        model, spec, tokenizer_fingerprint=_fingerprint_near(tok_dir), architecture=architecture
+    )
 
 
 def count_params(model) -> int:
@@ -135,20 +145,26 @@ def max_positions_of(config) -> int | None:
     limits = []
     if config.max_position_embeddings:
         limits.append(config.max_position_embeddings)
-    kernel = config.sequence_mixer_kwargs.get("kernel_size", 3)
-    if config.sequence_mixer in ("attention", "hyena") or (
-        config.sequence_mixer == "base_conv" and kernel == -1
-    ):
-        limits.append(config.l_max)
+    for i in range(config.n_layers):
+        mixer, kwargs = config.mixer_of_layer(i)
+        # attention without rotary has no notion of order beyond l_max; rotary has no limit
+        if (
+            (mixer == "attention" and not kwargs.get("rotary_emb_dim"))
+            or mixer == "hyena"
+            or (mixer == "base_conv" and kwargs.get("kernel_size", 3) == -1)
+        ):
+            limits.append(config.l_max)
     return min(limits) if limits else None
 
 
-def wrap_language_model(model, spec: str, tokenizer_fingerprint: str | None) -> LoadedModel:
+def wrap_language_model(
+    model, spec: str, tokenizer_fingerprint: str | None, architecture: str | None = None
+) -> LoadedModel:
     config = model.config
     return LoadedModel(
         model=model,
         spec=spec,
-        architecture=config.sequence_mixer,
+        architecture=architecture or config.sequence_mixer,
         n_params=count_params(model),
         vocab_size=config.padded_vocab_size,
         max_positions=max_positions_of(config),
@@ -196,6 +212,15 @@ def _load_hf(spec: str, target: str, device, dtype, fast_rwkv: bool) -> LoadedMo
         raise ArSliceError(
             f"{spec}: {path / 'config.json'} not found (not a transformers model directory)"
         )
+    if looks_local:
+        from ar_slicing.io import read_json
+        from models.based_ckpt import is_based_config
+
+        if is_based_config(read_json(path / "config.json")):
+            raise ArSliceError(
+                f"{spec}: {path / 'config.json'} is a HazyResearch/based config (no model_type), "
+                f"not a transformers one; load it with based:{target}"
+            )
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -346,7 +346,7 @@ class Pipeline:
             if "model" not in table:
                 raise BadInput(
                     f'{self.config_path} [eval.models.{name}]: needs `model = "<spec>"` '
-                    "(hf:..., native:..., safari:..., zoology:...)"
+                    "(hf:..., native:..., safari:..., zoology:..., based:...)"
                 )
             entries[name] = table
         if not entries:

@@ -124,6 +124,22 @@ def make_native(path: Path, tokenizer_path) -> Path:
     return save_native(model, path, tokenizer_json=tokenizer_path)
 
 
+def make_based(path: Path, tokenizer_path) -> Path:
+    """HazyResearch/based's published layout: the upstream-made Based fixture (model. prefix,
+    metric entries and all), its vocabulary widened to the store's with new random rows."""
+    shutil.copytree(Path(__file__).parent / "fixtures" / "upstream" / "based" / "based-main", path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "vocab_size": VOCAB}))
+    state = torch.load(path / "pytorch_model.bin", weights_only=True)
+    emb = 0.5 * torch.randn(VOCAB, config["n_embd"], generator=torch.Generator().manual_seed(4))
+    state["model.transformer.embeddings.word_embeddings.weight"] = state["model.lm_head.weight"] = (
+        emb
+    )
+    torch.save(state, path / "pytorch_model.bin")
+    shutil.copy(tokenizer_path, path / "tokenizer.json")
+    return path
+
+
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory, bpe_tokenizer_path):
     root = tmp_path_factory.mktemp("models")
@@ -165,9 +181,14 @@ def plain_logits_fn(spec: str):
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         return lambda ids: model(input_ids=torch.tensor([ids])).logits[0]
-    from models.native import load_native
+    if kind == "based":
+        from models.based_ckpt import load_based
 
-    model = load_native(path).eval()
+        model = load_based(path, spec)[0]
+    else:
+        from models.native import load_native
+
+        model = load_native(path).eval()
     return lambda ids: model(torch.tensor([ids]))[0]
 
 
@@ -568,6 +589,23 @@ def test_cli_prints_errors_without_traceback(corpus, bpe_tokenizer_path, tmp_pat
     err = capsys.readouterr().err
     assert "arslice eval: error: windows of 32 tokens" in err and "positional limit of 16" in err
     assert "Traceback" not in err
+
+
+def test_based_checkpoint_evaluates_through_the_cli(corpus, bpe_tokenizer_path, tmp_path):
+    from pipeline.cli import main
+
+    spec = f"based:{make_based(tmp_path / 'based-tiny', bpe_tokenizer_path)}"
+    out = tmp_path / "out"
+    argv = ["eval", "--model", spec, "--tags", str(corpus["tags"]), "--out", str(out)]
+    assert main([*argv, "--device", "cpu", "--dtype", "fp32", "--batch-size", "3"]) == 0
+    losses = read_losses(out)
+    assert losses.select(["window_id", "pos"]).equals(read_tag_keys(corpus["tags"]))
+    want = plain_fixed_losses(spec, corpus["store"], L)
+    assert want.std() > 0.5
+    np.testing.assert_allclose(losses.column("nll").to_numpy(), want, rtol=0, atol=2e-4)
+    meta = read_json(out / "meta.json")
+    assert meta["spec"] == spec and meta["architecture"] == "based" and meta["name"] == "based-tiny"
+    assert meta["fingerprint"] == corpus["store"].fingerprint
 
 
 def test_model_name_from_spec():

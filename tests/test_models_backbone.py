@@ -195,7 +195,7 @@ def test_native_weights_that_do_not_match_the_config_are_listed(tmp_path):
     "spec, words",
     [
         ("pythia-70m", "PREFIX:TARGET"),
-        ("gguf:model.bin", "hf:, zoology:, safari:, native:"),
+        ("gguf:model.bin", "hf:, zoology:, safari:, based:, native:"),
         ("native:/nonexistent/dir", "not a directory"),
         ("hf:/nonexistent/dir", "not a directory"),
     ],

@@ -124,6 +124,20 @@ def short_conv_direct(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor)
     return y
 
 
+@pytest.mark.parametrize(
+    "kernel, bias", [(1, True), (3, False), (4, True), (17, True), (20, False)]
+)
+def test_short_convolution_equals_the_direct_sum(kernel, bias):
+    from models.base_conv import ShortConvolution
+
+    torch.manual_seed(kernel)
+    conv = ShortConvolution(6, kernel_size=kernel, bias=bias)  # K > 16 takes the conv1d path
+    x = torch.randn(2, 25, 6)
+    expected = short_conv_direct(x, conv.conv.weight, conv.conv.bias if bias else torch.zeros(6))
+    with torch.no_grad():
+        torch.testing.assert_close(conv(x), expected.detach(), atol=1e-5, rtol=1e-5)
+
+
 def test_base_conv_short_equals_its_formula():
     torch.manual_seed(0)
     mixer = BaseConv(d_model=8, l_max=32, kernel_size=3).eval()

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from ar_slicing.errors import ArSliceError, BadInput
 from ar_slicing.io import read_json
+from models.loaders import parse_spec
 from pipeline.run import (
     STAGES,
     Pipeline,
@@ -161,7 +162,12 @@ def test_demo_config_builds_every_stage_and_matches_the_makefile():
 
 
 @pytest.mark.parametrize(
-    "name, reference", [("pile-gpt2.toml", "gpt-neo-125m"), ("pile-neox.toml", "pythia-160m")]
+    "name, reference",
+    [
+        ("pile-gpt2.toml", "gpt-neo-125m"),
+        ("pile-neox.toml", "pythia-160m"),
+        ("pile-hazy.toml", "transformer-pp-1.3b"),
+    ],
 )
 def test_pile_configs_build_every_stage(name, reference):
     p = shipped(name)
@@ -176,6 +182,17 @@ def test_pile_configs_build_every_stage(name, reference):
     evals = p.eval_configs()
     assert reference in evals and p.report_configs()["report"].reference == reference
     assert all(c.out == f"{p.run_dir}/losses/{n}" and c.name == n for n, c in evals.items())
+    for c in evals.values():
+        parse_spec(c.model)  # a known loader prefix
+
+
+def test_hazy_config_evaluates_the_whole_suite():
+    p = shipped("pile-hazy.toml")
+    assert p.table("tokenizer")["pretrained"] == "gpt2"
+    assert {n: c.model for n, c in p.eval_configs().items()} == {
+        n: f"based:hazyresearch/{n}"
+        for n in ("transformer-pp-1.3b", "based-1.3b", "mamba-1.3b", "based-360m")
+    }
 
 
 def test_unknown_stage_keys_name_the_table(tmp_path):

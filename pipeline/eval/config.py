@@ -15,7 +15,8 @@ CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".safetensors")
 class EvalConfig:
     model: str = field(
         metadata={
-            "help": "model spec: hf:<hub id or dir>, native:<dir>, safari:<ckpt>, zoology:<ckpt>"
+            "help": "model spec: hf:<hub id or dir>, native:<dir>, safari:<ckpt>, zoology:<ckpt>, "
+            "based:<hub id or dir>"
         }
     )
     tags: str = field(metadata={"help": "tag directory written by `arslice tag` (windows.parquet)"})
