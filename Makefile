@@ -5,7 +5,8 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-ARSLICE := $(VENV)/bin/arslice
+# (overridable: tests run `make` with `ARSLICE="python -m pipeline.cli"` from their own tree)
+ARSLICE ?= $(VENV)/bin/arslice
 CONFIG ?= pipeline/configs/demo.toml
 # The run directory named by the config (`run_dir = "..."`).
 RUN := $(shell sed -n 's/^run_dir *= *"\([^"]*\)".*/\1/p' $(CONFIG) 2>/dev/null)

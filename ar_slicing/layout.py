@@ -147,7 +147,9 @@ def where_is(path: str | os.PathLike, want: str) -> str:
     path = Path(path)
     if looks_like_run_dir(path) and (path / want).exists():
         return f"{path} is a run directory; its {want} are {path / want}"
-    for parent in path.parents:
+    for parent in path.resolve().parents:
         if looks_like_run_dir(parent):
+            if (parent / want).resolve() == path.resolve():
+                return ""  # the right folder, only unfinished
             return f"{path} is inside the run directory {parent}; its {want} are {parent / want}"
     return ""

@@ -493,7 +493,8 @@ def _check_external_spec(spec: str, trained: set[str], context: str) -> None:
         prefix, target = parse_spec(spec)
     except ArSliceError as e:
         raise ArSliceError(f"{context}: {e}") from None
-    local = target.startswith((".", "/", "~")) or prefix != "hf"
+    # hf: and based: also take hub ids; the others name files
+    local = target.startswith((".", "/", "~")) or prefix not in ("hf", "based")
     path = Path(target).expanduser()
     if local and str(path) not in trained and not path.exists():
         raise BadInput(f"{context}: {spec}: {path} does not exist")

@@ -9,7 +9,8 @@ Checks, stage by stage (each prints `ok` or `FAIL` with the file and the numbers
   tags         windows.parquet is the window table of the validation stream; tag rows are sorted
                by (window_id, pos) and cover every target of the stream exactly once; token and
                prev equal the stream; train_count equals the counts; is_ar_hit follows its rule;
-               a repeat's prev_pos is an earlier position of its window with the same bigram
+               a repeat's prev_pos is an earlier position of its window with the same bigram;
+               recomputed from the stream, every repeat is found and prev_pos is the latest
   models/*     each model was trained on a store of the run's tokenizer
   losses/*     exactly one loss row per tag row (of the windows evaluated), every nll finite
   everywhere   one tokenizer fingerprint across stores, counts, tags, models and losses
@@ -211,6 +212,42 @@ def _covering_keys(batches, n_targets: np.ndarray, window: int):
     return rows, None
 
 
+def expected_prev_pos(
+    tokens: np.ndarray,
+    starts: np.ndarray,
+    n_targets: np.ndarray,
+    w0: int,
+    w1: int,
+    doc_offsets: np.ndarray | None = None,
+) -> list[np.ndarray]:
+    """DESIGN.md's repeat definition, computed from the stream alone (not from the tagger's
+    tables): for each window w0..w1-1, per target position 1..n, the latest earlier position of
+    its window with the same bigram (0: none). With `doc_offsets` (reset_at_doc_boundary) only
+    earlier targets of the same document count."""
+    n = n_targets[w0:w1].astype(np.int64)
+    if n.sum() == 0:
+        return [np.zeros(0, np.int64) for _ in n]
+    win = np.repeat(np.arange(w0, w1, dtype=np.int64), n)
+    first = np.repeat(np.cumsum(n) - n, n)
+    pos = np.arange(int(n.sum()), dtype=np.int64) - first + 1
+    i = starts[win] + pos
+    key = (tokens[i - 1].astype(np.int64) << 32) | tokens[i].astype(np.int64)
+    group = (
+        np.searchsorted(doc_offsets, i, side="right")
+        if doc_offsets is not None
+        else np.zeros_like(i)
+    )
+    order = np.lexsort((pos, key, group, win))
+    same = (
+        (win[order][1:] == win[order][:-1])
+        & (group[order][1:] == group[order][:-1])
+        & (key[order][1:] == key[order][:-1])
+    )
+    latest = np.zeros(len(pos), np.int64)
+    latest[order[1:][same]] = pos[order[:-1][same]]
+    return np.split(latest, np.cumsum(n)[:-1])
+
+
 def verify_tags(
     path: Path,
     val_meta: dict | None,
@@ -270,7 +307,12 @@ def verify_tags(
         "train_count": 0,
         "is_ar_hit": 0,
         "prev_pos": 0,
+        "is_repeat and prev_pos (the latest earlier occurrence, from the stream)": 0,
     }
+    doc_offsets = None
+    if tokens is not None and meta.get("reset_at_doc_boundary"):
+        doc_offsets = pq.read_table(val_dir / "docs.parquet", columns=["offset"])
+        doc_offsets = doc_offsets.column("offset").to_numpy().astype(np.int64)
     columns = ["window_id", "pos", "token", "prev", "train_count", "is_repeat", "is_ar_hit"]
     columns.append("prev_pos")
 
@@ -303,6 +345,16 @@ def verify_tags(
                     mismatches["prev_pos"] += int(
                         np.sum((tokens[j] != token[sel]) | (tokens[j - 1] != prev[sel]))
                     )
+                    # every repeat found, none invented, and prev_pos the latest occurrence
+                    lo, hi = int(wid.min()), int(wid.max()) + 1
+                    want = expected_prev_pos(tokens, starts, n_targets, lo, hi, doc_offsets)
+                    in_range = (wid >= lo) & (pos >= 1) & (pos <= n_targets[wid])
+                    flat = np.concatenate(want) if want else np.zeros(0, np.int64)
+                    offsets = np.concatenate([[0], np.cumsum(n_targets[lo:hi])])
+                    idx = offsets[wid[in_range] - lo] + pos[in_range] - 1
+                    got = np.where(has_prev, prev_pos, 0)[in_range]
+                    key = "is_repeat and prev_pos (the latest earlier occurrence, from the stream)"
+                    mismatches[key] += int(np.sum(flat[idx] != got))
                 if counts is not None:
                     mismatches["train_count"] += int(
                         np.sum(counts.lookup(prev, token) != train_count)

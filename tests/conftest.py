@@ -96,3 +96,73 @@ def make_store(tmp_path):
         return write_token_store(out, documents, tokenizer_info=info, subsets=subsets)
 
     return make
+
+
+# A pipeline config of every stage, small enough to run in seconds (two tiny trained models).
+SMALL_PIPELINE = """
+run_dir = "{root}/run"
+
+[tokenizer]
+source = ["{{stdlib}}"]
+glob = "a*.py"
+split_fraction = 0.3
+split_part = "train"
+vocab_size = 400
+
+[tokenize]
+source = ["{{stdlib}}"]
+glob = "a*.py"
+split_fraction = 0.3
+workers = 1
+
+[count]
+workers = 1
+
+[tag]
+window = 32
+threshold = 2
+workers = 1
+
+[train]
+seq_len = 32
+batch_size = 4
+steps = 3
+warmup_steps = 1
+eval_every = 0
+eval_batches = 1
+d_model = 16
+n_layers = 1
+progress = false
+
+[train.models.attention]
+arch = "attention"
+
+[train.models.base_conv]
+arch = "base_conv"
+
+[eval]
+device = "cpu"
+batch_size = "8"
+
+[report]
+reference = "attention"
+bootstrap = 5
+"""
+
+
+def small_pipeline_config(root: Path, **overrides: str) -> str:
+    """SMALL_PIPELINE with its run under `root/run`; `overrides` appends TOML lines per table,
+    e.g. tag='threshold = 3' (a later key of a table wins over the one above it: TOML allows
+    each key once, so the table's line is replaced)."""
+    text = SMALL_PIPELINE.format(root=root)
+    for table, line in overrides.items():
+        key = line.split("=")[0].strip()
+        head = f"[{table}]\n"
+        start = text.index(head) + len(head)
+        end = text.find("\n[", start)
+        body = text[start : end if end >= 0 else None]
+        kept = "".join(
+            row + "\n" for row in body.splitlines() if row and row.split("=")[0].strip() != key
+        )
+        text = text[:start] + kept + line + "\n" + (text[end:] if end >= 0 else "")
+    return text

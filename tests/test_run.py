@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
+from conftest import small_pipeline_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -211,60 +212,10 @@ def test_unknown_stage_keys_name_the_table(tmp_path):
 
 # ---- a small real run of every stage -----------------------------------------------------------
 
-SMALL = """
-run_dir = "{root}/run"
-
-[tokenizer]
-source = ["{{stdlib}}"]
-glob = "a*.py"
-split_fraction = 0.3
-split_part = "train"
-vocab_size = 400
-
-[tokenize]
-source = ["{{stdlib}}"]
-glob = "a*.py"
-split_fraction = 0.3
-workers = 1
-
-[count]
-workers = 1
-
-[tag]
-window = 32
-threshold = 2
-workers = 1
-
-[train]
-seq_len = 32
-batch_size = 4
-steps = 3
-warmup_steps = 1
-eval_every = 0
-eval_batches = 1
-d_model = 16
-n_layers = 1
-progress = false
-
-[train.models.attention]
-arch = "attention"
-
-[train.models.base_conv]
-arch = "base_conv"
-
-[eval]
-device = "cpu"
-batch_size = "8"
-
-[report]
-reference = "attention"
-bootstrap = 5
-"""
-
 
 def test_every_stage_runs_writes_its_markers_and_reruns_skip(tmp_path, capsys):
     cfg = tmp_path / "small.toml"
-    cfg.write_text(SMALL.format(root=tmp_path))
+    cfg.write_text(small_pipeline_config(tmp_path))
     run_dir = tmp_path / "run"
     result = run_pipeline(RunConfig(config=str(cfg)))
     assert list(result["wall_time_s"]) == list(STAGES)

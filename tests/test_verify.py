@@ -113,6 +113,50 @@ def test_repeat_pointing_at_another_bigram(run_copy):
     assert "prev_pos of every row" in failures_of(run_copy)
 
 
+def _set(t, name, values, type_=None):
+    return t.set_column(t.schema.get_field_index(name), name, pa.array(values, type_))
+
+
+def test_a_tagger_that_misses_a_repeat_is_caught(run_copy):
+    """A repeat written as a non-repeat (consistently: no prev_pos, no AR hit) breaks no row's
+    own rule; only the definition, recomputed from the stream, finds it."""
+    part = run_copy / "tags/tags-00000.parquet"
+
+    def forget_one(t):
+        rep = t.column("is_repeat").to_pylist()
+        i = rep.index(True)
+        prev_pos, hit = t.column("prev_pos").to_pylist(), t.column("is_ar_hit").to_pylist()
+        rep[i], prev_pos[i], hit[i] = False, None, False
+        t = _set(t, "is_repeat", rep)
+        t = _set(t, "is_ar_hit", hit)
+        return _set(t, "prev_pos", prev_pos, pa.int32())
+
+    rewrite(part, forget_one)
+    assert "the latest earlier occurrence, from the stream" in failures_of(run_copy)
+
+
+def test_prev_pos_at_an_older_occurrence_is_caught(run_copy):
+    """A repeat whose prev_pos names an earlier occurrence of its bigram, but not the latest."""
+    part = run_copy / "tags/tags-00000.parquet"
+
+    def point_further_back(t):
+        prev_pos = t.column("prev_pos").to_pylist()
+        window, pos = t.column("window_id").to_pylist(), t.column("pos").to_pylist()
+        where = {(window[k], pos[k]): k for k in range(len(pos))}
+        # a repeat whose previous occurrence is itself a repeat: its prev_pos has an older one
+        for i, p in enumerate(prev_pos):
+            j = where.get((window[i], p)) if p is not None else None
+            if j is not None and prev_pos[j] is not None:
+                prev_pos[i] = prev_pos[j]
+                return _set(t, "prev_pos", prev_pos, pa.int32())
+        raise AssertionError("no bigram occurs three times in one window of the fixture")
+
+    rewrite(part, point_further_back)
+    message = failures_of(run_copy)
+    assert "the latest earlier occurrence, from the stream" in message
+    assert "prev_pos of every row" not in message  # the row's own rule still holds
+
+
 def test_tags_from_another_run(run_copy, tmp_path, bpe_tokenizer_path):
     """Tags of another validation store (same tokenizer) put into this run."""
     other = build_run(tmp_path / "other", bpe_tokenizer_path, n_train=3, n_val=2)["run"]

@@ -39,10 +39,15 @@ def open_tags(tags_dir: str | Path, tokens: str | None = None) -> TagsInput:
 
     from ar_slicing.store import TokenStore
 
+    from ar_slicing.layout import where_is
+
     tags_dir = Path(tags_dir)
     if not tags_dir.is_dir():
         raise BadInput(f"tags {tags_dir}: no such directory (run `arslice tag` first)")
     if not is_complete(tags_dir):
+        hint = where_is(tags_dir, "tags")
+        if hint:
+            raise BadInput(f"--tags {tags_dir}: not a tag directory; {hint}")
         raise BadInput(
             f"tags {tags_dir}: incomplete (no meta.json); rerun `arslice tag` to finish it"
         )
