@@ -15,6 +15,7 @@ attention model when there is one), as in `arslice report`.
 from __future__ import annotations
 
 import csv
+import importlib
 import io
 import json
 import math
@@ -27,8 +28,8 @@ from typing import Any
 from ar_slicing.errors import ArSliceError
 from pipeline.config import Command
 
-# queries/ sits at the repository root, beside pipeline/ (the package is installed editable).
-QUERIES_DIR = Path(__file__).resolve().parent.parent / "queries"
+# queries/ is a package of its own (its .sql files are package data), editable install or wheel.
+QUERIES_DIR = Path(importlib.import_module("queries").__file__).resolve().parent
 FORMATS = ("table", "csv", "json")
 _PARAM_DOC = re.compile(r"^--\s*\$(\w+)\s+(.*?)\s*$")
 _DEFAULT = re.compile(r"\(default:\s*([^)]*)\)")

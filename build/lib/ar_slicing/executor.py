@@ -1,0 +1,65 @@
+"""Executors for the map steps of the stages (one shard in, one file out).
+
+Tasks are plain picklable callables with picklable arguments that write their own output files,
+so the order results arrive in never matters: a stage's final output is assembled from the files.
+`LocalExecutor` (a process pool; inline with one worker) is the default.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from typing import Any
+
+
+def default_workers() -> int:
+    return max(
+        1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
+
+
+class LocalExecutor:
+    """Runs `fn(task)` for each task on a local process pool, at most `workers` at a time."""
+
+    name = "local"
+
+    def __init__(self, workers: int | None = None):
+        self.workers = workers or default_workers()
+
+    def map_unordered(
+        self, fn: Callable[[Any], Any], tasks: Iterable[Any]
+    ) -> Iterator[tuple[Any, Any]]:
+        """Yield (task, fn(task)) as tasks finish. Keeps at most 2×workers tasks in flight."""
+        tasks = iter(tasks)
+        if self.workers <= 1:
+            for task in tasks:
+                yield task, fn(task)
+            return
+        with ProcessPoolExecutor(max_workers=self.workers) as pool:
+            pending = {}
+            for task in tasks:
+                pending[pool.submit(fn, task)] = task
+                if len(pending) >= 2 * self.workers:
+                    break
+            while pending:
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    task = pending.pop(fut)
+                    yield task, fut.result()
+                    nxt = next(tasks, None)
+                    if nxt is not None:
+                        pending[pool.submit(fn, nxt)] = nxt
+
+
+def get_executor(name: str = "local", workers: int | None = None, **options: Any):
+    """The executor called `name` ("local"; other engines register here)."""
+    if name == "local":
+        return LocalExecutor(workers)
+    if name == "ray":  # options: address, num_cpus, num_gpus, max_retries (see ray_executor)
+        from ar_slicing.ray_executor import RayExecutor
+
+        return RayExecutor(workers, **options)
+    from ar_slicing.errors import ArSliceError
+
+    raise ArSliceError(f"unknown executor {name!r}; available: local, ray")

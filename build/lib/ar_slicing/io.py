@@ -1,0 +1,230 @@
+"""Atomic output files, completion markers and the `meta.json` every stage writes beside its outputs.
+
+A stage's outputs are complete exactly when its `meta.json` exists: it is written last, atomically,
+after every data file has been renamed into place. Readers and `make` both rely on that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from ar_slicing import __version__
+from ar_slicing.layout import META_NAME, TMP_SUFFIX, is_complete
+
+__all__ = ["META_NAME", "is_complete"]  # (their home is ar_slicing.layout)
+# Keys of meta.json that legitimately differ between two identical runs.
+VOLATILE_META_KEYS = ("wall_time_s", "throughput", "created_at", "tokens_per_s", "host")
+
+
+def tmp_path_for(path: str | os.PathLike) -> Path:
+    """A temporary sibling of `path` (same directory, so the final rename is atomic). Every
+    temporary name of the project is made here, so `sweep_temporaries` finds them all."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}{TMP_SUFFIX}")
+
+
+def sweep_temporaries(directory: str | os.PathLike) -> int:
+    """Remove the temporaries (files and directories) that killed runs left anywhere under
+    `directory`; returns how many. Called by a stage before it writes into its output."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return 0
+    # a kill between atomic_dir's two renames leaves the old directory aside: put it back
+    for old in directory.rglob(f".*.old{TMP_SUFFIX}"):
+        original = old.with_name(old.name[1 : -len(f".old{TMP_SUFFIX}")])
+        if old.is_dir() and not original.exists():
+            old.replace(original)
+    found = sorted(
+        (p for p in directory.rglob(f".*{TMP_SUFFIX}") if p.name != TMP_SUFFIX),
+        key=lambda p: len(p.parts),
+    )
+    removed = 0
+    for p in found:
+        if not p.exists() and not p.is_symlink():
+            continue  # inside a directory removed just before
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path to write to; rename it onto `path` only if the block succeeds.
+
+    >>> with atomic_path("out/x.parquet") as tmp:   # doctest: +SKIP
+    ...     pq.write_table(table, tmp)
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_path_for(path)
+    try:
+        yield tmp
+        if tmp.exists():
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary directory to fill; it replaces the directory `path` only if the block
+    succeeds (the old one is moved aside first and removed after, so a kill leaves either)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_path_for(path)
+    old = path.with_name(f".{path.name}.old{TMP_SUFFIX}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        yield tmp
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb+") as fh:
+                    os.fsync(fh.fileno())
+        if path.exists():
+            if old.exists():
+                shutil.rmtree(old)
+            path.replace(old)
+        tmp.replace(path)
+        if old.exists():
+            shutil.rmtree(old)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    text = json.dumps(to_jsonable(obj), indent=2, sort_keys=True) + "\n"
+    write_bytes_atomic(path, text.encode())
+
+
+def read_json(path: str | os.PathLike) -> dict:
+    from ar_slicing.errors import BadInput
+
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise BadInput(
+            f"{path}: not found (was the stage that writes it run to completion?)"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise BadInput(f"{path}: not valid JSON ({e}); delete it and rerun the stage") from None
+
+
+def to_jsonable(obj: Any) -> Any:
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return to_jsonable(asdict(obj))
+    if isinstance(obj, Mapping):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    if hasattr(obj, "item") and callable(obj.item):  # numpy / torch scalars
+        return obj.item()
+    return obj
+
+
+def prepare_out_dir(out_dir: str | os.PathLike, overwrite: bool) -> bool:
+    """Get `out_dir` ready for a stage. Returns False when it is already complete (skip the work).
+
+    With `overwrite`, a complete directory is removed first. An incomplete one is kept: its
+    finished shards let the stage resume.
+    """
+    out_dir = Path(out_dir)
+    if is_complete(out_dir):
+        if not overwrite:
+            return False
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return True
+
+
+_GIT_HASH: str | None = None
+
+
+def git_hash() -> str | None:
+    """The commit of the installed source tree, or None outside a git checkout."""
+    global _GIT_HASH
+    if _GIT_HASH is None:
+        root = Path(__file__).resolve().parent.parent
+        try:
+            out = subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
+            )
+            _GIT_HASH = out.stdout.strip() if out.returncode == 0 else ""
+        except (OSError, subprocess.SubprocessError):
+            _GIT_HASH = ""
+    return _GIT_HASH or None
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def build_meta(
+    stage: str,
+    *,
+    config: Any,
+    inputs: Any,
+    counts: Mapping[str, Any],
+    wall_time_s: float,
+    throughput: Mapping[str, float] | None = None,
+    skipped: Mapping[str, int] | None = None,
+    **extra: Any,
+) -> dict:
+    """The common `meta.json` body: what was read, how, by which code, and what was counted."""
+    return {
+        "stage": stage,
+        "version": __version__,
+        "git_hash": git_hash(),
+        "python": platform.python_version(),
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "config": to_jsonable(config),
+        "inputs": to_jsonable(inputs),
+        "counts": to_jsonable(dict(counts)),
+        "skipped": to_jsonable(dict(skipped or {})),
+        "wall_time_s": round(wall_time_s, 3),
+        "throughput": to_jsonable(dict(throughput or {})),
+        **to_jsonable(extra),
+    }
+
+
+def write_meta(out_dir: str | os.PathLike, meta: Mapping[str, Any]) -> Path:
+    """Write `meta.json` last: it marks the directory complete."""
+    path = Path(out_dir) / META_NAME
+    write_json_atomic(path, meta)
+    return path
+
+
+def stable_meta(meta: Mapping[str, Any]) -> dict:
+    """`meta` without the keys that differ between identical runs (timings, timestamps)."""
+    return {k: v for k, v in meta.items() if k not in VOLATILE_META_KEYS}

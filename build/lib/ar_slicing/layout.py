@@ -1,0 +1,155 @@
+"""The run layout: every file name, glob and directory a stage writes or reads, in one place.
+
+`run`, `report`, `results`, `verify` and the Makefile's stage targets (through the rules
+`arslice run --make-rules` writes) all find files through here, so a name changes in one line::
+
+    runs/<name>/
+      config.toml                the resolved configuration
+      tokenizer.json             the run's tokenizer (trained or copied)
+      tokens/train/ tokens/val/  token stores (tokens.bin, docs.parquet, tokenizer.json, meta.json)
+      counts/                    bigrams.parquet, meta.json
+      tags/                      windows.parquet, tags-*.parquet, meta.json
+      models/<model>/            config.json, model.safetensors, meta.json (trained models)
+      losses/<model>/            losses-*.parquet, meta.json (one folder per evaluated model)
+      results.duckdb             views over all of the above
+      report/                    report.md, report.html, *.png, *.csv, meta.json
+      .settings/                 each stage's resolved settings, rewritten only when they change
+
+A stage's output directory is complete exactly when its `meta.json` exists (written last); while
+a stage runs, its `.plan.json` says with which settings and inputs (see `ar_slicing.plan`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+META_NAME = "meta.json"
+PLAN_NAME = ".plan.json"
+# Temporary names end so (`ar_slicing.io.tmp_path_for`); one sweep removes those a kill left.
+TMP_SUFFIX = ".tmp"
+
+# token stores
+TOKENS_NAME = "tokens.bin"
+DOCS_NAME = "docs.parquet"
+TOKENIZER_NAME = "tokenizer.json"
+STORE_PARTS = ("train", "val")
+# counts
+BIGRAMS_NAME = "bigrams.parquet"
+# tags
+WINDOWS_NAME = "windows.parquet"
+TAG_PART = "tags-{:05d}.parquet"
+TAG_PART_GLOB = "tags-*.parquet"
+# losses
+LOSS_PART = "losses-{:05d}.parquet"
+LOSS_PART_GLOB = "losses-*.parquet"
+# the run directory
+CONFIG_NAME = "config.toml"
+RESULTS_NAME = "results.duckdb"
+REPORT_DIR = "report"
+SETTINGS_DIR = ".settings"
+MAKE_RULES_NAME = "stages.mk"
+
+
+def is_complete(out_dir: str | os.PathLike) -> bool:
+    """True when a stage's output directory holds its final `meta.json`."""
+    return (Path(out_dir) / META_NAME).is_file()
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """The paths of one run directory (nothing is read or created by building one)."""
+
+    run_dir: Path
+
+    def __post_init__(self):
+        object.__setattr__(self, "run_dir", Path(self.run_dir))
+
+    @property
+    def config(self) -> Path:
+        return self.run_dir / CONFIG_NAME
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.run_dir / TOKENIZER_NAME
+
+    def store(self, part: str) -> Path:
+        """`tokens/train` or `tokens/val`."""
+        return self.run_dir / "tokens" / part
+
+    @property
+    def counts(self) -> Path:
+        return self.run_dir / "counts"
+
+    @property
+    def tags(self) -> Path:
+        return self.run_dir / "tags"
+
+    @property
+    def models(self) -> Path:
+        return self.run_dir / "models"
+
+    def model(self, name: str) -> Path:
+        return self.models / name
+
+    @property
+    def losses_root(self) -> Path:
+        return self.run_dir / "losses"
+
+    def losses(self, name: str) -> Path:
+        return self.losses_root / name
+
+    @property
+    def results(self) -> Path:
+        return self.run_dir / RESULTS_NAME
+
+    @property
+    def report(self) -> Path:
+        return self.run_dir / REPORT_DIR
+
+    @property
+    def settings_dir(self) -> Path:
+        return self.run_dir / SETTINGS_DIR
+
+    def settings(self, stage: str) -> Path:
+        return self.settings_dir / f"{stage}.json"
+
+    @property
+    def make_rules(self) -> Path:
+        return self.settings_dir / MAKE_RULES_NAME
+
+    def markers(self, stage: str) -> list[Path]:
+        """The files that say `stage` of the pipeline is done (what the make targets name)."""
+        return {
+            "tokenizer": [self.tokenizer],
+            "tokenize": [self.store(p) / META_NAME for p in STORE_PARTS],
+            "count": [self.counts / META_NAME],
+            "tag": [self.tags / META_NAME],
+            "train": [self.models / META_NAME],
+            "eval": [self.losses_root / META_NAME],
+            "report": [self.report / META_NAME],
+        }[stage]
+
+
+def looks_like_run_dir(path: str | os.PathLike) -> bool:
+    """A directory holding any of a run's stage folders or its resolved config."""
+    path = Path(path)
+    layout = RunLayout(path)
+    return path.is_dir() and any(
+        p.exists() for p in (layout.config, layout.tags, layout.losses_root, layout.counts)
+    )
+
+
+def where_is(path: str | os.PathLike, want: str) -> str:
+    """A hint for a path given as `want` (a stage folder such as "tags") that is not one: the
+    run directory it belongs to, or the stage folder inside it, whichever the user meant."""
+    path = Path(path)
+    if looks_like_run_dir(path) and (path / want).exists():
+        return f"{path} is a run directory; its {want} are {path / want}"
+    for parent in path.resolve().parents:
+        if looks_like_run_dir(parent):
+            if (parent / want).resolve() == path.resolve():
+                return ""  # the right folder, only unfinished
+            return f"{path} is inside the run directory {parent}; its {want} are {parent / want}"
+    return ""

@@ -1,0 +1,89 @@
+"""Non-overlapping evaluation windows over a token stream (DESIGN.md, "Stream and windows").
+
+Window `w` of length `L` covers stream indices `w*L .. w*L+L` (L+1 tokens): the model reads
+`S[w*L : w*L+L]` and predicts `S[w*L+1 : w*L+L+1]`. Every stream token but the first is a target
+exactly once; the last window may be shorter and is kept as it is (never padded into the scores).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ar_slicing.errors import ArSliceError
+
+WINDOWS_NAME = "windows.parquet"
+
+
+def window_schema():
+    import pyarrow as pa
+
+    return pa.schema([("window_id", pa.int32()), ("start", pa.int64()), ("n_targets", pa.int32())])
+
+
+def n_windows(n_tokens: int, window: int) -> int:
+    """How many windows of length `window` a stream of `n_tokens` tokens has (0 below 2 tokens)."""
+    check_window(window)
+    if n_tokens < 0:
+        raise ArSliceError(f"n_tokens must be >= 0, got {n_tokens}")
+    return -(-(n_tokens - 1) // window) if n_tokens >= 2 else 0
+
+
+def window_table(n_tokens: int, window: int) -> dict[str, np.ndarray]:
+    """The window table of a stream: `window_id`, `start` (stream index of the window's first
+    context token, `w*L`) and `n_targets` (`min(L, n_tokens - 1 - w*L)`).
+
+    Worked example, `L = 4` and a 10-token stream `S[0..9]` (9 targets, S[1]..S[9])::
+
+        window_id  start  n_targets   reads       predicts
+        0          0      4           S[0:4]      S[1:5]
+        1          4      4           S[4:8]      S[5:9]
+        2          8      1           S[8:9]      S[9:10]    <- last, partial window
+
+    Window 2 keeps its single target (pos 1, stream index 9). A stream of 0 or 1 tokens has no
+    targets and so no windows; a stream shorter than one window has one partial window; with
+    `L = 1` every target is its own window (its context is the one token before it).
+    """
+    count = n_windows(n_tokens, window)
+    window_id = np.arange(count, dtype=np.int64)
+    start = window_id * window
+    n_targets = np.minimum(window, n_tokens - 1 - start)
+    if count > np.iinfo(np.int32).max:
+        raise ArSliceError(f"{count} windows do not fit window_id int32; use a longer --window")
+    return {
+        "window_id": window_id.astype(np.int32),
+        "start": start.astype(np.int64),
+        "n_targets": n_targets.astype(np.int32),
+    }
+
+
+def check_window(window: int) -> None:
+    if not isinstance(window, (int, np.integer)) or window < 1:
+        raise ArSliceError(f"window length must be a positive integer, got {window!r}")
+    if window > np.iinfo(np.int32).max:
+        raise ArSliceError(f"window length {window} does not fit pos int32")
+
+
+def write_window_table(path, n_tokens: int, window: int) -> int:
+    """Write `windows.parquet` atomically; returns the number of windows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ar_slicing.io import atomic_path
+
+    table = pa.table(window_table(n_tokens, window), schema=window_schema())
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
+    return table.num_rows
+
+
+def read_window_table(path) -> dict[str, np.ndarray]:
+    """`windows.parquet` back as numpy columns."""
+    import pyarrow.parquet as pq
+
+    from ar_slicing.errors import BadInput
+
+    try:
+        table = pq.read_table(path)
+    except Exception as e:
+        raise BadInput(f"{path}: cannot read the window table ({e}); rerun `arslice tag`") from None
+    return {name: table.column(name).to_numpy() for name in ("window_id", "start", "n_targets")}

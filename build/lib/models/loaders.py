@@ -1,0 +1,287 @@
+"""Load a model from a spec string into a `LoadedModel` that the eval stage can score with.
+
+Specs:
+    hf:<hub id or directory>   transformers AutoModelForCausalLM (Pythia/GPT-NeoX, GPT-2, GPT-Neo,
+                               Llama family, RWKV; RWKV runs through models/rwkv.py's chunked form)
+    zoology:<checkpoint>       a Zoology state dict + its ModelConfig -> models.backbone
+    safari:<checkpoint>        safari's Hyena LM raw state dict (e.g. Hyena-153M) -> models.backbone
+    based:<dir or hub id>      HazyResearch/based's Based / Transformer++ (config.json +
+                               pytorch_model.bin as published) -> models.backbone
+    native:<directory>         config.json + model.safetensors written by models.native.save_native
+
+Checkpoints are read with `torch.load(..., weights_only=True)` or safetensors only; a pickle that
+holds anything but plain tensors and containers is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ar_slicing.errors import ArSliceError
+
+log = logging.getLogger(__name__)
+
+SPEC_PREFIXES = ("hf", "zoology", "safari", "based", "native")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for scoring, with what the eval stage records about it.
+
+    model: the nn.Module in eval mode; architecture: "attention" | "base_conv" | "hyena" | "rwkv"
+    (| "based" for a based: Based LM) for this project's models, the transformers `model_type` (e.g. "gpt_neox") for hf:;
+    vocab_size: rows of the output head; max_positions: longest input the model accepts (None: no
+    limit); tokenizer_fingerprint: of the tokenizer found with the checkpoint, else None.
+    `hidden_and_head(input_ids (B, T))` -> (hidden (B, T, D), head weight (V, D), head bias or None).
+    """
+
+    model: Any
+    spec: str
+    architecture: str
+    n_params: int
+    vocab_size: int
+    max_positions: int | None
+    tokenizer_fingerprint: str | None
+    _hidden_and_head: Callable = field(repr=False, default=None)
+
+    def hidden_and_head(self, input_ids):
+        return self._hidden_and_head(input_ids)
+
+    @property
+    def device(self):
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self):
+        return next(self.model.parameters()).dtype
+
+
+def parse_spec(spec: str) -> tuple[str, str]:
+    """`"hf:EleutherAI/pythia-70m"` -> `("hf", "EleutherAI/pythia-70m")`."""
+    prefix, sep, target = str(spec).partition(":")
+    if not sep or prefix not in SPEC_PREFIXES or not target:
+        raise ArSliceError(
+            f"model spec {spec!r}: expected PREFIX:TARGET with PREFIX one of "
+            f"{', '.join(p + ':' for p in SPEC_PREFIXES)} (e.g. hf:EleutherAI/pythia-70m, "
+            "native:runs/demo/models/attention)"
+        )
+    return prefix, target
+
+
+def spec_identity(spec: str) -> dict:
+    """What identifies the weights a spec names, cheaply (no weights are read): a checkpoint
+    this project wrote by its meta.json's digest, other local files by size and modification
+    time, a hub id by its name (the hub's revision is not asked for)."""
+    from ar_slicing.layout import META_NAME
+    from ar_slicing.plan import file_identity, identity
+
+    prefix, target = parse_spec(spec)
+    path = Path(target).expanduser()
+    if not path.exists():
+        return {"spec": spec}
+    if path.is_dir() and (path / META_NAME).is_file() and prefix == "native":
+        return {"native": identity(path)}
+    return {"files": file_identity(path)}
+
+
+def load_model(spec: str, device="cpu", dtype=None, fast_rwkv: bool = True) -> LoadedModel:
+    """Load the model named by `spec` (see the module docstring) onto `device`, in eval mode.
+
+    `dtype` (torch dtype or "bf16"/"fp32"/...) casts the weights; None keeps fp32. `fast_rwkv`
+    runs hf: RWKV checkpoints through this project's chunked RWKV instead of transformers' loop.
+    """
+    prefix, target = parse_spec(spec)
+    from models.precision import torch_dtype
+
+    dtype = torch_dtype(dtype)
+    if prefix == "hf":
+        return _load_hf(spec, target, device, dtype, fast_rwkv)
+    if prefix == "native":
+        from models.native import load_native
+
+        path = Path(target)
+        if not path.is_dir():
+            raise ArSliceError(
+                f"{spec}: {path} is not a directory (expected a native checkpoint dir)"
+            )
+        model = load_native(path, device=device, dtype=dtype)
+        return wrap_language_model(model, spec, tokenizer_fingerprint=_fingerprint_near(path))
+    architecture = None
+    if prefix == "zoology":
+        from models.zoology_ckpt import load_zoology
+
+        model, tok_dir = load_zoology(target)
+    elif prefix == "based":
+        from models.based_ckpt import architecture_of, load_based
+
+        model, tok_dir = load_based(target, spec)
+        architecture = architecture_of(model.config)
+    else:
+        from models.safari_ckpt import load_safari
+
+        model, tok_dir = load_safari(target)
+    model.eval()
+    model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+    return wrap_language_model(
+        model, spec, tokenizer_fingerprint=_fingerprint_near(tok_dir), architecture=architecture
+    )
+
+
+def count_params(model) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return total
+
+
+def max_positions_of(config) -> int | None:
+    """The longest input one of our LanguageModels accepts: learned positions, filter length, or none."""
+    limits = []
+    if config.max_position_embeddings:
+        limits.append(config.max_position_embeddings)
+    for i in range(config.n_layers):
+        mixer, kwargs = config.mixer_of_layer(i)
+        # attention without rotary has no notion of order beyond l_max; rotary has no limit
+        if (
+            (mixer == "attention" and not kwargs.get("rotary_emb_dim"))
+            or mixer == "hyena"
+            or (mixer == "base_conv" and kwargs.get("kernel_size", 3) == -1)
+        ):
+            limits.append(config.l_max)
+    return min(limits) if limits else None
+
+
+def wrap_language_model(
+    model, spec: str, tokenizer_fingerprint: str | None, architecture: str | None = None
+) -> LoadedModel:
+    config = model.config
+    return LoadedModel(
+        model=model,
+        spec=spec,
+        architecture=architecture or config.sequence_mixer,
+        n_params=count_params(model),
+        vocab_size=config.padded_vocab_size,
+        max_positions=max_positions_of(config),
+        tokenizer_fingerprint=tokenizer_fingerprint,
+        _hidden_and_head=model.hidden_and_head,
+    )
+
+
+def _fingerprint_near(path) -> str | None:
+    """Fingerprint of a tokenizer stored with a checkpoint (tokenizer.json or transformers files)."""
+    from ar_slicing.tokenizer import fingerprint, load_tokenizer
+
+    if path is None:
+        return None
+    path = Path(path)
+    if path.is_file():
+        path = path.parent
+    if (path / "tokenizer.json").is_file():
+        return fingerprint(load_tokenizer(path / "tokenizer.json"))
+    if any(
+        (path / n).is_file() for n in ("vocab.json", "tokenizer.model", "tokenizer_config.json")
+    ):
+        try:
+            return fingerprint(load_tokenizer(path))
+        except ArSliceError as e:
+            log.warning("%s: tokenizer files present but unreadable (%s)", path, e)
+    return None
+
+
+# ---- transformers ------------------------------------------------------------------------------
+
+
+def _load_hf(spec: str, target: str, device, dtype, fast_rwkv: bool) -> LoadedModel:
+    import torch
+
+    path = Path(target).expanduser()
+    looks_local = target.startswith((".", "/", "~")) or path.exists()
+    if looks_local:
+        target = str(path)
+    if looks_local and not path.is_dir():
+        raise ArSliceError(
+            f"{spec}: {path} is not a directory (expected one saved by save_pretrained)"
+        )
+    if looks_local and not (path / "config.json").is_file():
+        raise ArSliceError(
+            f"{spec}: {path / 'config.json'} not found (not a transformers model directory)"
+        )
+    if looks_local:
+        from ar_slicing.io import read_json
+        from models.based_ckpt import is_based_config
+
+        if is_based_config(read_json(path / "config.json")):
+            raise ArSliceError(
+                f"{spec}: {path / 'config.json'} is a HazyResearch/based config (no model_type), "
+                f"not a transformers one; load it with based:{target}"
+            )
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(target)
+    except Exception as e:
+        raise ArSliceError(
+            f"{spec}: could not read a transformers config ({type(e).__name__}: {e}). Pass a local "
+            "directory saved with save_pretrained, or a hub id when the hub is reachable."
+        ) from None
+    for attr in ("final_logit_softcapping", "logit_scale"):
+        if getattr(config, attr, None):
+            raise ArSliceError(
+                f"{spec}: model_type {config.model_type} transforms its logits ({attr}); per-token "
+                "scoring of such models is not supported"
+            )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype or torch.float32)
+    except Exception as e:
+        raise ArSliceError(
+            f"{spec}: could not load the weights ({type(e).__name__}: {e})"
+        ) from None
+    model.eval().to(device)
+    architecture = config.model_type
+    tok_fp = _fingerprint_near(path) if looks_local else _hub_tokenizer_fingerprint(target)
+    if architecture == "rwkv" and fast_rwkv:
+        from models.hf_rwkv import FastRwkv
+
+        model = FastRwkv.from_transformers(model).eval().to(device)
+        hidden_and_head = model.hidden_and_head
+    else:
+        base = model.base_model
+        head = model.get_output_embeddings()
+
+        def hidden_and_head(input_ids):
+            hidden = base(input_ids=input_ids, use_cache=False).last_hidden_state
+            return hidden, head.weight, getattr(head, "bias", None)
+
+    max_positions = None
+    if architecture != "rwkv":
+        max_positions = getattr(config, "max_position_embeddings", None) or getattr(
+            config, "n_positions", None
+        )
+    return LoadedModel(
+        model=model,
+        spec=spec,
+        architecture=architecture,
+        n_params=count_params(model),
+        vocab_size=int(model.get_output_embeddings().weight.shape[0])
+        if hasattr(model, "get_output_embeddings")
+        else int(config.vocab_size),
+        max_positions=max_positions,
+        tokenizer_fingerprint=tok_fp,
+        _hidden_and_head=hidden_and_head,
+    )
+
+
+def _hub_tokenizer_fingerprint(name: str) -> str | None:
+    from ar_slicing.tokenizer import fingerprint, load_tokenizer
+
+    try:
+        return fingerprint(load_tokenizer(name))
+    except ArSliceError:
+        log.warning("hf:%s: no tokenizer found with the model; fingerprint unknown", name)
+        return None

@@ -1,0 +1,91 @@
+"""State mixers: the two-layer MLP and the GLU of Zoology's `zoology/mixers/mlp.py` (keys fc1, fc2[, fc3]),
+and the SwiGLU of flash-attn / HazyResearch/based's `GatedMlp` (one fused `fc1`, then `fc2`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ACTIVATIONS = {
+    "gelu": F.gelu,  # Zoology's default (exact erf form)
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # safari / flash-attn `Mlp`
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+def get_activation(name: str):
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown activation {name!r}; choose one of {sorted(ACTIVATIONS)}"
+        ) from None
+
+
+class MLP(nn.Module):
+    """`fc2(act(fc1(x)))` with hidden width `d_model * hidden_mult`."""
+
+    def __init__(
+        self,
+        d_model: int,
+        hidden_mult: int = 4,  # GPT-style width; Zoology's own default is 1 but its LM configs use 4
+        activation: str = "gelu",
+        layer_idx: int | None = None,
+        **kwargs,
+    ):
+        super().__init__()
+        hidden = d_model * hidden_mult
+        self.fc1 = nn.Linear(d_model, hidden)
+        self.fc2 = nn.Linear(hidden, d_model)
+        self.act = get_activation(activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class GLU(nn.Module):
+    """Gated linear unit: `fc3(fc1(x) * act(fc2(x)))`."""
+
+    def __init__(
+        self,
+        d_model: int,
+        hidden_mult: int = 4,
+        activation: str = "gelu",
+        layer_idx: int | None = None,
+        **kwargs,
+    ):
+        super().__init__()
+        hidden = d_model * hidden_mult
+        self.fc1 = nn.Linear(d_model, hidden)
+        self.fc2 = nn.Linear(d_model, hidden)
+        self.fc3 = nn.Linear(hidden, d_model)
+        self.act = get_activation(activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(self.fc1(x) * self.act(self.fc2(x)))
+
+
+class SwiGLU(nn.Module):
+    """`fc2(y ⊙ silu(gate))` with `(y, gate)` the two halves of `fc1(x)` (Shazeer, 2020; flash-attn
+    `GatedMlp`, the MLP of HazyResearch/based's Based and Transformer++)."""
+
+    def __init__(
+        self,
+        d_model: int,
+        hidden: int | None = None,  # None: d_model * hidden_mult
+        hidden_mult: int = 4,
+        fc1_bias: bool = True,
+        fc2_bias: bool = True,
+        layer_idx: int | None = None,
+        **kwargs,
+    ):
+        super().__init__()
+        hidden = d_model * hidden_mult if hidden is None else hidden
+        self.fc1 = nn.Linear(d_model, 2 * hidden, bias=fc1_bias)
+        self.fc2 = nn.Linear(hidden, d_model, bias=fc2_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, gate = self.fc1(x).chunk(2, dim=-1)  # each (B, T, hidden)
+        return self.fc2(y * F.silu(gate))

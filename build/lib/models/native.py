@@ -1,0 +1,94 @@
+"""This project's own checkpoint format: `config.json` + `model.safetensors` (+ `tokenizer.json`).
+
+`save_native` writes the weights first and `config.json` last, each atomically, so a directory
+with a `config.json` is a complete checkpoint. The tied `lm_head.weight` is not stored twice
+(safetensors refuses shared tensors); `load_native` ties it again.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from ar_slicing.errors import ArSliceError
+from ar_slicing.io import atomic_path, read_json, write_json_atomic
+
+FORMAT = "ar-slicing-native"
+FORMAT_VERSION = 1
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+TIED_KEYS = ("lm_head.weight",)
+
+
+def save_native(model, out_dir, tokenizer_json=None) -> Path:
+    """Save a `LanguageModel` to `out_dir` (config.json, model.safetensors, tokenizer.json if given)."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {
+        k: v.detach().to("cpu").clone().contiguous()  # clone: shared Sin freqs would share storage
+        for k, v in model.state_dict().items()
+        if k not in TIED_KEYS
+    }
+    with atomic_path(out_dir / WEIGHTS_NAME) as tmp:
+        save_file(state, str(tmp), metadata={"format": "pt"})
+    if tokenizer_json is not None:
+        src = Path(tokenizer_json)
+        if not src.is_file():
+            raise ArSliceError(f"tokenizer {src}: no such file (expected a tokenizer.json)")
+        with atomic_path(out_dir / "tokenizer.json") as tmp:
+            shutil.copyfile(src, tmp)
+    write_json_atomic(
+        out_dir / CONFIG_NAME,
+        {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "architecture": model.config.sequence_mixer,
+            "model": model.config.to_dict(),
+        },
+    )
+    return out_dir
+
+
+def read_native_config(model_dir):
+    from models.backbone import ModelConfig
+
+    path = Path(model_dir) / CONFIG_NAME
+    if not path.is_file():
+        raise ArSliceError(
+            f"{path}: not found; a native checkpoint directory holds config.json and "
+            f"model.safetensors as written by models.native.save_native"
+        )
+    data = read_json(path)
+    if data.get("format") != FORMAT or "model" not in data:
+        raise ArSliceError(
+            f"{path}: not a native checkpoint config (format {data.get('format')!r}); "
+            "for a transformers directory use the spec hf:<dir>"
+        )
+    try:
+        return ModelConfig.from_dict(data["model"])
+    except (TypeError, ValueError) as e:
+        raise ArSliceError(f"{path}: invalid model config ({e})") from None
+
+
+def load_native(model_dir, device="cpu", dtype=None):
+    """Rebuild the `LanguageModel` saved in `model_dir`, in eval mode, on `device` (and `dtype`)."""
+    from safetensors.torch import load_file
+
+    from models.backbone import LanguageModel
+    from models.checkpoint_io import load_state_dict_checked
+
+    model_dir = Path(model_dir)
+    config = read_native_config(model_dir)
+    weights = model_dir / WEIGHTS_NAME
+    if not weights.is_file():
+        raise ArSliceError(f"{weights}: not found (the checkpoint is incomplete; re-save it)")
+    try:
+        state = load_file(str(weights))
+    except Exception as e:  # safetensors raises its own error types for corrupt headers
+        raise ArSliceError(f"{weights}: not a readable safetensors file ({e})") from None
+    model = LanguageModel(config)
+    load_state_dict_checked(model, state, source=str(weights), tied=TIED_KEYS)
+    model.eval()
+    return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)

@@ -1,0 +1,1 @@
+"""The pipeline stages (tokenize, count, tag, eval, report, ...), their configs and the CLI."""

@@ -1,0 +1,128 @@
+"""`arslice`: one console script dispatching subcommands from a table.
+
+Subcommand modules are imported only when chosen, so `arslice --help` and the data stages start
+without loading torch or transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import importlib
+import logging
+import sys
+
+from ar_slicing import __version__
+from ar_slicing.errors import ArSliceError
+from pipeline.stages import BY_COMMAND, COMMANDS
+
+EPILOG = """examples:
+  arslice tokenize --source val.jsonl.zst --tokenizer gpt2 --out runs/pile/tokens/val
+  arslice count --tokens runs/pile/tokens/train --out runs/pile/counts
+  arslice tag --tokens runs/pile/tokens/val --counts runs/pile/counts --out runs/pile/tags
+  arslice eval --model hf:EleutherAI/pythia-160m --tags runs/pile/tags --out runs/pile/losses/pythia-160m
+  arslice report --run runs/pile
+  arslice query slice_perplexity --run runs/pile
+
+Each subcommand has its own --help with examples, and --dry-run to print its resolved config."""
+
+
+def top_level_help() -> str:
+    width = max(len(s.command) for s in COMMANDS)
+    lines = [
+        f"usage: arslice COMMAND [options]   (ar-slicing {__version__})",
+        "",
+        "Associative-recall slicing of language-model perplexity.",
+        "",
+        "commands:",
+    ]
+    lines += [f"  {s.command.ljust(width)}  {s.summary}" for s in COMMANDS]
+    return "\n".join(lines) + "\n\n" + EPILOG
+
+
+def build_parser(name: str):
+    """The argparse parser of subcommand `name`, and its Command."""
+    from pipeline.config import add_config_arguments
+
+    stage = BY_COMMAND[name]
+    command = importlib.import_module(stage.module).COMMAND
+    parser = argparse.ArgumentParser(
+        prog=f"arslice {name}",
+        description=command.description or stage.summary,
+        epilog="examples:\n" + command.examples.strip("\n") if command.examples else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_arguments(parser, command.config_cls)
+    parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging level",
+    )
+    return parser, command
+
+
+def is_disk_full(err: OSError) -> bool:
+    """True for a write refused for lack of space. pyarrow puts the errno in the text only, and
+    numpy's `tofile` reports a short write ("N requested and M written") with no errno."""
+    codes = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    text = str(err).lower()
+    return (
+        err.errno in codes
+        or any(f"[errno {c}]" in text for c in codes)
+        or (err.errno is None and "requested and" in text and "written" in text)
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipeline.config import config_from_namespace, print_config
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(top_level_help())
+        return 0
+    if argv[0] == "--version":
+        print(f"ar-slicing {__version__}")
+        return 0
+    name = argv[0]
+    if name not in BY_COMMAND:
+        print(f"arslice: unknown command {name!r}\n\n{top_level_help()}", file=sys.stderr)
+        return 2
+    parser, command = build_parser(name)
+    ns = parser.parse_args(argv[1:])
+    logging.basicConfig(
+        level=getattr(logging, ns.log_level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        cfg = config_from_namespace(command.config_cls, ns)
+        if ns.dry_run:
+            if command.dry_run is not None:
+                command.dry_run(cfg)
+                return 0
+            if command.validate is not None:
+                command.validate(cfg)
+            print_config(cfg)
+            return 0
+        command.run(cfg)
+    except ArSliceError as e:
+        print(f"arslice {name}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"arslice {name}: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        print(
+            f"arslice {name}: error: the disk is full ({e}); free space or choose an output on a "
+            "larger disk, then rerun the same command (finished parts are kept)",
+            file=sys.stderr,
+        )
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

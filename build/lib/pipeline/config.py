@@ -1,0 +1,228 @@
+"""Stage configs as frozen dataclasses, and the argparse flags generated from them.
+
+Each stage module defines::
+
+    @dataclass(frozen=True)
+    class TagConfig:
+        tokens: str = field(metadata={"help": "validation token store directory"})
+        window: int = field(default=2048, metadata={"help": "window length L"})
+
+    COMMAND = Command(TagConfig, run_tag, summary="...", examples="arslice tag --tokens ...")
+
+Field name `x_y` becomes flag `--x-y`; a field without a default is a required flag; `list[...]`
+fields take one or more values; `bool` fields are switches (`--flag` / `--no-flag`); metadata may
+carry `choices`, `flag` (a different flag name), `positional: True` and, on list fields,
+`repeatable: True` (the flag may be given several times; the values are collected).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass
+from typing import Any
+
+from ar_slicing.errors import ArSliceError
+
+
+@dataclass(frozen=True)
+class Command:
+    """One `arslice` subcommand: a config dataclass and the pure function that runs it.
+
+    `validate(cfg)` checks what can be checked from the config alone (ranges, names, specs,
+    sources that must already exist) and raises ArSliceError; `--dry-run` and `arslice run` call
+    it before anything runs. A stage with outputs says what decides them: `plan_settings(cfg)` is
+    the settings part of its plan (`ar_slicing.plan`) for the output `cfg.out`, which `arslice
+    run` compares with a complete output's before the first stage starts.
+    """
+
+    config_cls: type
+    run: Callable[[Any], Any]
+    summary: str
+    examples: str = ""
+    description: str = ""
+    validate: Callable[[Any], None] | None = None
+    plan_settings: Callable[[Any], dict] | None = None
+    dry_run: Callable[[Any], None] | None = None  # instead of printing the config (`arslice run`)
+
+
+def _field_type(cls: type, f: dataclasses.Field) -> Any:
+    hints = typing.get_type_hints(cls)
+    return hints[f.name]
+
+
+def _unwrap_optional(tp: Any) -> Any:
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        non_none = [a for a in args if a is not type(None)]
+        if len(non_none) == 1:
+            return non_none[0]
+    return tp
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add one flag per field of the dataclass `cls`."""
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("cli") is False:
+            continue
+        tp = _unwrap_optional(_field_type(cls, f))
+        origin = typing.get_origin(tp)
+        help_text = f.metadata.get("help", "")
+        kwargs: dict[str, Any] = {"help": help_text, "dest": f.name}
+        has_default = f.default is not MISSING or f.default_factory is not MISSING
+        default = (
+            f.default
+            if f.default is not MISSING
+            else f.default_factory()
+            if f.default_factory is not MISSING
+            else None
+        )
+        if "choices" in f.metadata:
+            kwargs["choices"] = f.metadata["choices"]
+        name = "--" + f.metadata.get("flag", f.name.replace("_", "-"))
+        if tp is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+            kwargs["default"] = bool(default)
+        elif origin in (list, tuple):
+            (item,) = typing.get_args(tp)[:1]
+            kwargs["nargs"] = "+"
+            kwargs["type"] = item
+            if f.metadata.get(
+                "repeatable"
+            ):  # `--x a --x b` collects both instead of keeping the last
+                kwargs["action"] = "extend"
+        else:
+            kwargs["type"] = tp if tp in (int, float, str) else str
+        if has_default and tp is not bool:
+            kwargs["default"] = default
+            if help_text and default not in (None, [], ()):
+                kwargs["help"] = f"{help_text} (default: {default})"
+        elif not has_default:
+            kwargs["required"] = True
+        if f.metadata.get("positional"):
+            kwargs.pop("dest")
+            kwargs.pop("required", None)
+            parser.add_argument(f.name, **kwargs)
+        else:
+            parser.add_argument(name, **kwargs)
+
+
+def config_from_namespace(cls: type, ns: argparse.Namespace) -> Any:
+    values = {}
+    for f in dataclasses.fields(cls):
+        if hasattr(ns, f.name):
+            v = getattr(ns, f.name)
+            if (
+                isinstance(v, list)
+                and typing.get_origin(_unwrap_optional(_field_type(cls, f))) is tuple
+            ):
+                v = tuple(v)
+            values[f.name] = v
+    return cls(**values)
+
+
+def config_from_mapping(cls: type, mapping: Mapping[str, Any], context: str = "config") -> Any:
+    """Build `cls` from a TOML table, refusing unknown keys with a message naming them."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(mapping) - names)
+    if unknown:
+        raise ArSliceError(
+            f"{context}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(names))}"
+        )
+    values = dict(mapping)
+    for f in dataclasses.fields(cls):
+        if f.name not in values:
+            continue
+        tp = _unwrap_optional(_field_type(cls, f))
+        values[f.name] = _checked_value(f, tp, values[f.name], context)
+        if typing.get_origin(tp) is tuple:
+            values[f.name] = tuple(values[f.name])
+    try:
+        return cls(**values)
+    except TypeError as e:
+        raise ArSliceError(f"{context}: {e}") from None
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (list, tuple):
+        (item,) = typing.get_args(tp)[:1]
+        return f"a list of {_type_name(item)}"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+def _checked_value(f: dataclasses.Field, tp: Any, value: Any, context: str) -> Any:
+    """`value` of a config-file key, refused when it has the wrong type or is not a choice (the
+    checks argparse does for flags)."""
+    if value is None:
+        return value
+    origin = typing.get_origin(tp)
+    items = [value] if origin not in (list, tuple) else value
+    item_tp = typing.get_args(tp)[0] if origin in (list, tuple) else tp
+    ok = isinstance(value, (list, tuple)) if origin in (list, tuple) else True
+    for v in items if ok else []:
+        if item_tp is float and isinstance(v, int) and not isinstance(v, bool):
+            continue
+        if item_tp is int and isinstance(v, bool):
+            ok = False
+        elif item_tp in (int, float, str, bool) and not isinstance(v, item_tp):
+            ok = False
+    if not ok:
+        raise ArSliceError(f"{context}: `{f.name} = {_shown(value)}` must be {_type_name(tp)}")
+    choices = f.metadata.get("choices")
+    if choices is not None:
+        for v in items:
+            if v not in choices:
+                raise ArSliceError(
+                    f"{context}: `{f.name} = {_shown(v)}` is not one of {', '.join(map(str, choices))}"
+                )
+    if item_tp is float:
+        value = [float(v) for v in value] if origin in (list, tuple) else float(value)
+    return value
+
+
+def _shown(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (str, list, bool)) else str(value)
+
+
+def config_to_dict(cfg: Any) -> dict:
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+
+
+def print_config(cfg: Any, file=None) -> None:
+    """`--dry-run` output: the resolved config as JSON (to stdout as it is at call time)."""
+    text = json.dumps({type(cfg).__name__: config_to_dict(cfg)}, indent=2, default=str)
+    print(text, file=file or sys.stdout)
+
+
+# ---- options shared by the commands that read text sources ----------------------------------------
+
+
+def text_field_option():
+    return dataclasses.field(
+        default="text", metadata={"help": "JSON field / Parquet column holding the text"}
+    )
+
+
+def glob_option():
+    return dataclasses.field(
+        default="**/*.txt", metadata={"help": "file pattern inside directory sources"}
+    )
+
+
+def on_bad_record_option():
+    from ar_slicing.readers import BAD_RECORD_POLICIES
+
+    return dataclasses.field(
+        default="error",
+        metadata={
+            "help": "a malformed record stops the run (error) or is counted and skipped (skip)",
+            "choices": list(BAD_RECORD_POLICIES),
+        },
+    )

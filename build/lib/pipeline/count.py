@@ -1,0 +1,450 @@
+"""`arslice count`: exact bigram counts of training token stores.
+
+Reads one or more token stores (of one tokenizer) and writes into `--out`:
+  bigrams.parquet   prev int32, next int32, count int64; sorted by (prev, next); row groups
+  meta.json         fingerprint, total_pairs, distinct_bigrams, unit, sources (written last)
+
+Stores given together are counted as their concatenation (the pair across two stores counts;
+see `ar_slicing.counts.keys` for what a unit counts). The work is shaped for a distributed
+engine: every task is a picklable function of plain arguments that reads and writes files, so
+results may arrive in any order:
+
+  map     `count_shard(MapTask)`: one shard of one store -> a partial counts file: the shard's
+          distinct pairs, sorted, their counts, and where each fine `prev` bucket starts.
+  reduce  `reduce_range(ReduceTask)`: the slices of one range of `prev` values out of every
+          partial, merged in bounded memory -> that range of bigrams.parquet, as a Parquet part.
+  write   `write_bigrams(...)`: the parts, in order, -> `bigrams.parquet` (their row groups
+          copied as they are, one footer listing them all).
+
+Memory does not grow with the corpus: a map task holds one shard, a reduce task a bounded number
+of partial entries, and the driver only file names and Parquet footers. An interrupted run
+resumes from its finished shards and ranges under `--out/.work`.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ar_slicing.counts import reduce
+from ar_slicing.counts.keys import (
+    bucket_bounds,
+    count_keys,
+    key_dtype_for,
+    key_shift_for,
+    parse_unit,
+)
+from ar_slicing.counts.parquet import BIGRAMS_NAME, write_bigrams
+from ar_slicing.counts.partials import MapTask, bucket_sizes, count_shard, write_partial
+from ar_slicing.errors import BadInput
+from pipeline.config import Command, config_to_dict
+
+log = logging.getLogger(__name__)
+
+# 32 M tokens (~220 MB per map worker at most): fewer, fuller partials leave the reduce less
+# to merge
+DEFAULT_SHARD_TOKENS = 1 << 25
+WORK_NAME = ".work"  # partials and reduced ranges of an unfinished count (kept for resuming)
+
+
+@dataclass(frozen=True)
+class CountConfig:
+    tokens: list[str] = field(
+        metadata={"help": "training token store directories, counted as their concatenation"}
+    )
+    out: str = field(metadata={"help": "output directory for bigrams.parquet and meta.json"})
+    unit: str = field(
+        default="stream",
+        metadata={
+            "help": "'stream': every adjacent pair of the EOS-joined stream; 'row:N': only pairs "
+            "inside consecutive rows of N tokens (Pythia: row:2049)"
+        },
+    )
+    workers: int = field(default=0, metadata={"help": "worker processes (0 = all cores)"})
+    shard_tokens: int = field(
+        default=DEFAULT_SHARD_TOKENS,
+        metadata={
+            "help": "tokens per map shard: resume granularity; up to ~7 bytes of memory each"
+        },
+    )
+    overwrite: bool = field(default=False, metadata={"help": "redo a complete output directory"})
+    executor: str = field(
+        default="local",
+        metadata={
+            "help": "where map and reduce tasks run: local processes, or a Ray cluster (every "
+            "node must see --tokens and --out under the same paths)",
+            "choices": ["local", "ray"],
+        },
+    )
+    ray_address: str | None = field(
+        default=None,
+        metadata={"help": "Ray cluster to join (default: RAY_ADDRESS, else a local cluster)"},
+    )
+
+
+# ---- planning the tasks ----------------------------------------------------------------------
+
+
+def plan_map_tasks(
+    stores, work: Path, row: int | None, shard_tokens: int, shift: int, vocab_size: int
+):
+    """One MapTask per shard of every store; shards overlap by one token so no pair is lost."""
+    tasks = []
+    offset = 0
+    for s, store in enumerate(stores):
+        n_pairs = max(store.n_tokens - 1, 0)
+        for k, start in enumerate(range(0, n_pairs, shard_tokens)):
+            tasks.append(
+                MapTask(
+                    tokens_path=str((store.path / "tokens.bin").resolve()),
+                    dtype=store.dtype.name,
+                    n_tokens=store.n_tokens,
+                    start=start,
+                    stop=min(start + shard_tokens, n_pairs),
+                    stream_offset=offset,
+                    row=row,
+                    shift=shift,
+                    vocab_size=vocab_size,
+                    out=str(work / "partials" / f"s{s:04d}-{k:06d}.bin"),
+                )
+            )
+        offset += store.n_tokens
+    return tasks
+
+
+def boundary_keys(stores, row: int | None, shift: int) -> np.ndarray:
+    """Keys of the pairs that span two consecutive (non-empty) stores of the concatenation."""
+    pairs, offset, last = [], 0, None
+    for store in stores:
+        if store.n_tokens:
+            if last is not None and (row is None or offset % row != 0):
+                pairs.append((last, int(store.tokens[0])))
+            last = int(store.tokens[-1])
+        offset += store.n_tokens
+    kd = key_dtype_for(shift)
+    return np.array([(p << shift) | n for p, n in pairs], dtype=kd)
+
+
+def plan_reduce_tasks(work: Path, partials: list[str], shift: int) -> list[reduce.ReduceTask]:
+    """Ranges of fine buckets of about REDUCE_RANGE_ENTRIES partial entries, one task each.
+
+    A fixed size, not a fraction of the total, so a reduce task's memory does not grow with the
+    corpus: more data means more ranges, not bigger ones. The ranges are kept in `work`, so a
+    resumed run reduces the same ranges.
+    """
+    from ar_slicing.io import read_json, write_json_atomic
+
+    ranges_path = work / "reduced" / "ranges.json"
+    if ranges_path.exists():
+        ranges = [tuple(r) for r in read_json(ranges_path)["ranges"]]
+    else:
+        sizes = sum(bucket_sizes(p) for p in partials) if partials else np.zeros(1, dtype=np.int64)
+        ranges = reduce.plan_ranges(np.asarray(sizes), reduce.REDUCE_RANGE_ENTRIES)
+        write_json_atomic(ranges_path, {"ranges": ranges})
+    return [
+        reduce.ReduceTask(
+            partials=tuple(partials),
+            b_lo=lo,
+            b_hi=hi,
+            out=str(work / "reduced" / f"r{j:05d}.parquet"),
+            shift=shift,
+            batch_entries=reduce.REDUCE_RANGE_ENTRIES,
+        )
+        for j, (lo, hi) in enumerate(ranges)
+    ]
+
+
+# ---- the stage plan ----------------------------------------------------------------------------
+
+
+PARTIALS_FORMAT = 2  # 2: reduced ranges are Parquet parts; bump when the work files change
+
+
+def count_settings(unit: str, shard_tokens: int) -> dict:
+    """What decides the counts (and the resumable work files) besides the input stores."""
+    return {"unit": unit, "shard_tokens": shard_tokens, "partials_format": PARTIALS_FORMAT}
+
+
+def open_stores(store_paths) -> list:
+    """The token stores to count, all of one tokenizer, with at least one pair among them."""
+    from ar_slicing.store import TokenStore
+    from ar_slicing.tokenizer import require_same_fingerprint
+
+    if not store_paths:
+        raise BadInput("count: no token stores given (--tokens STORE [STORE ...])")
+    stores = [TokenStore.open(p) for p in store_paths]
+    for store in stores[1:]:
+        require_same_fingerprint(
+            stores[0].fingerprint,
+            f"token store {stores[0].path}",
+            store.fingerprint,
+            f"token store {store.path}",
+        )
+    if sum(s.n_tokens for s in stores) < 2:
+        raise BadInput(
+            f"count: the token store(s) {', '.join(str(s.path) for s in stores)} hold "
+            f"{sum(s.n_tokens for s in stores)} token(s), so no bigram to count; tokenize a "
+            "training set with at least one document"
+        )
+    return stores
+
+
+def open_count_stage(stores, out, unit: str, shard_tokens: int, overwrite: bool):
+    from ar_slicing.plan import StagePlan, identity, open_stage
+
+    plan = StagePlan(
+        "count",
+        settings=count_settings(unit, shard_tokens),
+        inputs={"stores": [identity(s.path) for s in stores]},
+    )
+    return open_stage(out, plan, overwrite=overwrite)
+
+
+# ---- the whole count: plan, map, reduce, write -------------------------------------------------
+
+
+def count_stores(
+    store_paths,
+    out: str | Path,
+    *,
+    unit: str = "stream",
+    workers: int = 1,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    overwrite: bool = False,
+    config: dict | None = None,
+    executor=None,
+    progress: bool = True,
+) -> dict:
+    """Count the bigrams of the concatenation of `store_paths` into `out`. Returns its meta.json.
+
+    Resumable: partials of finished shards (and finished reduce ranges) under `out/.work` are
+    reused by a rerun with the same inputs and settings.
+    """
+    import time
+
+    t0 = time.time()
+    row = parse_unit(unit)
+    _check_shard_tokens(shard_tokens)
+    stores = open_stores(store_paths)
+    stage = open_count_stage(stores, out, unit, shard_tokens, overwrite)
+    if stage.complete:
+        meta = stage.skip()
+        log.debug("%s is complete (%s pairs); --overwrite to redo", out, meta.get("total_pairs"))
+        return meta
+    with stage.running():
+        return _count(
+            stage, stores, row, unit, shard_tokens, workers, config, executor, progress, t0
+        )
+
+
+def _check_shard_tokens(shard_tokens: int) -> None:
+    if shard_tokens < 2 or shard_tokens >= 1 << 32:
+        raise BadInput(f"--shard-tokens {shard_tokens}: must be between 2 and 2**32 - 1")
+
+
+def _count(stage, stores, row, unit, shard_tokens, workers, config, executor, progress, t0):
+    import time
+
+    from ar_slicing.counts.kernels import warm_kernels
+    from ar_slicing.executor import LocalExecutor
+    from ar_slicing.io import build_meta
+
+    out = stage.out
+    shift = max(key_shift_for(s.dtype) for s in stores)
+    vocab_size = max(s.vocab_size for s in stores)
+    sources = [
+        {
+            "path": str(s.path.resolve()),
+            "fingerprint": s.fingerprint,
+            "n_tokens": s.n_tokens,
+            "dtype": s.dtype.name,
+        }
+        for s in stores
+    ]
+    work = out / WORK_NAME  # partials kept by an unfinished run of the same plan, else new
+    (work / "partials").mkdir(parents=True, exist_ok=True)
+    (work / "reduced").mkdir(parents=True, exist_ok=True)
+
+    warm_kernels()
+    import pyarrow.parquet  # noqa: F401  (here, so forked reduce workers inherit it loaded)
+
+    executor = executor or LocalExecutor(workers)
+    tasks = plan_map_tasks(stores, work, row, shard_tokens, shift, vocab_size)
+    t_map = time.time()
+    resumed = _run_map(executor, tasks, progress)
+    t_map = time.time() - t_map
+
+    partials = [t.out for t in tasks]
+    edge = boundary_keys(stores, row, shift)
+    if edge.size:
+        partials.append(_boundary_partial(work, edge, shift, vocab_size))
+
+    t_reduce = time.time()
+    reduce_tasks = plan_reduce_tasks(work, partials, shift)
+    distinct, total_pairs = _run_reduce(executor, reduce_tasks, out / BIGRAMS_NAME, progress)
+    t_reduce = time.time() - t_reduce
+    expected_pairs = sum((s.n_tokens - 1 if s.n_tokens else 0) for s in stores) + edge.size
+    if row is None and total_pairs != expected_pairs:  # the stream unit counts every pair once
+        raise RuntimeError(
+            f"count: {total_pairs} pairs written but the stream has {expected_pairs}"
+        )
+    wall = time.time() - t0
+    meta = build_meta(
+        "count",
+        config=config
+        or {"tokens": [str(s.path) for s in stores], "unit": unit, "shard_tokens": shard_tokens},
+        inputs={"stores": sources},
+        counts={
+            "tokens": sum(s.n_tokens for s in stores),
+            "shards": len(tasks),
+            "shards_resumed": resumed,
+            "reduce_ranges": len(reduce_tasks),
+        },
+        wall_time_s=wall,
+        throughput={
+            "tokens_per_s": sum(s.n_tokens for s in stores) / max(wall, 1e-9),
+            "map_s": t_map,
+            "reduce_and_write_s": t_reduce,
+        },
+        fingerprint=stores[0].fingerprint,
+        total_pairs=total_pairs,
+        distinct_bigrams=distinct,
+        unit=unit,
+        sources=sources,
+    )
+    meta = stage.finish(meta)
+    shutil.rmtree(work, ignore_errors=True)
+    return meta
+
+
+def _run_map(executor, tasks: list[MapTask], progress: bool) -> int:
+    """Count every shard whose partial is not there yet. Returns how many were there."""
+    from tqdm import tqdm
+
+    todo = [t for t in tasks if not Path(t.out).is_file()]
+    total_tokens = sum(t.n_pairs for t in tasks)
+    resumed = len(tasks) - len(todo)
+    if resumed:
+        log.info("resuming: %d of %d shards already counted", resumed, len(tasks))
+    with tqdm(
+        total=total_tokens,
+        initial=total_tokens - sum(t.n_pairs for t in todo),
+        unit="tok",
+        unit_scale=True,
+        desc="count: map",
+        disable=not progress,
+    ) as bar:
+        for task, _ in executor.map_unordered(count_shard, todo):
+            bar.update(task.n_pairs)
+    return resumed
+
+
+def _boundary_partial(work: Path, edge: np.ndarray, shift: int, vocab_size: int) -> str:
+    """The partial of the pairs across stores (written once; a resumed run finds it)."""
+    edge_out = work / "partials" / "boundaries.bin"
+    if not edge_out.is_file():
+        keys, counts = count_keys(edge)
+        offsets = np.append(
+            np.searchsorted(keys, bucket_bounds(shift, vocab_size).astype(keys.dtype)),
+            keys.size,
+        )
+        write_partial(edge_out, keys, counts, offsets.astype(np.int64))
+    return str(edge_out)
+
+
+def _run_reduce(executor, tasks: list, path: Path, progress: bool) -> tuple[int, int]:
+    """Reduce the ranges not reduced yet and join all of them into `path`, in key order, while
+    later ranges are still being reduced. Returns (distinct, total pairs)."""
+    from tqdm import tqdm
+
+    pending = [t for t in tasks if not Path(t.out).exists()]
+    finished = {t.out for t in tasks} - {t.out for t in pending}
+
+    def reduced_in_order(bar):
+        next_index = 0
+
+        def ready():
+            nonlocal next_index
+            while next_index < len(tasks) and tasks[next_index].out in finished:
+                next_index += 1
+                yield tasks[next_index - 1].out
+
+        yield from ready()
+        for task, _ in executor.map_unordered(reduce.reduce_range, pending):
+            finished.add(task.out)
+            bar.update(1)
+            yield from ready()
+        yield from ready()
+
+    with tqdm(
+        total=len(tasks),
+        initial=len(finished),
+        unit="range",
+        desc="count: reduce",
+        disable=not progress,
+    ) as bar:
+        return write_bigrams(path, reduced_in_order(bar))
+
+
+# ---- the command -------------------------------------------------------------------------------
+
+
+def validate_count(cfg: CountConfig) -> None:
+    parse_unit(cfg.unit)
+    _check_shard_tokens(cfg.shard_tokens)
+    if cfg.workers < 0:
+        raise BadInput(f"--workers must be >= 0 (0 = all cores), got {cfg.workers}")
+    if not cfg.tokens or any(not str(t).strip() for t in cfg.tokens):
+        raise BadInput("count: --tokens needs one or more token store directories (not empty)")
+
+
+def run_count(cfg: CountConfig) -> dict:
+    from ar_slicing.executor import default_workers, get_executor
+
+    validate_count(cfg)
+    stage = open_count_stage(
+        open_stores(cfg.tokens), cfg.out, cfg.unit, cfg.shard_tokens, cfg.overwrite
+    )
+    if stage.complete:
+        meta = stage.skip()
+        print(f"count: {cfg.out} is complete ({meta['total_pairs']:,} pairs); --overwrite to redo")
+        return meta
+    executor = None
+    if cfg.executor != "local":
+        executor = get_executor(cfg.executor, cfg.workers or None, address=cfg.ray_address)
+    workers = cfg.workers if cfg.workers > 0 else default_workers()  # (the executor's, if given)
+    meta = count_stores(
+        list(cfg.tokens),
+        cfg.out,
+        unit=cfg.unit,
+        workers=workers,
+        shard_tokens=cfg.shard_tokens,
+        overwrite=cfg.overwrite,
+        config=config_to_dict(cfg),
+        executor=executor,
+    )
+    rate = meta.get("throughput", {}).get("tokens_per_s")
+    print(
+        f"count: {meta['total_pairs']:,} pairs, {meta['distinct_bigrams']:,} distinct bigrams "
+        f"(unit {meta['unit']}) from {len(meta['sources'])} store(s) -> {cfg.out}"
+        + (f" ({meta['wall_time_s']:.1f} s, {rate / 1e6:.1f} M tokens/s)" if rate else "")
+    )
+    return meta
+
+
+COMMAND = Command(
+    CountConfig,
+    run_count,
+    validate=validate_count,
+    plan_settings=lambda cfg: count_settings(cfg.unit, cfg.shard_tokens),
+    summary="exact training bigram counts of token stores",
+    examples="""\
+  arslice count --tokens runs/pile/tokens/train --out runs/pile/counts
+  arslice count --tokens runs/pile/tokens/train-00 runs/pile/tokens/train-01 --out runs/pile/counts
+  arslice count --tokens runs/pythia/tokens/train --unit row:2049 --workers 16 --out runs/pythia/counts
+  arslice count --tokens /shared/pile/tokens/train --out /shared/pile/counts --executor ray --ray-address auto""",
+)

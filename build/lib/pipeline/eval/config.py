@@ -1,0 +1,87 @@
+"""The eval stage's config and the constants its parts share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# On CPU a few windows per batch amortise per-op overhead; more only grows memory.
+CPU_TOKENS_PER_BATCH = 8192
+# A first guess on CUDA (back-off halves it when it does not fit): 128 windows of 2048 tokens.
+CUDA_TOKENS_PER_BATCH = 1 << 18
+CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".safetensors")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    model: str = field(
+        metadata={
+            "help": "model spec: hf:<hub id or dir>, native:<dir>, safari:<ckpt>, zoology:<ckpt>, "
+            "based:<hub id or dir>"
+        }
+    )
+    tags: str = field(metadata={"help": "tag directory written by `arslice tag` (windows.parquet)"})
+    out: str = field(metadata={"help": "output directory for losses-*.parquet and meta.json"})
+    name: str | None = field(
+        default=None, metadata={"help": "model name recorded in meta.json (default: from the spec)"}
+    )
+    device: str = field(
+        default="auto",
+        metadata={"help": "auto = cuda when available", "choices": ["auto", "cpu", "cuda"]},
+    )
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "autocast dtype of the forward pass; auto = bf16 on CUDA (fp16 without bf16 "
+            "support) and on CPUs with native bf16 (AVX512-BF16, AMX, Arm BF16), else fp32. "
+            "The cross-entropy is always fp32; --dtype fp32 for exact fp32 losses",
+            "choices": ["auto", "bf16", "fp16", "fp32"],
+        },
+    )
+    batch_size: str = field(
+        default="auto",
+        metadata={"help": "sequences per forward pass, or auto (backs off on CUDA out-of-memory)"},
+    )
+    max_windows: int | None = field(
+        default=None,
+        metadata={"help": "evaluate only the first N windows (a partial run, resumable)"},
+    )
+    windowing: str = field(
+        default="fixed",
+        metadata={
+            "help": "fixed = the tag windows as they are (the paper's); rolling = per-document "
+            "windows with an EOS prefix (lm-eval loglikelihood_rolling)",
+            "choices": ["fixed", "rolling"],
+        },
+    )
+    tokens: str | None = field(
+        default=None,
+        metadata={
+            "help": "validation token store (default: the one recorded in the tags' meta.json)"
+        },
+    )
+    skip_tokenizer_check: bool = field(
+        default=False,
+        metadata={
+            "help": "evaluate even if the model's tokenizer differs from the store's (recorded)"
+        },
+    )
+    chunk_windows: int = field(
+        default=256, metadata={"help": "windows per output file (the unit of resuming)"}
+    )
+    overwrite: bool = field(default=False, metadata={"help": "redo a complete output directory"})
+    executor: str = field(
+        default="local",
+        metadata={
+            "help": "local = this process; ray = chunks spread over Ray actors, one per GPU of the "
+            "cluster (every node must see --tags, the store and --out under the same paths)",
+            "choices": ["local", "ray"],
+        },
+    )
+    ray_address: str | None = field(
+        default=None,
+        metadata={"help": "Ray cluster to join (default: RAY_ADDRESS, else a local cluster)"},
+    )
+    ray_actors: int = field(
+        default=0,
+        metadata={"help": "Ray actors (0 = one per GPU of the cluster; one per CPU without GPUs)"},
+    )

@@ -1,0 +1,184 @@
+"""What the eval stage reads and computes: the tag windows, and the sequences a chunk of them becomes."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ar_slicing.errors import BadInput
+from ar_slicing.io import META_NAME, is_complete, read_json
+from ar_slicing.tokenizer import require_same_fingerprint
+from ar_slicing.windows import WINDOWS_NAME
+from pipeline.eval.config import CHECKPOINT_SUFFIXES
+
+
+@dataclass
+class TagsInput:
+    """The tag directory's window table and the token store it was made from."""
+
+    dir: Path
+    meta: dict
+    window: int  # L
+    starts: np.ndarray  # (W,) int64
+    n_targets: np.ndarray  # (W,) int64
+    store: object  # ar_slicing.store.TokenStore
+    n_tag_rows: int
+
+    @property
+    def n_windows(self) -> int:
+        return len(self.starts)
+
+
+def open_tags(tags_dir: str | Path, tokens: str | None = None) -> TagsInput:
+    """Read and check a tag directory: complete, window table as DESIGN.md defines it, tag rows
+    one per target, and a token store of the same tokenizer and length."""
+    import pyarrow.parquet as pq
+
+    from ar_slicing.store import TokenStore
+
+    from ar_slicing.layout import where_is
+
+    tags_dir = Path(tags_dir)
+    if not tags_dir.is_dir():
+        raise BadInput(f"tags {tags_dir}: no such directory (run `arslice tag` first)")
+    if not is_complete(tags_dir):
+        hint = where_is(tags_dir, "tags")
+        if hint:
+            raise BadInput(f"--tags {tags_dir}: not a tag directory; {hint}")
+        raise BadInput(
+            f"tags {tags_dir}: incomplete (no meta.json); rerun `arslice tag` to finish it"
+        )
+    meta = read_json(tags_dir / META_NAME)
+    for key in ("window", "fingerprint"):
+        if key not in meta:
+            raise BadInput(f"{tags_dir / META_NAME}: has no `{key}`; rerun `arslice tag`")
+    store_path = tokens or meta.get("tokens")
+    if not store_path:
+        raise BadInput(f"{tags_dir / META_NAME}: names no token store; pass --tokens")
+    store = TokenStore.open(store_path)
+    require_same_fingerprint(
+        meta["fingerprint"], f"tags {tags_dir}", store.fingerprint, f"token store {store.path}"
+    )
+    window = int(meta["window"])
+    path = tags_dir / WINDOWS_NAME
+    try:
+        table = pq.read_table(path, columns=["window_id", "start", "n_targets"])
+    except Exception as e:
+        raise BadInput(f"{path}: cannot read the window table ({e}); rerun `arslice tag`") from None
+    window_id = table.column("window_id").to_numpy().astype(np.int64)
+    starts = table.column("start").to_numpy().astype(np.int64)
+    n_targets = table.column("n_targets").to_numpy().astype(np.int64)
+    expected_starts = np.arange(len(window_id), dtype=np.int64) * window
+    expected_targets = np.minimum(window, store.n_tokens - 1 - expected_starts)
+    for name, got, want in (
+        ("window_id", window_id, np.arange(len(window_id))),
+        ("start", starts, expected_starts),
+        ("n_targets", n_targets, expected_targets),
+    ):
+        bad = np.flatnonzero(got != want)
+        if bad.size:
+            i = int(bad[0])
+            raise BadInput(
+                f"{path}: row {i} has {name} {int(got[i])} but a {store.n_tokens}-token stream in "
+                f"windows of {window} needs {int(want[i])}; the tags were made from another store "
+                f"than {store.path} (pass --tokens) or are damaged (rerun `arslice tag --overwrite`)"
+            )
+    if int(n_targets.sum()) != max(store.n_tokens - 1, 0):
+        raise BadInput(
+            f"{path}: {len(window_id)} windows cover {int(n_targets.sum())} targets but the store "
+            f"{store.path} has {store.n_tokens - 1}; rerun `arslice tag --overwrite`"
+        )
+    parts = sorted(tags_dir.glob("tags-*.parquet"))
+    n_tag_rows = sum(pq.ParquetFile(p).metadata.num_rows for p in parts)
+    if n_tag_rows != int(n_targets.sum()):
+        raise BadInput(
+            f"tags {tags_dir}: {len(parts)} tags-*.parquet files hold {n_tag_rows} rows but "
+            f"{WINDOWS_NAME} has {int(n_targets.sum())} targets; rerun `arslice tag --overwrite`"
+        )
+    return TagsInput(tags_dir, meta, window, starts, n_targets, store, n_tag_rows)
+
+
+def model_name_from_spec(spec: str) -> str:
+    """`hf:EleutherAI/pythia-160m` -> `pythia-160m`, `native:runs/x/models/attn/` -> `attn`."""
+    body = spec.split(":", 1)[1] if re.match(r"^[a-z]+:", spec) else spec
+    last = [p for p in re.split(r"[/\\]", body) if p][-1:] or ["model"]
+    name = last[0]
+    for suffix in CHECKPOINT_SUFFIXES:
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name) or "model"
+
+
+# ---- what gets computed -------------------------------------------------------------------------
+
+
+@dataclass
+class Sequence:
+    """One model input: it reads `inputs`; outputs `score_from..` are scored against `targets`
+    and land in rows `row0..` of the chunk's loss array."""
+
+    inputs: np.ndarray  # (T,) int64
+    targets: np.ndarray  # (T,) int64, targets[t] = the token output t predicts
+    score_from: int
+    row0: int
+
+
+def chunk_bounds(n_windows: int, chunk_windows: int) -> list[tuple[int, int]]:
+    return [(a, min(a + chunk_windows, n_windows)) for a in range(0, n_windows, chunk_windows)]
+
+
+def fixed_sequences(tags: TagsInput, w0: int, w1: int) -> list[Sequence]:
+    """The tag windows themselves: window w reads S[start : start+n] and predicts S[start+1 : start+n+1]."""
+    out = []
+    row = 0
+    for w in range(w0, w1):
+        start, n = int(tags.starts[w]), int(tags.n_targets[w])
+        span = tags.store.slice(start, start + n + 1).astype(np.int64)
+        out.append(Sequence(span[:-1], span[1:], 0, row))
+        row += n
+    return out
+
+
+def rolling_sequences(tags: TagsInput, w0: int, w1: int) -> list[Sequence]:
+    """Per-document rolling windows (ar_slicing.rolling) whose predictions fall in windows w0..w1-1.
+
+    Rows of a chunk are its targets in stream order, so stream index `i` lands in row
+    `i - (first target of the chunk)`. A rolling window that reaches past the chunk is cut
+    after the chunk's last target (a causal model's earlier outputs do not depend on later
+    inputs) and the part before the chunk is left unscored; the neighbouring chunk scores it.
+    """
+    from ar_slicing.rolling import rolling_windows
+
+    store = tags.store
+    lo = int(tags.starts[w0]) + 1  # first target stream index of the chunk
+    hi = int(tags.starts[w1 - 1] + tags.n_targets[w1 - 1])  # last target stream index
+    offsets = store.doc_offsets
+    ends = np.append(offsets[1:], store.n_tokens)  # a document's segment: its tokens and its EOS
+    first_doc = int(np.searchsorted(ends, lo, side="right"))  # the segment holding `lo`
+    last_doc = int(np.searchsorted(offsets, hi, side="right")) - 1
+    eos = store.eos_id
+    out = []
+    for d in range(first_doc, last_doc + 1):
+        o, e = int(offsets[d]), int(ends[d])
+        # The EOS after a document (appended by `tokenize`, or already in an imported stream)
+        # gets the trailing-EOS rule; a segment without one is all document.
+        trailing_eos = e > o and int(store.tokens[e - 1]) == eos
+        n_doc = e - o - 1 if trailing_eos else e - o
+        for a, b, k in rolling_windows(n_doc, tags.window, trailing_eos):
+            # E[j] is stream index o + j - 1 (E[0] is the EOS prefix); outputs t predict E[a + 1 + t].
+            first_scored = o + b - k  # stream index of the first scored target
+            last_scored = o + b - 1
+            s_lo, s_hi = max(first_scored, lo), min(last_scored, hi)
+            if s_lo > s_hi:
+                continue
+            stop = b - (last_scored - s_hi)  # drop inputs only needed for targets after the chunk
+            if a == 0:
+                inputs = np.concatenate([[eos], store.slice(o, o + stop - 1)]).astype(np.int64)
+            else:
+                inputs = store.slice(o + a - 1, o + stop - 1).astype(np.int64)
+            targets = store.slice(o + a, o + stop).astype(np.int64)
+            out.append(Sequence(inputs, targets, s_lo - (o + a), s_lo - lo))
+    return out

@@ -1,0 +1,233 @@
+"""`arslice eval` as a stage: plan, resume, run the chunks (locally or on Ray), write meta.json."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from pathlib import Path
+
+from ar_slicing.errors import ArSliceError
+from ar_slicing.io import build_meta
+from models.precision import resolve_device, resolve_dtype, resolve_on_cluster
+from pipeline.config import Command
+from pipeline.eval.checks import check_model_fits
+from pipeline.eval.config import EvalConfig
+from pipeline.eval.forward import resolve_batch_size
+from pipeline.eval.inputs import chunk_bounds, model_name_from_spec, open_tags
+from pipeline.eval.output import ChunkEvaluator, chunk_done, chunk_path
+
+log = logging.getLogger(__name__)
+
+
+def validate_eval(cfg: EvalConfig) -> None:
+    from models.loaders import parse_spec
+
+    parse_spec(cfg.model)
+    if cfg.chunk_windows < 1:
+        raise ArSliceError(f"--chunk-windows {cfg.chunk_windows}: must be at least 1")
+    if cfg.max_windows is not None and cfg.max_windows < 1:
+        raise ArSliceError(f"--max-windows {cfg.max_windows}: must be at least 1")
+    if cfg.ray_actors < 0:
+        raise ArSliceError(f"--ray-actors {cfg.ray_actors}: must be 0 (one per GPU) or more")
+    resolve_batch_size(cfg.batch_size, "cpu", 1)  # refuses what is neither a number nor auto
+
+
+def eval_settings(cfg: EvalConfig, device: str | None = None, dtype: str | None = None) -> dict:
+    """What decides the loss files' bytes besides the inputs. Without `device`/`dtype` they are
+    resolved here as a local run would (a Ray run resolves them on the cluster: None here)."""
+    if device is None and cfg.executor == "local":
+        device = resolve_device(cfg.device)
+        dtype = resolve_dtype(cfg.dtype, device)
+    return {
+        "spec": cfg.model,
+        "windowing": cfg.windowing,
+        "chunk_windows": cfg.chunk_windows,
+        "device": device,
+        "dtype": dtype,
+    }
+
+
+def run_eval(cfg: EvalConfig) -> dict:
+    """Evaluate `cfg.model` on the windows of `cfg.tags`; write losses and meta.json to `cfg.out`."""
+    from ar_slicing.plan import StagePlan, identity, open_stage
+    from models.loaders import spec_identity
+
+    t0 = time.time()
+    validate_eval(cfg)
+    out = Path(cfg.out)
+    name = cfg.name or model_name_from_spec(cfg.model)
+    tags = open_tags(cfg.tags, cfg.tokens)
+    n_windows = tags.n_windows if cfg.max_windows is None else min(cfg.max_windows, tags.n_windows)
+
+    executor = None
+    if cfg.executor != "local":
+        from ar_slicing.executor import get_executor
+
+        executor = get_executor(cfg.executor, address=cfg.ray_address)
+        # the actors' device, not this process's: CUDA when the cluster has GPUs; `auto` dtype
+        # is resolved on one of those GPUs (CPU actors get this machine's choice, as a local run)
+        device = cfg.device if cfg.device != "auto" else "cuda" if executor.cluster_gpus else "cpu"
+        dtype = resolve_on_cluster(executor, cfg.dtype, device)
+    else:
+        device = resolve_device(cfg.device)
+        dtype = resolve_dtype(cfg.dtype, device)
+    plan = StagePlan(
+        "eval",
+        settings=eval_settings(cfg, device, dtype),
+        inputs={
+            # the windows are all a loss depends on: re-tagging with another threshold keeps them
+            "tokens": identity(tags.store.path),
+            "windows": {"window": tags.window, "n_windows": tags.n_windows},
+            "model": spec_identity(cfg.model),
+        },
+    )
+    stage = open_stage(out, plan, overwrite=cfg.overwrite)
+    extend = False
+    if stage.complete:
+        meta = stage.meta
+        if not (meta.get("partial") and n_windows > int(meta.get("windows_evaluated", 0))):
+            stage.skip()
+            print(f"eval {name}: {out} is already complete ({meta.get('tokens')} tokens); skipped")
+            return {
+                "out": str(out),
+                "name": meta.get("name"),
+                "tokens": meta.get("tokens"),
+                "skipped": True,
+            }
+        extend = True  # a partial (--max-windows) result, now asked for more windows
+
+    from models import load_model
+
+    # Loaded before OUT is made, so a bad spec or a model that does not fit leaves nothing behind.
+    # With Ray the model is loaded here only for the checks and meta.json; the actors load their own.
+    loaded = load_model(cfg.model, device=device if executor is None else "cpu")
+    check_model_fits(loaded, tags, n_windows, cfg)
+    batch_size = resolve_batch_size(cfg.batch_size, device, tags.window)
+    with stage.running():
+        if extend:
+            stage.reopen()  # incomplete again until its meta.json is rewritten
+        return _evaluate(
+            stage, cfg, name, tags, n_windows, loaded, executor, device, dtype, batch_size, t0
+        )
+
+
+def _evaluate(stage, cfg, name, tags, n_windows, loaded, executor, device, dtype, batch_size, t0):
+    out = stage.out
+    partial = n_windows < tags.n_windows
+    chunks = chunk_bounds(n_windows, cfg.chunk_windows)
+    chunk_rows = [int(tags.n_targets[w0:w1].sum()) for w0, w1 in chunks]
+    todo = [c for c in range(len(chunks)) if not chunk_done(chunk_path(out, c), chunk_rows[c])]
+    reused = len(chunks) - len(todo)
+    if reused:
+        log.info("resuming %s: %d of %d chunks already done", out, reused, len(chunks))
+    scored = read = backoffs = 0
+    t_compute = 0.0
+    from tqdm import tqdm
+
+    windows_done = sum(chunks[c][1] - chunks[c][0] for c in range(len(chunks)) if c not in todo)
+    bar = tqdm(
+        total=sum(chunk_rows[c] for c in todo),
+        unit="tok",
+        unit_scale=True,
+        desc=f"eval {name}",
+        dynamic_ncols=True,
+    )
+    tasks = [(c, *chunks[c]) for c in todo]
+    t_loop = time.time()
+    if executor is None:
+        evaluator = ChunkEvaluator(cfg, device, dtype, batch_size, loaded=loaded, tags=tags)
+        results = ((task, evaluator(task, bar.update)) for task in tasks)
+    else:
+        make_evaluator = functools.partial(ChunkEvaluator, cfg, device, dtype, batch_size)
+        results = executor.map_actors(
+            make_evaluator,
+            tasks,
+            n_actors=cfg.ray_actors or None,
+            num_gpus=1 if device == "cuda" else 0,  # one GPU per actor; none for CPU evaluation
+        )
+    try:
+        for (_c, w0, w1), result in results:
+            if executor is not None:
+                bar.update(result["rows"])
+            read += result["read"]
+            t_compute += result["seconds"]
+            batch_size = min(batch_size, result["batch_size"])
+            backoffs = max(backoffs, result["backoffs"])  # each evaluator counts its own
+            scored += result["rows"]
+            windows_done += w1 - w0
+            bar.set_postfix_str(f"windows {windows_done}/{n_windows}")
+    finally:
+        bar.close()
+    if executor is not None:  # actors work side by side: the rate is the whole loop's
+        t_compute = time.time() - t_loop if tasks else 0.0
+
+    total_rows = int(tags.n_targets[:n_windows].sum())
+    wall = time.time() - t0
+    tokens_per_s = scored / t_compute if t_compute > 0 else 0.0
+    meta = build_meta(
+        "eval",
+        config=cfg,
+        inputs={
+            "tags": str(tags.dir.resolve()),
+            "tags_meta": {
+                k: tags.meta.get(k) for k in ("git_hash", "created_at", "window", "threshold")
+            },
+            "tokens": str(Path(tags.store.path).resolve()),
+            "model": cfg.model,
+        },
+        counts={
+            "windows": n_windows,
+            "rows": total_rows,
+            "chunks": len(chunks),
+            "chunks_computed": len(todo),
+            "chunks_reused": reused,
+            "input_tokens_read": read,
+            "oom_backoffs": backoffs,
+        },
+        skipped={"windows_beyond_max_windows": tags.n_windows - n_windows},
+        wall_time_s=wall,
+        throughput={"tokens_per_s": tokens_per_s},
+        name=name,
+        spec=cfg.model,
+        architecture=loaded.architecture,
+        n_params=int(loaded.n_params),
+        dtype=dtype,
+        device=device,
+        batch_size=batch_size,
+        batch_size_requested=str(cfg.batch_size),
+        tokens=total_rows,
+        tokens_store=str(Path(tags.store.path).resolve()),
+        tokens_per_s=tokens_per_s,
+        fingerprint=tags.store.fingerprint,
+        model_tokenizer_fingerprint=getattr(loaded, "tokenizer_fingerprint", None),
+        skip_tokenizer_check=cfg.skip_tokenizer_check,
+        windowing=cfg.windowing,
+        window=tags.window,
+        partial=partial,
+        windows_evaluated=n_windows,
+        windows_total=tags.n_windows,
+        files=[chunk_path(out, c).name for c in range(len(chunks))],
+    )
+    stage.finish(meta)
+    rate = f"{tokens_per_s:,.0f} tokens/s" if todo else "all chunks reused"
+    print(
+        f"eval {name}: {total_rows:,} losses over {n_windows:,} windows"
+        f"{' (partial)' if partial else ''} -> {out} ({rate}, {wall:.1f} s)"
+    )
+    return {"out": str(out), "name": name, "tokens": total_rows, "tokens_per_s": tokens_per_s}
+
+
+COMMAND = Command(
+    EvalConfig,
+    run_eval,
+    validate=validate_eval,
+    plan_settings=eval_settings,
+    summary="per-token losses of one model over the tagged windows",
+    examples="""\
+  arslice eval --model hf:EleutherAI/pythia-160m --tags runs/pile/tags --out runs/pile/losses/pythia-160m
+  arslice eval --model native:runs/demo/models/attention --tags runs/demo/tags --out runs/demo/losses/attention
+  arslice eval --model hf:RWKV/rwkv-4-169m-pile --tags runs/pile/tags --out runs/pile/losses/rwkv --dtype fp32
+  arslice eval --model hf:./pythia-70m --tags runs/pile/tags --out /tmp/smoke --max-windows 8 --device cpu
+  arslice eval --model hf:EleutherAI/pythia-160m --tags runs/pile/tags --out runs/pile/losses/pythia-rolling --windowing rolling""",
+)

@@ -1,0 +1,611 @@
+"""`arslice run`: run the stages of a pipeline config file, in order (what `make` calls).
+
+A pipeline config is a TOML file whose top-level `run_dir` names the run directory and whose
+tables hold each stage's own config fields (the same names as its command-line flags)::
+
+    run_dir = "runs/demo"
+
+    [tokenizer]                 # train-tokenizer fields, or `pretrained = "gpt2"` to copy one
+    source = ["{stdlib}"]
+    vocab_size = 4096
+
+    [tokenize]                  # tokenize fields shared by both stores ...
+    source = ["{stdlib}"]
+    [tokenize.val]              # ... and per-store overrides (tables `train` and `val`)
+    max_docs = 100
+
+    [count]
+    [tag]
+    window = 512
+
+    [train]                     # train fields shared by every model ...
+    steps = 600
+    [train.models.attention]    # ... one table per model, keyed by its name
+    arch = "attention"
+
+    [eval]                      # eval fields shared by every model; every trained model is
+    batch_size = 8              # evaluated, plus any `[eval.models.<name>]` with a `model` spec
+    [eval.models.pythia-160m]
+    model = "hf:EleutherAI/pythia-160m"
+
+    [report]
+    reference = "attention"
+
+Strings may use `{run_dir}` and `{stdlib}` (this Python's standard-library directory). Paths
+that follow the run layout (`ar_slicing.layout`: `tokens/train`, `counts`, `tags`,
+`models/<name>`, `losses/<name>`, ...) are filled in when a table leaves them out.
+
+Before the first stage starts, every stage's config is resolved and checked (keys, types,
+choices, values, sources, model specs), and every chosen stage whose complete output was made
+with other settings is named, all at once; nothing is written until all of that passes. Then
+the resolved config goes to `<run_dir>/config.toml` and each stage's resolved settings to
+`<run_dir>/.settings/<stage>.json` (rewritten only when they change, so the Makefile's stage
+targets, which depend on them, rerun exactly the stages whose settings changed), and the
+stages run. The markers that span several commands are written here: `<run_dir>/models/meta.json`
+(after every model is trained) and `<run_dir>/losses/meta.json` (after every model is evaluated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ar_slicing.errors import ArSliceError, BadInput
+from ar_slicing.io import atomic_path, build_meta, is_complete, read_json, write_bytes_atomic
+from ar_slicing.layout import STORE_PARTS, RunLayout
+from pipeline.config import Command, config_from_mapping, config_to_dict, print_config
+from pipeline.pipeline_file import (  # noqa: F401  (re-exported: the config-file helpers)
+    dumps_toml,
+    load_pipeline_config,
+    resolve_placeholders,
+    stdlib_dir,
+)
+from pipeline.stages import PIPELINE, PIPELINE_STAGES
+
+log = logging.getLogger(__name__)
+
+STAGES = PIPELINE_STAGES
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    config: str = field(
+        metadata={"help": "pipeline config file (TOML), e.g. pipeline/configs/demo.toml"}
+    )
+    stage: list[str] = field(
+        default_factory=lambda: list(STAGES),
+        metadata={"help": "stages to run (always in pipeline order)", "choices": list(STAGES)},
+    )
+    overwrite: bool = field(
+        default=False,
+        metadata={"help": "redo the chosen stages even where their outputs are complete"},
+    )
+    redo_changed: bool = field(
+        default=False,
+        metadata={
+            "help": "redo the chosen stages whose settings or inputs changed instead of refusing "
+            "(complete outputs of the same plan are still skipped; what `make OVERWRITE=1` passes)"
+        },
+    )
+    make_rules: bool = field(
+        default=False,
+        metadata={
+            "help": "check the config, write each stage's settings and the Makefile's stage rules "
+            "(<run_dir>/.settings/), and stop: what the Makefile does first"
+        },
+    )
+
+
+@dataclass(frozen=True)
+class PretrainedTokenizer:
+    """The `[tokenizer] pretrained = NAME` table: copy an existing tokenizer to `out`."""
+
+    pretrained: str
+    out: str
+
+
+# ---- building each stage's config -------------------------------------------------------------
+
+
+def load_command(stage: str) -> Command:
+    module_name = PIPELINE[stage].module
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name == module_name:
+            raise ArSliceError(f"stage {stage}: module {module_name} is not installed") from None
+        raise
+    return module.COMMAND
+
+
+def build_config(
+    command: Command,
+    table: Mapping[str, Any],
+    defaults: Mapping[str, Any],
+    context: str,
+    overwrite: bool,
+) -> Any:
+    """`command`'s config from a TOML table, filling in `defaults` the table leaves out.
+
+    A default is only used when the stage's config has a field of that name; `overwrite` is
+    forced on when the run is asked to redo the stage.
+    """
+    names = {f.name for f in dataclasses.fields(command.config_cls)}
+    values = {k: v for k, v in defaults.items() if k in names and k not in table}
+    values.update(table)
+    if overwrite and "overwrite" in names:
+        values["overwrite"] = True
+    return config_from_mapping(command.config_cls, values, context=context)
+
+
+def _split_subtables(table: Mapping[str, Any], key: str) -> tuple[dict, dict]:
+    """(the table without `key`, the sub-tables under `key`)."""
+    common = {k: v for k, v in table.items() if k != key}
+    sub = table.get(key, {})
+    if not isinstance(sub, Mapping) or not all(isinstance(v, Mapping) for v in sub.values()):
+        raise BadInput(f"`{key}` must hold one table per name, like [{key}.<name>]")
+    return common, {name: dict(v) for name, v in sub.items()}
+
+
+def _settings_without_overwrite(cfg: Any) -> dict:
+    if isinstance(cfg, PretrainedTokenizer):
+        return dataclasses.asdict(cfg)
+    return {k: v for k, v in config_to_dict(cfg).items() if k != "overwrite"}
+
+
+def _write_if_changed(path: Path, text: str) -> bool:
+    """Write `text` to `path` unless it already holds it (its mtime is what make compares)."""
+    if path.is_file() and path.read_text(encoding="utf-8") == text:
+        return False
+    write_bytes_atomic(path, text.encode("utf-8"))
+    return True
+
+
+@dataclass
+class Pipeline:
+    """One pipeline config, resolved, and the functions that run its stages."""
+
+    config_path: Path
+    config: dict
+    overwrite: bool = False
+    loader: Callable[[str], Command] = load_command
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.config["run_dir"])
+
+    @property
+    def layout(self) -> RunLayout:
+        return RunLayout(self.run_dir)
+
+    def table(self, stage: str) -> dict:
+        return dict(self.config.get(stage, {}))
+
+    def path(self, *parts: str) -> str:
+        return str(self.run_dir.joinpath(*parts))
+
+    def _build(self, stage: str, table, defaults, context: str) -> Any:
+        return build_config(
+            self.loader(stage), table, defaults, f"{self.config_path} {context}", self.overwrite
+        )
+
+    def configs(self, stage: str) -> dict[str, Any]:
+        """Every config `stage` runs with, by name (one per store, per model, or just one)."""
+        return getattr(self, f"{stage}_configs")()
+
+    # -- tokenizer ---------------------------------------------------------------------------
+    def tokenizer_configs(self) -> dict[str, Any]:
+        table = self.table("tokenizer")
+        out = str(self.layout.tokenizer)
+        if "pretrained" in table:
+            extra = sorted(set(table) - {"pretrained"})
+            if extra:
+                raise BadInput(
+                    f"{self.config_path} [tokenizer]: `pretrained` copies an existing tokenizer, "
+                    f"so {', '.join(extra)} cannot be used with it"
+                )
+            if not isinstance(table["pretrained"], str) or not table["pretrained"].strip():
+                raise BadInput(
+                    f"{self.config_path} [tokenizer]: `pretrained` must name a tokenizer"
+                )
+            return {"tokenizer": PretrainedTokenizer(table["pretrained"], out)}
+        return {"tokenizer": self._build("tokenizer", table, {"out": out}, "[tokenizer]")}
+
+    def run_tokenizer(self) -> dict:
+        """Train the run's tokenizer, or copy the configured one, to `<run_dir>/tokenizer.json`."""
+        (cfg,) = self.tokenizer_configs().values()
+        if isinstance(cfg, PretrainedTokenizer):
+            return copy_pretrained_tokenizer(cfg, overwrite=self.overwrite)
+        result = self.loader("tokenizer").run(cfg)
+        if not Path(cfg.out).is_file():
+            raise ArSliceError(f"tokenizer: train-tokenizer finished but {cfg.out} does not exist")
+        return result
+
+    # -- tokenize ----------------------------------------------------------------------------
+    def tokenize_configs(self) -> dict[str, Any]:
+        # [tokenize.train] and [tokenize.val] override the shared [tokenize] keys per store.
+        common = self.table("tokenize")
+        parts = {
+            part: dict(common.pop(part))
+            for part in STORE_PARTS
+            if isinstance(common.get(part), Mapping)
+        }
+        configs = {}
+        for part in STORE_PARTS:
+            table = {**common, **parts.get(part, {})}
+            defaults = {
+                "out": str(self.layout.store(part)),
+                "tokenizer": str(self.layout.tokenizer),
+            }
+            if "split_fraction" in table:
+                defaults["split_part"] = part
+            configs[part] = self._build("tokenize", table, defaults, f"[tokenize.{part}]")
+        return configs
+
+    def run_tokenize(self) -> dict:
+        command = self.loader("tokenize")
+        return {part: command.run(cfg) for part, cfg in self.tokenize_configs().items()}
+
+    # -- count, tag --------------------------------------------------------------------------
+    def count_configs(self) -> dict[str, Any]:
+        defaults = {"tokens": [str(self.layout.store("train"))], "out": str(self.layout.counts)}
+        return {"count": self._build("count", self.table("count"), defaults, "[count]")}
+
+    def run_count(self) -> dict:
+        return self.loader("count").run(self.count_configs()["count"])
+
+    def tag_configs(self) -> dict[str, Any]:
+        defaults = {
+            "tokens": str(self.layout.store("val")),
+            "counts": str(self.layout.counts),
+            "out": str(self.layout.tags),
+        }
+        return {"tag": self._build("tag", self.table("tag"), defaults, "[tag]")}
+
+    def run_tag(self) -> dict:
+        return self.loader("tag").run(self.tag_configs()["tag"])
+
+    # -- train -------------------------------------------------------------------------------
+    def train_configs(self) -> dict[str, Any]:
+        """One train config per `[train.models.<name>]` table (none when there is no [train])."""
+        table = self.table("train")
+        if not table:
+            return {}
+        common, models = _split_subtables(table, "models")
+        if not models:
+            raise BadInput(
+                f"{self.config_path} [train]: no models; add a [train.models.<name>] table"
+            )
+        configs = {}
+        for name, model_table in models.items():
+            defaults = {
+                "tokens": str(self.layout.store("train")),
+                "val_tokens": str(self.layout.store("val")),
+                "out": str(self.layout.model(name)),
+            }
+            context = f"[train.models.{name}]"
+            configs[name] = self._build("train", {**common, **model_table}, defaults, context)
+        return configs
+
+    def run_train(self) -> dict:
+        t0 = time.time()
+        configs = self.train_configs()
+        command = self.loader("train") if configs else None
+        models = {}
+        for name, cfg in configs.items():
+            command.run(cfg)
+            models[name] = self._model_entry(name, Path(cfg.out))
+        self._write_marker(
+            self.layout.models,
+            "train-all",
+            configs,
+            {"config": str(self.config_path)},
+            t0,
+            models=models,
+        )
+        return {"models": models}
+
+    @staticmethod
+    def _model_entry(name: str, out: Path) -> dict:
+        if not is_complete(out):
+            raise ArSliceError(f"train {name}: finished without writing {out / 'meta.json'}")
+        meta = read_json(out / "meta.json")
+        keep = (
+            "arch",
+            "n_params",
+            "tokens_seen",
+            "epochs",
+            "final_train_loss",
+            "final_val_loss",
+            "wall_time_s",
+        )
+        return {"dir": str(out), "spec": f"native:{out}", **{k: meta.get(k) for k in keep}}
+
+    # -- eval --------------------------------------------------------------------------------
+    def eval_entries(self) -> dict[str, dict]:
+        """Every trained model (as `native:<dir>`), then every `[eval.models.<name>]` table."""
+        common, extra = _split_subtables(self.table("eval"), "models")
+        trained = (
+            list(_split_subtables(self.table("train"), "models")[1]) if self.table("train") else []
+        )
+        overlap = sorted(set(trained) & set(extra))
+        if overlap:
+            raise BadInput(
+                f"{self.config_path}: model name(s) {', '.join(overlap)} are both trained and listed "
+                "in [eval.models]; give the external checkpoint another name"
+            )
+        entries = {name: {"model": f"native:{self.layout.model(name)}"} for name in trained}
+        for name, table in extra.items():
+            if "model" not in table:
+                raise BadInput(
+                    f'{self.config_path} [eval.models.{name}]: needs `model = "<spec>"` '
+                    "(hf:..., native:..., safari:..., zoology:..., based:...)"
+                )
+            entries[name] = table
+        if not entries:
+            raise BadInput(
+                f"{self.config_path}: nothing to evaluate; add [train.models.<name>] or "
+                "[eval.models.<name>] tables"
+            )
+        return {name: {**common, **table} for name, table in entries.items()}
+
+    def eval_configs(self) -> dict[str, Any]:
+        configs = {}
+        for name, table in self.eval_entries().items():
+            defaults = {
+                "tags": str(self.layout.tags),
+                "out": str(self.layout.losses(name)),
+                "name": name,
+            }
+            configs[name] = self._build("eval", table, defaults, f"[eval.models.{name}]")
+        return configs
+
+    def run_eval(self) -> dict:
+        t0 = time.time()
+        configs = self.eval_configs()
+        command = self.loader("eval")
+        losses = {}
+        for name, cfg in configs.items():
+            command.run(cfg)
+            out = Path(cfg.out)
+            if not is_complete(out):
+                raise ArSliceError(f"eval {name}: finished without writing {out / 'meta.json'}")
+            meta = read_json(out / "meta.json")
+            losses[name] = {"dir": str(out), "spec": meta.get("spec"), "tokens": meta.get("tokens")}
+        inputs = {"config": str(self.config_path), "tags": str(self.layout.tags)}
+        self._write_marker(self.layout.losses_root, "eval-all", configs, inputs, t0, losses=losses)
+        return {"losses": losses}
+
+    # -- report ------------------------------------------------------------------------------
+    def report_configs(self) -> dict[str, Any]:
+        defaults = {"run": str(self.run_dir)}
+        return {"report": self._build("report", self.table("report"), defaults, "[report]")}
+
+    def run_report(self) -> dict:
+        return self.loader("report").run(self.report_configs()["report"])
+
+    def run_stage(self, stage: str) -> Any:
+        return getattr(self, f"run_{stage}")()
+
+    def _write_marker(self, directory: Path, stage: str, configs, inputs, t0, **extra) -> None:
+        """The meta.json marking a stage of many commands (every model trained, evaluated):
+        rewritten when what it records changes, else only touched (make sees it up to date)."""
+        import os
+
+        from ar_slicing.io import stable_meta, to_jsonable, write_meta
+
+        meta = build_meta(
+            stage,
+            config={name: config_to_dict(cfg) for name, cfg in configs.items()},
+            inputs=inputs,
+            counts={"models": len(configs)},
+            wall_time_s=time.time() - t0,
+            **extra,
+        )
+        path = directory / "meta.json"
+        if path.is_file() and stable_meta(read_json(path)) == stable_meta(to_jsonable(meta)):
+            os.utime(path)
+            return
+        write_meta(directory, meta)
+
+    # -- checks before anything runs ---------------------------------------------------------
+    def check(self, chosen) -> dict[str, dict[str, Any]]:
+        """Resolve and check the configs (keys, types, values, sources, specs) of every chosen
+        stage and of every stage the config file has a table for. Returns them by stage."""
+        stages = [s for s in STAGES if s in chosen or s in self.config]
+        all_configs = {stage: self.configs(stage) for stage in stages}
+        for stage, configs in all_configs.items():
+            command = self.loader(stage)
+            for cfg in configs.values():
+                if command.validate is not None and not isinstance(cfg, PretrainedTokenizer):
+                    command.validate(cfg)
+        trained = {str(Path(c.out)) for c in all_configs.get("train", {}).values()}
+        for name, cfg in all_configs.get("eval", {}).items():
+            _check_external_spec(cfg.model, trained, f"{self.config_path} [eval.models.{name}]")
+        return all_configs
+
+    def conflicts(self, stages, all_configs) -> list[str]:
+        """For each chosen stage whose complete output was made with other settings than the
+        config now asks for: a line per differing setting (empty when every plan agrees)."""
+        from ar_slicing.plan import differences, recorded_plan
+
+        lines = []
+        for stage in stages:
+            command = self.loader(stage)
+            for cfg in all_configs[stage].values():
+                single = stage == "tokenizer"
+                out = Path(cfg.out) if hasattr(cfg, "out") else self.layout.report
+                old = recorded_plan(out, single_file=single)
+                if old is None:
+                    continue
+                new = (
+                    {"pretrained": cfg.pretrained}
+                    if isinstance(cfg, PretrainedTokenizer)
+                    else command.plan_settings(cfg)
+                    if command.plan_settings
+                    else {}
+                )
+                recorded = old.get("settings", {})
+                # (None: decided by the inputs, e.g. a default reference; not comparable here)
+                asked = {k: v for k, v in new.items() if v is not None}
+                diff = differences({k: recorded.get(k) for k in asked}, asked)
+                if diff or (not old and asked):
+                    lines.append(f"[{stage}] {out}:")
+                    lines += [f"    settings.{d}" for d in diff] or [
+                        "    (made by an older version, which recorded no plan)"
+                    ]
+        return lines
+
+    # -- what make reads ---------------------------------------------------------------------
+    def write_settings(self, all_configs) -> list[str]:
+        """Each stage's resolved settings, and the make rules; returns the stages changed."""
+        changed = []
+        for stage in all_configs:
+            configs = {n: _settings_without_overwrite(c) for n, c in all_configs[stage].items()}
+            text = json.dumps(configs, indent=2, sort_keys=True, default=str) + "\n"
+            if _write_if_changed(self.layout.settings(stage), text):
+                changed.append(stage)
+        from pipeline.make_rules import make_rules
+
+        _write_if_changed(self.layout.make_rules, make_rules(self.layout))
+        return changed
+
+    def write_resolved_config(self) -> Path:
+        out = self.layout.config
+        header = f"# Resolved from {self.config_path} by `arslice run`; placeholders filled in.\n\n"
+        with atomic_path(out) as tmp:
+            tmp.write_text(header + dumps_toml(self.config), encoding="utf-8")
+        return out
+
+
+def _check_external_spec(spec: str, trained: set[str], context: str) -> None:
+    """A spec of a checkpoint outside the run must name something that exists already."""
+    from models.loaders import parse_spec
+
+    try:
+        prefix, target = parse_spec(spec)
+    except ArSliceError as e:
+        raise ArSliceError(f"{context}: {e}") from None
+    # hf: and based: also take hub ids; the others name files
+    local = target.startswith((".", "/", "~")) or prefix not in ("hf", "based")
+    path = Path(target).expanduser()
+    if local and str(path) not in trained and not path.exists():
+        raise BadInput(f"{context}: {spec}: {path} does not exist")
+
+
+def copy_pretrained_tokenizer(cfg: PretrainedTokenizer, overwrite: bool = False) -> dict:
+    """Copy the tokenizer `cfg.pretrained` (a file, directory or hub name) to `cfg.out`, under
+    the same stage plan as every other output (same name and fingerprint: skipped)."""
+    from ar_slicing.plan import StagePlan, open_stage
+    from ar_slicing.tokenizer import describe, load_tokenizer
+
+    tok = load_tokenizer(cfg.pretrained)
+    info = describe(tok, cfg.pretrained)
+    plan = StagePlan(
+        "tokenizer",
+        settings={"pretrained": cfg.pretrained},
+        inputs={"fingerprint": info["fingerprint"]},
+    )
+    out = Path(cfg.out)
+    stage = open_stage(out, plan, overwrite=overwrite, single_file=True)
+    if stage.complete:
+        print(f"tokenizer: {out} is complete; pass --overwrite to copy it again")
+        stage.skip()
+        return {"tokenizer": str(out), "skipped": True}
+    with stage.running():
+        with atomic_path(out) as tmp:
+            tok.save(str(tmp))
+        stage.finish(
+            build_meta(
+                "tokenizer", config=cfg, inputs=plan.inputs, counts={}, wall_time_s=0, **info
+            )
+        )
+    print(f"tokenizer: copied {cfg.pretrained} ({info['vocab_size']} tokens) to {out}")
+    return {"tokenizer": str(out), **info}
+
+
+def prepare_pipeline(cfg: RunConfig) -> tuple[Pipeline, dict, list[str]]:
+    """The pipeline of `cfg.config`, every stage's configs checked, and the chosen stages."""
+    unknown = sorted(set(cfg.stage) - set(STAGES))
+    if unknown:
+        raise ArSliceError(f"unknown stage(s) {', '.join(unknown)}; stages: {', '.join(STAGES)}")
+    pipeline = Pipeline(Path(cfg.config), load_pipeline_config(cfg.config), overwrite=cfg.overwrite)
+    chosen = [s for s in STAGES if s in cfg.stage]
+    all_configs = pipeline.check(chosen)
+    return pipeline, all_configs, chosen
+
+
+def run_pipeline(cfg: RunConfig) -> dict:
+    """Run `cfg.stage` of the pipeline config `cfg.config`, in pipeline order."""
+    from ar_slicing.plan import PlanMismatch, redoing_changed
+
+    pipeline, all_configs, chosen = prepare_pipeline(cfg)
+    if not (cfg.overwrite or cfg.redo_changed):
+        lines = pipeline.conflicts(chosen, all_configs)
+        if lines:
+            raise PlanMismatch(
+                f"{cfg.config}: these outputs were made with other settings than the config "
+                "asks for:\n  " + "\n  ".join(lines) + "\n  pass --overwrite or --redo-changed "
+                "to redo them (make: OVERWRITE=1), or restore the settings; nothing was run"
+            )
+    pipeline.run_dir.mkdir(parents=True, exist_ok=True)
+    changed = pipeline.write_settings(all_configs)
+    if cfg.make_rules:
+        if changed:
+            log.info("settings changed for: %s", ", ".join(changed))
+        return {"run_dir": str(pipeline.run_dir), "settings_changed": changed}
+    pipeline.write_resolved_config()
+    timings = {}
+    results = {}
+    for k, stage in enumerate(chosen, 1):
+        print(f"[{k}/{len(chosen)}] {stage}", flush=True)
+        t0 = time.time()
+        if cfg.redo_changed:
+            with redoing_changed():
+                results[stage] = pipeline.run_stage(stage)
+        else:
+            results[stage] = pipeline.run_stage(stage)
+        timings[stage] = round(time.time() - t0, 1)
+        print(f"== {stage} done in {timings[stage]:.1f} s")
+    if "report" in chosen:
+        html = pipeline.layout.report / "report.html"
+        print(f"report: {html.resolve() if html.exists() else html}")
+    return {"run_dir": str(pipeline.run_dir), "wall_time_s": timings, "results": results}
+
+
+def dry_run(cfg: RunConfig) -> None:
+    """`arslice run --dry-run`: every stage's resolved and checked configs, nothing written."""
+    pipeline, all_configs, chosen = prepare_pipeline(cfg)
+    for stage in chosen:
+        for name, stage_cfg in all_configs[stage].items():
+            print(f"# [{stage}] {name}")
+            if isinstance(stage_cfg, PretrainedTokenizer):
+                print(json.dumps({"pretrained": stage_cfg.pretrained, "out": stage_cfg.out}))
+            else:
+                print_config(stage_cfg)
+    lines = pipeline.conflicts(chosen, all_configs)
+    if lines:
+        print(
+            "# outputs made with other settings (a run would refuse them):\n# " + "\n# ".join(lines)
+        )
+
+
+COMMAND = Command(
+    RunConfig,
+    run_pipeline,
+    dry_run=dry_run,
+    summary="run stages of a pipeline config file (what `make` calls)",
+    examples="""\
+  arslice run --config pipeline/configs/demo.toml                 # every stage, skipping complete ones
+  arslice run --config pipeline/configs/demo.toml --stage train eval
+  arslice run --config pipeline/configs/demo.toml --dry-run       # check every stage, print the configs
+  arslice run --config pipeline/configs/demo.toml --redo-changed  # redo what the config changed
+  arslice run --config pipeline/configs/pile-gpt2.toml --stage report --overwrite""",
+)

@@ -1,0 +1,448 @@
+"""`arslice tag`: evaluation windows, in-context repeats and AR hits of a validation token store.
+
+Reads a validation token store and the training bigram counts; writes into `--out`:
+  windows.parquet        window_id int32, start int64, n_targets int32 (what eval reads)
+  tags-00000.parquet ... one row per scored target, sorted by (window_id, pos); each part holds
+                         whole windows, is written atomically and is the unit of resumption
+  meta.json              parameters, input fingerprints, counts overall and per subset (last)
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ar_slicing.errors import ArSliceError
+from ar_slicing.io import read_json
+from ar_slicing.layout import META_NAME, TAG_PART
+from pipeline.config import Command
+
+log = logging.getLogger(__name__)
+
+BATCH_TOKENS = 1 << 20  # targets tagged at once (one Parquet row group): bounds worker memory
+
+
+@dataclass(frozen=True)
+class TagConfig:
+    tokens: str = field(metadata={"help": "validation token store directory"})
+    counts: str = field(metadata={"help": "training bigram counts directory (arslice count)"})
+    out: str = field(metadata={"help": "output directory for windows.parquet, tags-*.parquet"})
+    window: int = field(default=2048, metadata={"help": "window length L (targets per window)"})
+    threshold: int = field(
+        default=1250, metadata={"help": "AR hit: a repeat whose training count is at most this"}
+    )
+    reset_at_doc_boundary: bool = field(
+        default=False,
+        metadata={"help": "count only earlier occurrences in the same document as repeats"},
+    )
+    workers: int = field(default=0, metadata={"help": "worker processes (0 = all cores)"})
+    part_tokens: int = field(
+        default=1 << 22,
+        metadata={"help": "targets per output part, rounded to whole windows (resume granularity)"},
+    )
+    overwrite: bool = field(default=False, metadata={"help": "redo a complete output directory"})
+
+
+@dataclass(frozen=True)
+class PartTask:
+    """One output part: windows [first_window, first_window + n_windows)."""
+
+    index: int
+    first_window: int
+    n_windows: int
+    tokens: str
+    counts: str
+    out: str
+    window: int
+    threshold: int
+    reset_at_doc_boundary: bool
+
+    @property
+    def path(self) -> Path:
+        return Path(self.out) / TAG_PART.format(self.index)
+
+
+def part_tasks(
+    cfg: TagConfig, n_windows: int, tokens: str, counts: str, out: str
+) -> list[PartTask]:
+    per_part = max(1, cfg.part_tokens // cfg.window)
+    return [
+        PartTask(
+            index=k,
+            first_window=first,
+            n_windows=min(per_part, n_windows - first),
+            tokens=tokens,
+            counts=counts,
+            out=out,
+            window=cfg.window,
+            threshold=cfg.threshold,
+            reset_at_doc_boundary=cfg.reset_at_doc_boundary,
+        )
+        for k, first in enumerate(range(0, n_windows, per_part))
+    ]
+
+
+# Opened once per worker process (the store is a memmap; the counts may be large).
+_OPEN: dict[str, object] = {}
+
+
+def _opened(kind: str, path: str):
+    key = f"{kind}:{path}"
+    if key not in _OPEN:
+        if kind == "store":
+            from ar_slicing.store import TokenStore
+
+            _OPEN[key] = TokenStore.open(path)
+        elif kind == "docs":
+            from ar_slicing.tags import DocTable
+
+            _OPEN[key] = DocTable.from_store(_opened("store", path))
+        else:
+            from ar_slicing.counts import BigramCounts
+
+            _OPEN[key] = BigramCounts.open(path)
+    return _OPEN[key]
+
+
+_BUFFERS: dict[str, np.ndarray] = {}
+
+
+def tag_part(task: PartTask) -> dict:
+    """Tag one part's windows in batches and write its Parquet file atomically.
+
+    Returns per-subset counts (see `ar_slicing.tags.slice_counts`) and the number of targets.
+    """
+    import pyarrow.parquet as pq
+
+    from ar_slicing.io import atomic_path
+    from ar_slicing.tags import (
+        PARQUET_OPTIONS,
+        arrow_write_schema,
+        column_buffers,
+        slice_counts,
+        tag_windows,
+        to_arrow,
+    )
+
+    store = _opened("store", task.tokens)
+    docs = _opened("docs", task.tokens)
+    counts = _opened("counts", task.counts)
+    L = task.window
+    batch_windows = max(1, BATCH_TOKENS // L)
+    # column memory reused by every batch of every part this worker tags
+    if len(_BUFFERS.get("pos", ())) < batch_windows * L:
+        _BUFFERS.update(column_buffers(batch_windows * L))
+    n_subsets = len(docs.subset_names)
+    totals = {
+        "tokens": [0] * (n_subsets + 1),
+        "repeats": [0] * (n_subsets + 1),
+        "ar_hits": [0] * (n_subsets + 1),
+    }
+    n_rows = 0
+    with atomic_path(task.path) as tmp:
+        with pq.ParquetWriter(tmp, arrow_write_schema(), **PARQUET_OPTIONS) as writer:
+            end_window = task.first_window + task.n_windows
+            for w in range(task.first_window, end_window, batch_windows):
+                w_end = min(w + batch_windows, end_window)
+                stream = store.slice(w * L, min(w_end * L + 1, store.n_tokens))
+                columns = tag_windows(
+                    stream,
+                    w,
+                    L,
+                    docs=docs,
+                    lookup=counts,
+                    threshold=task.threshold,
+                    vocab_size=store.vocab_size,
+                    reset_at_doc_boundary=task.reset_at_doc_boundary,
+                    out=_BUFFERS,
+                )
+                writer.write_table(to_arrow(columns, docs.subset_names))
+                for name, values in slice_counts(columns, n_subsets).items():
+                    totals[name] = [a + b for a, b in zip(totals[name], values)]
+                n_rows += len(columns["pos"])
+    return {"rows": n_rows, **totals}
+
+
+def counts_of_part(path: Path, subset_names: tuple[str, ...]) -> dict:
+    """Recount a part finished by an earlier, interrupted run (same shape as tag_part returns)."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path, columns=["subset", "is_repeat", "is_ar_hit"])
+    index = {name: k + 1 for k, name in enumerate(subset_names)}
+    out = {"rows": table.num_rows}
+    grouped = table.group_by("subset").aggregate(
+        [("is_repeat", "count"), ("is_repeat", "sum"), ("is_ar_hit", "sum")]
+    )
+    for key in ("tokens", "repeats", "ar_hits"):
+        out[key] = [0] * (len(subset_names) + 1)
+    for row in grouped.to_pylist():
+        k = 0 if row["subset"] is None else index[row["subset"]]
+        out["tokens"][k] = int(row["is_repeat_count"])
+        out["repeats"][k] = int(row["is_repeat_sum"] or 0)
+        out["ar_hits"][k] = int(row["is_ar_hit_sum"] or 0)
+    return out
+
+
+def part_is_complete(task: PartTask, n_targets: np.ndarray) -> bool:
+    """A part from an earlier run counts only if it has exactly the rows its windows must have."""
+    import pyarrow.parquet as pq
+
+    if not task.path.is_file():
+        return False
+    expected = int(n_targets[task.first_window : task.first_window + task.n_windows].sum())
+    try:
+        return pq.read_metadata(task.path).num_rows == expected
+    except Exception:
+        return False
+
+
+@contextmanager
+def _gc_paused():
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def run_tag(cfg: TagConfig) -> dict:
+    # Python's cyclic garbage collector is paused for the stage (and its forked workers, which
+    # inherit that): the stage makes no reference cycles to speak of, while each full
+    # collection would walk every object of numba and pyarrow, many times over the imports.
+    with _gc_paused():
+        return _run_tag(cfg)
+
+
+def validate_tag(cfg: TagConfig) -> None:
+    from ar_slicing.windows import check_window
+
+    check_window(cfg.window)
+    if cfg.threshold < 0:
+        raise ArSliceError(f"--threshold must be >= 0, got {cfg.threshold}")
+    if cfg.part_tokens < 1:
+        raise ArSliceError(f"--part-tokens must be >= 1, got {cfg.part_tokens}")
+    if cfg.workers < 0:
+        raise ArSliceError(f"--workers must be >= 0 (0 = all cores), got {cfg.workers}")
+
+
+def tag_settings(cfg: TagConfig) -> dict:
+    """What decides the tag files' bytes besides the inputs (the settings part of the plan)."""
+    return {
+        "window": cfg.window,
+        "threshold": cfg.threshold,
+        "reset_at_doc_boundary": cfg.reset_at_doc_boundary,
+        "part_tokens": cfg.part_tokens,
+    }
+
+
+def _counted_sources(counts_meta: dict, store) -> list[str]:
+    """The counts' source stores that are `store` itself (a store tagged against its own counts
+    finds every bigram seen at least once: no AR hit can have a training count of 0)."""
+    here = str(Path(store.path).resolve())
+    return [
+        str(s.get("path"))
+        for s in counts_meta.get("sources", [])
+        if isinstance(s, dict) and s.get("path") == here and s.get("n_tokens") == store.n_tokens
+    ]
+
+
+def _run_tag(cfg: TagConfig) -> dict:
+
+    from ar_slicing.plan import StagePlan, identity, open_stage
+    from ar_slicing.store import TokenStore
+    from ar_slicing.tokenizer import require_same_fingerprint
+
+    t0 = time.time()
+    validate_tag(cfg)
+    store = TokenStore.open(cfg.tokens)
+    if store.n_tokens < 2:
+        raise ArSliceError(
+            f"token store {cfg.tokens}: {store.n_tokens} token(s), so nothing to tag (a target "
+            "needs a token before it); tokenize a validation set with at least one document"
+        )
+    out = Path(cfg.out)
+    # Refuse mismatched inputs from the counts' meta.json, before building their lookup table.
+    counts_meta = read_json(Path(cfg.counts) / META_NAME)
+    require_same_fingerprint(
+        store.fingerprint,
+        f"token store {cfg.tokens}",
+        str(counts_meta.get("fingerprint")),
+        f"counts {cfg.counts}",
+    )
+    plan = StagePlan(
+        "tag",
+        settings=tag_settings(cfg),
+        inputs={"tokens": identity(cfg.tokens), "counts": identity(cfg.counts)},
+    )
+    stage = open_stage(out, plan, overwrite=cfg.overwrite)
+    if stage.complete:
+        meta = stage.skip()
+        print(f"tag: {out} is complete ({meta['counts']['tokens']:,} tokens); --overwrite to redo")
+        return meta
+    warnings = []
+    if _counted_sources(counts_meta, store):
+        warnings.append(
+            f"the counts {cfg.counts} were made from {cfg.tokens} itself: every bigram of it "
+            "has a training count of at least 1; tag a held-out store (tokens/val) instead"
+        )
+        log.warning(warnings[-1])
+    with stage.running():
+        return _tag_into(stage, cfg, store, counts_meta, warnings, t0)
+
+
+def _tag_into(stage, cfg: TagConfig, store, counts_meta: dict, warnings: list[str], t0: float):
+    from tqdm import tqdm
+
+    from ar_slicing.counts import BigramCounts
+    from ar_slicing.executor import LocalExecutor, default_workers
+    from ar_slicing.io import build_meta
+    from ar_slicing.tag_kernels import warm
+    from ar_slicing.tags import DocTable
+    from ar_slicing.windows import WINDOWS_NAME, window_table, write_window_table
+
+    out = stage.out
+    # The counts' table is read and built on a thread (Parquet decoding and the build kernel
+    # release the GIL) while this one loads the compiled code, which the workers then inherit.
+    with ThreadPoolExecutor(1) as background:
+        opening = background.submit(BigramCounts.open, cfg.counts)
+        warm()
+        docs = DocTable.from_store(store)
+        counts = opening.result()
+    tokens_path = str(Path(cfg.tokens).resolve())
+    counts_path = str(Path(cfg.counts).resolve())
+    counts_summary = {k: counts_meta.get(k) for k in ("total_pairs", "distinct_bigrams", "unit")}
+
+    # Worker processes forked from here inherit these (copy-on-write) instead of rebuilding the
+    # counts' lookup table each; under "spawn" they open their own.
+    keys = (f"store:{tokens_path}", f"docs:{tokens_path}", f"counts:{counts_path}")
+    _OPEN.update(zip(keys, (store, docs, counts)))
+    try:
+        windows = window_table(store.n_tokens, cfg.window)
+        write_window_table(out / WINDOWS_NAME, store.n_tokens, cfg.window)
+        tasks = part_tasks(
+            cfg, len(windows["window_id"]), tokens_path, counts_path, str(out.resolve())
+        )
+        done = [t for t in tasks if part_is_complete(t, windows["n_targets"])]
+        todo = [t for t in tasks if t not in done]
+        n_targets = int(windows["n_targets"].sum(dtype=np.int64))
+        results = {t.index: counts_of_part(t.path, docs.subset_names) for t in done}
+        workers = min(cfg.workers or default_workers(), max(1, len(todo)))
+        log.info(
+            "tagging %d targets in %d windows of %d: %d parts (%d already done), %d workers",
+            n_targets,
+            len(windows["window_id"]),
+            cfg.window,
+            len(tasks),
+            len(done),
+            workers,
+        )
+        t_work = time.time()
+        with tqdm(total=n_targets, unit="tok", unit_scale=True, desc="tag", disable=None) as bar:
+            bar.update(sum(r["rows"] for r in results.values()))
+            for task, result in LocalExecutor(workers).map_unordered(tag_part, todo):
+                results[task.index] = result
+                bar.update(result["rows"])
+        work_s = time.time() - t_work
+    finally:
+        for key in keys:
+            _OPEN.pop(key, None)
+        _BUFFERS.clear()
+
+    names: list[str | None] = [None, *docs.subset_names]
+    totals = {
+        key: np.sum([r[key] for r in results.values()], axis=0, dtype=np.int64)
+        if results
+        else np.zeros(len(names), np.int64)
+        for key in ("tokens", "repeats", "ar_hits")
+    }
+    by_subset = [
+        {"subset": name, **{key: int(totals[key][k]) for key in totals}}
+        for k, name in enumerate(names)
+        if totals["tokens"][k] > 0
+    ]
+    summary = {key: int(totals[key].sum()) for key in totals}
+    if summary["tokens"] != n_targets:
+        raise ArSliceError(
+            f"{out}: parts hold {summary['tokens']} rows, windows {n_targets}; rerun"
+        )
+    wall = time.time() - t0
+    tagged = sum(results[t.index]["rows"] for t in todo)
+    meta = build_meta(
+        "tag",
+        config=cfg,
+        inputs={
+            "tokens": {
+                "path": tokens_path,
+                "n_tokens": store.n_tokens,
+                "n_docs": store.n_docs,
+                "git_hash": store.meta.get("git_hash"),
+            },
+            "counts": {"path": counts_path, **counts_summary},
+        },
+        counts={
+            **summary,
+            "windows": len(windows["window_id"]),
+            "parts": len(tasks),
+            "by_subset": by_subset,
+        },
+        wall_time_s=wall,
+        throughput={"tokens_per_s": tagged / work_s if work_s > 0 else 0.0},
+        skipped={"parts_already_complete": len(done)},
+        tokens=tokens_path,
+        counts_dir=counts_path,
+        fingerprint=store.fingerprint,
+        window=cfg.window,
+        threshold=cfg.threshold,
+        reset_at_doc_boundary=cfg.reset_at_doc_boundary,
+        parts=[t.path.name for t in tasks],
+        warnings=warnings,
+    )
+    meta = stage.finish(meta)
+    _print_summary(out, summary, by_subset, cfg, wall)
+    for line in warnings:
+        print(f"tag: warning: {line}")
+    return meta
+
+
+def _pct(part: int, whole: int) -> str:
+    return f"{100.0 * part / whole:.2f}%" if whole else "n/a"
+
+
+def _print_summary(
+    out: Path, summary: dict, by_subset: list[dict], cfg: TagConfig, wall: float
+) -> None:
+    n = summary["tokens"]
+    print(
+        f"tag: {n:,} tokens in windows of {cfg.window}: {_pct(summary['repeats'], n)} repeats, "
+        f"{_pct(summary['ar_hits'], n)} AR hits (train count <= {cfg.threshold}; the paper found "
+        f"6.4% on the Pile) -> {out} ({wall:.1f} s)"
+    )
+    if len(by_subset) > 1:
+        width = max(len(str(s["subset"])) for s in by_subset)
+        for s in by_subset:
+            print(
+                f"  {str(s['subset']).ljust(width)}  {s['tokens']:>14,} tokens  "
+                f"{_pct(s['repeats'], s['tokens']):>7} repeats  {_pct(s['ar_hits'], s['tokens']):>7} AR hits"
+            )
+
+
+COMMAND = Command(
+    TagConfig,
+    run_tag,
+    validate=validate_tag,
+    plan_settings=tag_settings,
+    summary="evaluation windows, in-context repeats and AR hits",
+    examples="""\
+  arslice tag --tokens runs/pile/tokens/val --counts runs/pile/counts --out runs/pile/tags
+  arslice tag --tokens runs/pile/tokens/val --counts runs/pile/counts --out runs/pile/tags-doc \\
+      --reset-at-doc-boundary --threshold 1250 --window 2048""",
+)

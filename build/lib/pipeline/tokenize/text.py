@@ -1,0 +1,221 @@
+"""Text sources -> a token store: read, shard, encode in workers, assemble (the module docstring of
+`pipeline.tokenize` tells the whole story)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections.abc import Iterator
+
+from ar_slicing.errors import ArSliceError, BadInput
+from ar_slicing.io import (
+    atomic_path,
+    build_meta,
+    write_bytes_atomic,
+)
+from ar_slicing.readers import ReadStats, iter_documents
+from ar_slicing.store import TOKENIZER_NAME, dtype_for_vocab
+from pipeline.config import config_to_dict
+from pipeline.tokenize.config import PARTS_DIR, TokenizeConfig
+from pipeline.tokenize.shards import (
+    ShardTask,
+    assemble_store,
+    cached_tokenizer,
+    done_shard_counts,
+    encode_shard,
+    load_tokenizer_info,
+    preload_pyarrow_pandas,
+    shard_documents,
+    source_identity,
+)
+
+log = logging.getLogger(__name__)
+
+
+def run_text(cfg: TokenizeConfig, open_store_stage) -> dict:
+    """Tokenize text sources into a store (see the module docstring)."""
+    t0 = time.time()
+    if cfg.tokenizer is None:
+        raise ArSliceError(
+            "text sources need --tokenizer (a tokenizer.json, directory or hub name)"
+        )
+    if cfg.shard_by_file and cfg.max_docs is not None:
+        raise ArSliceError(
+            "--max-docs counts documents across the sources in order; it does not go with "
+            "--shard-by-file"
+        )
+    tok, info = load_tokenizer_info(cfg)
+    stage = open_store_stage(info)
+    if stage.complete:
+        stage.skip()
+        print(f"tokenize: {cfg.out} is already complete; pass --overwrite to redo it")
+        return {"out": str(cfg.out), "skipped": True}
+    # a shard is finished when its docs part is there (the tokenizer copy alone is no work)
+    with stage.running(keep_if=lambda out: any((out / PARTS_DIR).rglob("*.docs.parquet"))):
+        return _encode(stage, cfg, tok, info, t0)
+
+
+def _encode(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict:
+    from tqdm import tqdm
+
+    from ar_slicing.executor import default_workers, get_executor
+
+    out = stage.out
+    dtype = dtype_for_vocab(info["vocab_size"])
+    tokenizer_json = tok.to_str(pretty=True)
+    executor = get_executor(cfg.executor, cfg.workers or None, address=cfg.ray_address)
+    workers = executor.workers
+    parts_dir = out / PARTS_DIR
+    parts_dir.mkdir(exist_ok=True)
+    tokenizer_path = parts_dir / TOKENIZER_NAME
+    write_bytes_atomic(tokenizer_path, tokenizer_json.encode())
+
+    stats = ReadStats()
+    docs = iter_documents(
+        cfg.source,
+        text_field=cfg.text_field,
+        glob=cfg.glob,
+        on_bad_record=cfg.on_bad_record,
+        split_fraction=cfg.split_fraction,
+        split_part=cfg.split_part,
+        max_docs=cfg.max_docs,
+        stats=stats,
+    )
+    threads = max(1, default_workers() // workers) if workers > 1 else default_workers()
+    if cfg.executor != "local":
+        threads = 1  # one task per CPU of the cluster
+    progress = tqdm(desc="tokenize", unit=" docs", mininterval=1.0, dynamic_ncols=True)
+    totals = {"docs": 0, "tokens": 0, "shards": 0, "resumed": 0}
+
+    def account(counts: dict) -> None:
+        totals["docs"] += counts["docs"]
+        totals["tokens"] += counts["tokens"]
+        totals["shards"] += 1
+        progress.update(counts["docs"])
+        elapsed = max(time.time() - t0, 1e-9)
+        progress.set_postfix(
+            tokens=f"{totals['tokens']:,}",
+            tok_s=f"{totals['tokens'] / elapsed:,.0f}",
+            refresh=False,
+        )
+
+    def tasks() -> Iterator[ShardTask]:
+        for index, batch in shard_documents(docs, cfg.shard_docs, int(cfg.shard_mb * 1e6)):
+            done = done_shard_counts(parts_dir, index, dtype.itemsize)
+            if done is not None:
+                totals["resumed"] += 1
+                account(done)
+                continue
+            yield ShardTask(
+                index=index,
+                texts=[d.text for d in batch],
+                sources=[d.source for d in batch],
+                subsets=[d.subset for d in batch],
+                tokenizer_path=str(tokenizer_path),
+                parts_dir=str(parts_dir),
+                dtype=dtype.str,
+                eos_id=int(info["eos_id"]),
+                threads=threads,
+            )
+
+    cached_tokenizer(str(tokenizer_path))
+    preload_pyarrow_pandas()
+    try:
+        if cfg.shard_by_file:
+            from pipeline.tokenize.by_file import encode_by_file
+
+            totals["resumed"] = encode_by_file(
+                cfg, executor, parts_dir, tokenizer_path, dtype, int(info["eos_id"]), stats, account
+            )
+        else:
+            for _task, counts in executor.map_unordered(encode_shard, tasks()):
+                account(counts)
+    finally:
+        progress.close()
+    if totals["docs"] == 0:
+        raise BadInput(
+            f"tokenize: no documents in {', '.join(cfg.source)} ({stats.describe_empty()}); "
+            "check --source, --glob, --text-field and --split-part"
+        )
+    n_shards = totals["shards"]
+    n_tokens, n_docs, eos_in_text = assemble_store(out, parts_dir, n_shards, dtype)
+    if eos_in_text:
+        log.warning(
+            "%d end-of-document tokens came from the documents' own text (a literal %s); "
+            "they stay in the stream, as the tokenizer encodes them",
+            eos_in_text,
+            cfg.eos_token or "end-of-document string",
+        )
+    with atomic_path(out / TOKENIZER_NAME) as tmp:
+        tmp.write_text(tokenizer_json)
+    wall = time.time() - t0
+    counts = {
+        **stats.as_counts(),
+        "tokens": n_tokens,
+        "shards": n_shards,
+        "eos_in_text": eos_in_text,
+    }
+    meta = build_meta(
+        "tokenize",
+        config=config_to_dict(cfg),
+        inputs={"sources": [source_identity(s, cfg.glob) for s in cfg.source]},
+        counts=counts,
+        skipped={
+            "bad_records": stats.bad_records,
+            "empty": stats.empty,
+            "other_split_part": stats.other_split_part,
+        },
+        wall_time_s=wall,
+        throughput={
+            "tokens_per_s": n_tokens / max(wall, 1e-9),
+            "mb_per_s": stats.bytes / 1e6 / max(wall, 1e-9),
+        },
+        tokenizer=info,
+        dtype=dtype.name,
+        n_tokens=n_tokens,
+        n_docs=n_docs,
+        eos_appended=True,
+        bad_record_examples=stats.bad_examples,
+    )
+    stage.finish(meta)
+    shutil.rmtree(parts_dir, ignore_errors=True)
+    summary = {
+        "out": str(out),
+        "skipped": False,
+        "n_docs": n_docs,
+        "n_tokens": n_tokens,
+        "dtype": dtype.name,
+        "bytes": stats.bytes,
+        "shards": n_shards,
+        "shards_resumed": totals["resumed"],
+        "bad_records": stats.bad_records,
+        "empty": stats.empty,
+        "invalid_utf8": stats.invalid_utf8,
+        "eos_in_text": eos_in_text,
+        "wall_time_s": wall,
+        "tokens_per_s": n_tokens / max(wall, 1e-9),
+    }
+    _print_summary(summary)
+    return summary
+
+
+def _print_summary(s: dict) -> None:
+    skipped = ", ".join(
+        f"{s[k]} {k.replace('_', ' ')}" for k in ("bad_records", "empty") if s.get(k)
+    )
+    print(
+        f"tokenize: {s['n_docs']:,} docs, {s['n_tokens']:,} tokens ({s['dtype']}) -> {s['out']} "
+        f"in {s['wall_time_s']:.1f}s ({s['tokens_per_s']:,.0f} tokens/s)"
+        + (f"; skipped {skipped}" if skipped else "")
+        + (
+            f"; {s['invalid_utf8']} docs had invalid UTF-8 replaced"
+            if s.get("invalid_utf8")
+            else ""
+        )
+        + (
+            f"; resumed {s['shards_resumed']} of {s['shards']} shards"
+            if s.get("shards_resumed")
+            else ""
+        )
+    )

@@ -1,0 +1,189 @@
+"""`arslice train-tokenizer`: a byte-level BPE (GPT-2 style) trained by `tokenizers` on text sources.
+
+The demo trains its own tokenizer on the training part of the Python standard library, so the
+whole pipeline runs with no download. The result is a plain `tokenizer.json` with
+`<|endoftext|>` as its only special token (id 0), the end-of-document id every later stage uses.
+Training reads the documents in source order and is deterministic: the same sources and options
+give the same file, byte for byte.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ar_slicing.errors import ArSliceError
+from ar_slicing.io import atomic_path
+from ar_slicing.readers import ReadStats, check_sources, check_split_options, iter_documents
+from pipeline.config import Command, glob_option, on_bad_record_option, text_field_option
+
+EOS_TOKEN = "<|endoftext|>"
+
+
+@dataclass(frozen=True)
+class TrainTokenizerConfig:
+    source: list[str] = field(metadata={"help": "text sources, as for `arslice tokenize`"})
+    out: str = field(metadata={"help": "tokenizer.json to write"})
+    vocab_size: int = field(
+        metadata={"help": "vocabulary size, special token and 256 bytes included"}
+    )
+    glob: str = glob_option()
+    text_field: str = text_field_option()
+    on_bad_record: str = on_bad_record_option()
+    split_fraction: float | None = field(
+        default=None, metadata={"help": "with --split-part: train on one deterministic part only"}
+    )
+    split_part: str | None = field(
+        default=None,
+        metadata={"help": "part to train on (normally train)", "choices": ["train", "val"]},
+    )
+    max_docs: int | None = field(
+        default=None, metadata={"help": "train on at most this many documents"}
+    )
+    min_frequency: int = field(
+        default=2, metadata={"help": "merges of pairs seen fewer times are not learned"}
+    )
+    overwrite: bool = field(default=False, metadata={"help": "replace an existing tokenizer file"})
+
+
+def build_bpe_tokenizer():
+    """An untrained GPT-2-style byte-level BPE: no normalizer, byte-level pre-tokenizer and decoder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
+
+
+def train_bpe(texts, vocab_size: int, min_frequency: int = 2):
+    """Train `build_bpe_tokenizer()` on an iterable of strings."""
+    from tokenizers import pre_tokenizers, trainers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(alphabet) + 1:
+        raise ArSliceError(
+            f"--vocab-size {vocab_size} is too small: the byte alphabet and {EOS_TOKEN} need {len(alphabet) + 1}"
+        )
+    tok = build_bpe_tokenizer()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=alphabet,
+        show_progress=sys.stderr.isatty(),
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def validate_train_tokenizer(cfg: TrainTokenizerConfig) -> None:
+    check_sources(list(cfg.source))
+    check_split_options(cfg.split_fraction, cfg.split_part)
+    if cfg.max_docs is not None and cfg.max_docs < 1:
+        raise ArSliceError(f"--max-docs {cfg.max_docs}: must be at least 1")
+    if cfg.min_frequency < 1:
+        raise ArSliceError(f"--min-frequency {cfg.min_frequency}: must be at least 1")
+
+
+def train_tokenizer_settings(cfg: TrainTokenizerConfig) -> dict:
+    keys = ("vocab_size", "glob", "text_field", "split_fraction", "split_part", "max_docs")
+    return {
+        "sources": [str(s) for s in cfg.source],
+        "min_frequency": cfg.min_frequency,
+        **{k: getattr(cfg, k) for k in keys},
+    }
+
+
+def run_train_tokenizer(cfg: TrainTokenizerConfig) -> dict:
+    from ar_slicing.plan import StagePlan, open_stage
+    from pipeline.tokenize.shards import source_identity
+
+    validate_train_tokenizer(cfg)
+    out = Path(cfg.out)
+    plan = StagePlan(
+        "train-tokenizer",
+        settings=train_tokenizer_settings(cfg),
+        inputs={"sources": [source_identity(s, cfg.glob) for s in cfg.source]},
+    )
+    stage = open_stage(out, plan, overwrite=cfg.overwrite, single_file=True)
+    if stage.complete:
+        stage.skip()
+        print(f"train-tokenizer: {out} is complete; pass --overwrite to retrain it")
+        return {"out": str(out), "skipped": True}
+    with stage.running():
+        return _train(stage, cfg)
+
+
+def _train(stage, cfg: TrainTokenizerConfig) -> dict:
+    from ar_slicing.io import build_meta
+    from ar_slicing.tokenizer import fingerprint
+
+    out = stage.out
+    t0 = time.time()
+    stats = ReadStats()
+    docs = iter_documents(
+        cfg.source,
+        text_field=cfg.text_field,
+        glob=cfg.glob,
+        on_bad_record=cfg.on_bad_record,
+        split_fraction=cfg.split_fraction,
+        split_part=cfg.split_part,
+        max_docs=cfg.max_docs,
+        stats=stats,
+    )
+    # Streamed: the trainer only counts words, so memory stays that of the word counts.
+    tok = train_bpe((d.text for d in docs), cfg.vocab_size, cfg.min_frequency)
+    if stats.documents == 0:
+        raise ArSliceError(
+            f"no documents to train on in {', '.join(cfg.source)} (check --glob and --split-*)"
+        )
+    with atomic_path(out) as tmp:
+        tok.save(str(tmp), pretty=True)
+    summary = {
+        "out": str(out),
+        "skipped": False,
+        "vocab_size": tok.get_vocab_size(with_added_tokens=True),
+        "eos_id": tok.token_to_id(EOS_TOKEN),
+        "fingerprint": fingerprint(tok),
+        "documents": stats.documents,
+        "bytes": stats.bytes,
+        "bad_records": stats.bad_records,
+        "empty": stats.empty,
+        "wall_time_s": time.time() - t0,
+    }
+    stage.finish(
+        build_meta(
+            "train-tokenizer",
+            config=cfg,
+            inputs=stage.plan["inputs"],
+            counts=stats.as_counts(),
+            wall_time_s=summary["wall_time_s"],
+            skipped={"bad_records": stats.bad_records, "empty": stats.empty},
+            fingerprint=summary["fingerprint"],
+            vocab_size=summary["vocab_size"],
+            eos_id=summary["eos_id"],
+        )
+    )
+    print(
+        f"train-tokenizer: vocabulary {summary['vocab_size']} from {stats.documents:,} docs "
+        f"({stats.bytes / 1e6:.1f} MB) -> {out} (fingerprint {summary['fingerprint'][:12]}) "
+        f"in {summary['wall_time_s']:.1f}s"
+    )
+    return summary
+
+
+COMMAND = Command(
+    TrainTokenizerConfig,
+    run_train_tokenizer,
+    validate=validate_train_tokenizer,
+    plan_settings=train_tokenizer_settings,
+    summary="train a byte-level BPE tokenizer on text sources",
+    examples="""
+  arslice train-tokenizer --source /usr/lib/python3.11 --glob '**/*.py' --split-fraction 0.1 \\
+      --split-part train --vocab-size 4096 --out runs/demo/tokenizer.json
+  arslice train-tokenizer --source train.jsonl.zst --vocab-size 50257 --max-docs 100000 --out tokenizer.json""",
+)
