@@ -1,1 +1,0 @@
-"""The pipeline stages (tokenize, count, tag, eval, report, ...), their configs and the CLI."""
