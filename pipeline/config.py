@@ -204,6 +204,13 @@ def print_config(cfg: Any, file=None) -> None:
 # ---- options shared by the commands that read text sources ----------------------------------------
 
 
+def ray_address_option():
+    return dataclasses.field(
+        default=None,
+        metadata={"help": "Ray cluster to join (default: RAY_ADDRESS, else a local cluster)"},
+    )
+
+
 def text_field_option():
     return dataclasses.field(
         default="text", metadata={"help": "JSON field / Parquet column holding the text"}
@@ -214,6 +221,22 @@ def glob_option():
     return dataclasses.field(
         default="**/*.txt", metadata={"help": "file pattern inside directory sources"}
     )
+
+
+READER_FIELDS = ("text_field", "glob", "on_bad_record", "split_fraction", "split_part")
+
+
+def reader_options(cfg: Any) -> dict[str, Any]:
+    """The reader options (`READER_FIELDS`) of a config that has them, as `iter_documents` and
+    the per-file tasks take them."""
+    return {name: getattr(cfg, name) for name in READER_FIELDS}
+
+
+def read_documents(cfg: Any, stats) -> Any:
+    """`ar_slicing.readers.iter_documents` over `cfg.source` with the config's reader options."""
+    from ar_slicing.readers import iter_documents
+
+    return iter_documents(cfg.source, **reader_options(cfg), max_docs=cfg.max_docs, stats=stats)
 
 
 def on_bad_record_option():

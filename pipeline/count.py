@@ -41,7 +41,7 @@ from ar_slicing.counts.keys import (
 from ar_slicing.counts.parquet import BIGRAMS_NAME, write_bigrams
 from ar_slicing.counts.partials import MapTask, bucket_sizes, count_shard, write_partial
 from ar_slicing.errors import BadInput
-from pipeline.config import Command, config_to_dict
+from pipeline.config import Command, config_to_dict, ray_address_option
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +80,7 @@ class CountConfig:
             "choices": ["local", "ray"],
         },
     )
-    ray_address: str | None = field(
-        default=None,
-        metadata={"help": "Ray cluster to join (default: RAY_ADDRESS, else a local cluster)"},
-    )
+    ray_address: str | None = ray_address_option()
 
 
 # ---- planning the tasks ----------------------------------------------------------------------

@@ -16,8 +16,14 @@ from pathlib import Path
 
 from ar_slicing.errors import ArSliceError
 from ar_slicing.io import atomic_path
-from ar_slicing.readers import ReadStats, check_sources, check_split_options, iter_documents
-from pipeline.config import Command, glob_option, on_bad_record_option, text_field_option
+from ar_slicing.readers import ReadStats, check_sources, check_split_options
+from pipeline.config import (
+    Command,
+    glob_option,
+    on_bad_record_option,
+    read_documents,
+    text_field_option,
+)
 
 EOS_TOKEN = "<|endoftext|>"
 
@@ -125,16 +131,7 @@ def _train(stage, cfg: TrainTokenizerConfig) -> dict:
     out = stage.out
     t0 = time.time()
     stats = ReadStats()
-    docs = iter_documents(
-        cfg.source,
-        text_field=cfg.text_field,
-        glob=cfg.glob,
-        on_bad_record=cfg.on_bad_record,
-        split_fraction=cfg.split_fraction,
-        split_part=cfg.split_part,
-        max_docs=cfg.max_docs,
-        stats=stats,
-    )
+    docs = read_documents(cfg, stats)
     # Streamed: the trainer only counts words, so memory stays that of the word counts.
     tok = train_bpe((d.text for d in docs), cfg.vocab_size, cfg.min_frequency)
     if stats.documents == 0:

@@ -243,12 +243,16 @@ def test_cli_dry_run_and_help(tmp_path):
     src = tmp_path / "x.jsonl"
     src.write_text('{"text": "a document"}\n')
     printed = json.loads(
-        arslice("tokenize", "--source", str(src), "--out", "o", "--dry-run").stdout
+        arslice(
+            "tokenize", "--source", src, "--tokenizer", "t.json", "--out", "o", "--dry-run"
+        ).stdout
     )
     assert printed["TokenizeConfig"]["source"] == [str(src)]
     # --dry-run checks what it prints: a missing source, or an empty one, is an error
     for bad, why in ((str(tmp_path / "missing.jsonl"), "no such file"), ("", "an empty path")):
-        done = arslice("tokenize", "--source", bad, "--out", "o", "--dry-run", check=False)
+        done = arslice(
+            "tokenize", "--source", bad, "--tokenizer", "t", "--out", "o", "--dry-run", check=False
+        )
         assert done.returncode == 2 and why in done.stderr and "Traceback" not in done.stderr
     arslice = functools.partial(lambda f, *a: f(*a).stdout, arslice)
     assert "--on-bad-record {error,skip}" in arslice("tokenize", "--help")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipeline.config import ray_address_option
+
 # On CPU a few windows per batch amortise per-op overhead; more only grows memory.
 CPU_TOKENS_PER_BATCH = 8192
 # A first guess on CUDA (back-off halves it when it does not fit): 128 windows of 2048 tokens.
@@ -77,10 +79,7 @@ class EvalConfig:
             "choices": ["local", "ray"],
         },
     )
-    ray_address: str | None = field(
-        default=None,
-        metadata={"help": "Ray cluster to join (default: RAY_ADDRESS, else a local cluster)"},
-    )
+    ray_address: str | None = ray_address_option()
     ray_actors: int = field(
         default=0,
         metadata={"help": "Ray actors (0 = one per GPU of the cluster; one per CPU without GPUs)"},

@@ -37,9 +37,8 @@ def open_tags(tags_dir: str | Path, tokens: str | None = None) -> TagsInput:
     one per target, and a token store of the same tokenizer and length."""
     import pyarrow.parquet as pq
 
-    from ar_slicing.store import TokenStore
-
     from ar_slicing.layout import where_is
+    from ar_slicing.store import TokenStore
 
     tags_dir = Path(tags_dir)
     if not tags_dir.is_dir():

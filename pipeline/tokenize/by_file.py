@@ -26,6 +26,7 @@ import numpy as np
 
 from ar_slicing.io import atomic_path
 from ar_slicing.readers import HF_PREFIX, DirectoryReader, ReadStats, iter_documents
+from pipeline.config import reader_options
 from pipeline.tokenize.shards import (
     cached_tokenizer,
     encode_texts,
@@ -188,11 +189,7 @@ def encode_by_file(
                 index=index,
                 source=source,
                 file=rel,
-                text_field=cfg.text_field,
-                glob=cfg.glob,
-                on_bad_record=cfg.on_bad_record,
-                split_fraction=cfg.split_fraction,
-                split_part=cfg.split_part,
+                **reader_options(cfg),
                 shard_docs=cfg.shard_docs,
                 shard_chars=int(cfg.shard_mb * 1e6),
                 tokenizer_path=str(tokenizer_path),

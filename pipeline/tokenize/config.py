@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.config import glob_option, on_bad_record_option, text_field_option
+from pipeline.config import glob_option, on_bad_record_option, ray_address_option, text_field_option
 
 PARTS_DIR = ".parts"
 PLAN_NAME = "plan.json"
@@ -93,10 +93,7 @@ class TokenizeConfig:
             "choices": ["local", "ray"],
         },
     )
-    ray_address: str | None = field(
-        default=None,
-        metadata={"help": "Ray cluster to join (default: RAY_ADDRESS, else a local cluster)"},
-    )
+    ray_address: str | None = ray_address_option()
     shard_by_file: bool = field(
         default=False,
         metadata={

@@ -18,7 +18,7 @@ from pipeline.tokenize.config import _DOCS_BATCH, _IMPORT_CHUNK, TokenizeConfig
 from pipeline.tokenize.shards import load_tokenizer_info, source_identity
 
 
-def _import_tokenizer_info(cfg: TokenizeConfig):
+def import_tokenizer_info(cfg: TokenizeConfig):
     """(tokenizer or None, info) for an import: from --tokenizer, or from --vocab-size/--eos-id."""
     if cfg.tokenizer is not None:
         tok, info = load_tokenizer_info(cfg)
@@ -83,22 +83,9 @@ def _resolve_import_source(spec: str, source_format: str | None) -> _ImportSourc
     return _ImportSource(path, source_format)
 
 
-def run_import(cfg: TokenizeConfig, open_store_stage) -> dict:
-    """Copy pre-tokenized streams into a store, unchanged; documents from the idx or from EOS."""
-    if cfg.split_fraction is not None or cfg.max_docs is not None:
-        raise ArSliceError("--split-fraction and --max-docs apply to text sources, not to imports")
-    t0 = time.time()
-    tok, info = _import_tokenizer_info(cfg)
-    stage = open_store_stage(info)
-    if stage.complete:
-        stage.skip()
-        print(f"tokenize: {cfg.out} is already complete; pass --overwrite to redo it")
-        return {"out": str(cfg.out), "skipped": True}
-    with stage.running():
-        return _import(stage, cfg, tok, info, t0)
-
-
-def _import(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict:
+def import_store(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict:
+    """Copy pre-tokenized streams into the store `stage.out`, unchanged; documents from the
+    idx or from the EOS ids."""
     from tqdm import tqdm
 
     from ar_slicing import megatron

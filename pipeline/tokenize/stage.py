@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 from ar_slicing.errors import ArSliceError
 from ar_slicing.readers import check_sources, check_split_options, is_pretokenized
 from pipeline.config import Command
-from pipeline.tokenize.config import PARTS_FORMAT, PLAN_KEYS, TokenizeConfig
-from pipeline.tokenize.imports import run_import
-from pipeline.tokenize.shards import source_identity
-from pipeline.tokenize.text import run_text
+from pipeline.tokenize.config import PARTS_DIR, PARTS_FORMAT, PLAN_KEYS, TokenizeConfig
+from pipeline.tokenize.imports import import_store, import_tokenizer_info
+from pipeline.tokenize.shards import load_tokenizer_info, source_identity
+from pipeline.tokenize.text import encode_store
 
 
 def validate_tokenize(cfg: TokenizeConfig) -> None:
@@ -21,6 +23,17 @@ def validate_tokenize(cfg: TokenizeConfig) -> None:
         raise ArSliceError(
             "cannot mix text sources and pre-tokenized files in one store; tokenize them into "
             "separate stores"
+        )
+    if kinds == {True} and (cfg.split_fraction is not None or cfg.max_docs is not None):
+        raise ArSliceError("--split-fraction and --max-docs apply to text sources, not to imports")
+    if kinds == {False} and cfg.tokenizer is None:
+        raise ArSliceError(
+            "text sources need --tokenizer (a tokenizer.json, directory or hub name)"
+        )
+    if cfg.shard_by_file and cfg.max_docs is not None:
+        raise ArSliceError(
+            "--max-docs counts documents across the sources in order; it does not go with "
+            "--shard-by-file"
         )
     if cfg.shard_docs < 1 or cfg.shard_mb <= 0:
         raise ArSliceError("--shard-docs and --shard-mb must be positive")
@@ -47,23 +60,29 @@ def tokenize_settings(cfg: TokenizeConfig) -> dict:
 def run_tokenize(cfg: TokenizeConfig) -> dict:
     from ar_slicing.plan import StagePlan, open_stage
 
+    t0 = time.time()
     validate_tokenize(cfg)
-
-    def open_store_stage(tokenizer_info: dict):
-        """The stage plan once the tokenizer is known (its fingerprint decides the ids)."""
-        plan = StagePlan(
-            "tokenize",
-            settings=tokenize_settings(cfg),
-            inputs={
-                "tokenizer": tokenizer_info["fingerprint"],
-                "sources": [source_identity(s, cfg.glob) for s in cfg.source],
-            },
-        )
-        return open_stage(cfg.out, plan, overwrite=cfg.overwrite)
-
-    if is_pretokenized(cfg.source[0], cfg.source_format):
-        return run_import(cfg, open_store_stage)
-    return run_text(cfg, open_store_stage)
+    importing = is_pretokenized(cfg.source[0], cfg.source_format)
+    tok, info = import_tokenizer_info(cfg) if importing else load_tokenizer_info(cfg)
+    plan = StagePlan(
+        "tokenize",
+        settings=tokenize_settings(cfg),
+        inputs={
+            "tokenizer": info["fingerprint"],  # it decides the ids
+            "sources": [source_identity(s, cfg.glob) for s in cfg.source],
+        },
+    )
+    stage = open_stage(cfg.out, plan, overwrite=cfg.overwrite)
+    if stage.complete:
+        stage.skip()
+        print(f"tokenize: {cfg.out} is already complete; pass --overwrite to redo it")
+        return {"out": str(cfg.out), "skipped": True}
+    if importing:
+        with stage.running():
+            return import_store(stage, cfg, tok, info, t0)
+    # a shard is finished when its docs part is there (the tokenizer copy alone is no work)
+    with stage.running(keep_if=lambda out: any((out / PARTS_DIR).rglob("*.docs.parquet"))):
+        return encode_store(stage, cfg, tok, info, t0)
 
 
 COMMAND = Command(

@@ -8,15 +8,15 @@ import shutil
 import time
 from collections.abc import Iterator
 
-from ar_slicing.errors import ArSliceError, BadInput
+from ar_slicing.errors import BadInput
 from ar_slicing.io import (
     atomic_path,
     build_meta,
     write_bytes_atomic,
 )
-from ar_slicing.readers import ReadStats, iter_documents
+from ar_slicing.readers import ReadStats
 from ar_slicing.store import TOKENIZER_NAME, dtype_for_vocab
-from pipeline.config import config_to_dict
+from pipeline.config import config_to_dict, read_documents
 from pipeline.tokenize.config import PARTS_DIR, TokenizeConfig
 from pipeline.tokenize.shards import (
     ShardTask,
@@ -24,7 +24,6 @@ from pipeline.tokenize.shards import (
     cached_tokenizer,
     done_shard_counts,
     encode_shard,
-    load_tokenizer_info,
     preload_pyarrow_pandas,
     shard_documents,
     source_identity,
@@ -33,30 +32,8 @@ from pipeline.tokenize.shards import (
 log = logging.getLogger(__name__)
 
 
-def run_text(cfg: TokenizeConfig, open_store_stage) -> dict:
-    """Tokenize text sources into a store (see the module docstring)."""
-    t0 = time.time()
-    if cfg.tokenizer is None:
-        raise ArSliceError(
-            "text sources need --tokenizer (a tokenizer.json, directory or hub name)"
-        )
-    if cfg.shard_by_file and cfg.max_docs is not None:
-        raise ArSliceError(
-            "--max-docs counts documents across the sources in order; it does not go with "
-            "--shard-by-file"
-        )
-    tok, info = load_tokenizer_info(cfg)
-    stage = open_store_stage(info)
-    if stage.complete:
-        stage.skip()
-        print(f"tokenize: {cfg.out} is already complete; pass --overwrite to redo it")
-        return {"out": str(cfg.out), "skipped": True}
-    # a shard is finished when its docs part is there (the tokenizer copy alone is no work)
-    with stage.running(keep_if=lambda out: any((out / PARTS_DIR).rglob("*.docs.parquet"))):
-        return _encode(stage, cfg, tok, info, t0)
-
-
-def _encode(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict:
+def encode_store(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict:
+    """Tokenize text sources into the store `stage.out` (see the package docstring)."""
     from tqdm import tqdm
 
     from ar_slicing.executor import default_workers, get_executor
@@ -72,16 +49,7 @@ def _encode(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict:
     write_bytes_atomic(tokenizer_path, tokenizer_json.encode())
 
     stats = ReadStats()
-    docs = iter_documents(
-        cfg.source,
-        text_field=cfg.text_field,
-        glob=cfg.glob,
-        on_bad_record=cfg.on_bad_record,
-        split_fraction=cfg.split_fraction,
-        split_part=cfg.split_part,
-        max_docs=cfg.max_docs,
-        stats=stats,
-    )
+    docs = read_documents(cfg, stats)
     threads = max(1, default_workers() // workers) if workers > 1 else default_workers()
     if cfg.executor != "local":
         threads = 1  # one task per CPU of the cluster
