@@ -129,29 +129,38 @@ def resample_counts(rng: np.random.Generator, n_windows: int, n_replicates: int)
     )
 
 
+def resampled_totals(
+    per_window: np.ndarray, n_replicates: int, seed: int = 0, desc: str = "bootstrap"
+) -> np.ndarray:
+    """(n_replicates, C) column totals of `per_window` (W, C) over windows drawn with replacement.
+
+    The draws depend only on `seed`, W and `n_replicates`, so every statistic bootstrapped with
+    the same seed over the same windows sees the same resamples: their intervals are paired.
+    """
+    from tqdm import tqdm
+
+    rng = np.random.default_rng(seed)
+    w, c = per_window.shape
+    chunk = max(1, min(n_replicates, CHUNK_CELLS // max(w, 1)))
+    per_window = np.asarray(per_window, dtype=np.float64)
+    parts = []
+    with tqdm(total=n_replicates, desc=desc, unit="rep", disable=n_replicates < 2 * chunk) as bar:
+        for start in range(0, n_replicates, chunk):
+            k = min(chunk, n_replicates - start)
+            parts.append(resample_counts(rng, w, k) @ per_window)  # (k, C)
+            bar.update(k)
+    return np.concatenate(parts) if parts else np.zeros((0, c))
+
+
 def bootstrap(
     sums: WindowSums, ref: int, n_replicates: int = 1000, seed: int = 0
 ) -> dict[str, np.ndarray]:
     """Every statistic of `slice_statistics` for `n_replicates` window resamples, (B, ...)."""
-    from tqdm import tqdm
-
-    rng = np.random.default_rng(seed)
-    w = sums.n_windows
-    chunk = max(1, min(n_replicates, CHUNK_CELLS // max(w, 1)))
     per_window = np.concatenate(
         [sums.n_all[:, None], sums.n_ar[:, None], sums.sum_all, sums.sum_ar], axis=1
-    ).astype(np.float64)  # (W, 2 + 2M)
+    )  # (W, 2 + 2M)
     m = len(sums.models)
-    parts = []
-    with tqdm(
-        total=n_replicates, desc="bootstrap", unit="rep", disable=n_replicates < 2 * chunk
-    ) as bar:
-        for start in range(0, n_replicates, chunk):
-            k = min(chunk, n_replicates - start)
-            totals = resample_counts(rng, w, k) @ per_window  # (k, 2 + 2M)
-            parts.append(totals)
-            bar.update(k)
-    totals = np.concatenate(parts) if parts else np.zeros((0, 2 + 2 * m))
+    totals = resampled_totals(per_window, n_replicates, seed)  # (B, 2 + 2M)
     return slice_statistics(
         totals[:, 0], totals[:, 1], totals[:, 2 : 2 + m], totals[:, 2 + m :], ref
     )
@@ -238,4 +247,199 @@ def slice_report(
         level=level,
         point=point,
         interval=interval,
+    )
+
+
+# ---- in-context recall gain -------------------------------------------------------------------
+#
+# Within each decade bucket b of the training count (the frequency curve's buckets: 0, 1-9,
+# 10-99, ...), gain_b = mean_nll(non-repeats in b) - mean_nll(repeats in b); a model's gain is
+# the repeat-weighted mean  Σ_b |R_b| gain_b / Σ_b |R_b|  over the buckets holding both kinds.
+# It needs no reference model: positive means a bigram is predicted better when it already
+# occurred in the context than an equally frequent bigram that did not (in-context recall).
+
+# The frequency curve's bucket of a training count: its number of decimal digits, 0 for 0
+# (queries/frequency_curve.sql and queries/recall_gain.sql spell the same expression).
+COUNT_BUCKET_SQL = "CASE WHEN train_count <= 0 THEN 0 ELSE length(train_count::VARCHAR) END"
+
+
+@dataclass
+class RecallSums:
+    """Per-window token counts and loss sums per (count bucket, repeat or not), per model."""
+
+    models: list[str]
+    window_ids: np.ndarray  # (W,) int
+    buckets: np.ndarray  # (K,) bucket numbers present (0 = never seen, k = k-digit counts)
+    n_rep: np.ndarray  # (W, K) repeats per window and bucket
+    n_non: np.ndarray  # (W, K) non-repeats per window and bucket
+    sum_rep: np.ndarray  # (W, K, M) Σ nll over those repeats, per model
+    sum_non: np.ndarray  # (W, K, M) Σ nll over those non-repeats, per model
+
+
+def recall_sums(
+    con, models: list[str] | None = None, max_train_count: int | None = None
+) -> RecallSums:
+    """Reduce `token_losses` of a results.duckdb connection to RecallSums.
+
+    `max_train_count` keeps only bigrams seen at most that many times in training (None: all).
+    The windows are every window of `tags`, in window_id order, as `window_sums` has them, so a
+    bootstrap with the same seed resamples the same windows for both.
+    """
+    window_ids = (
+        con.execute("SELECT DISTINCT window_id FROM tags ORDER BY window_id")
+        .fetchnumpy()["window_id"]
+        .astype(np.int64)
+    )
+    if models is None:
+        models = [r[0] for r in con.execute("SELECT model FROM models ORDER BY model").fetchall()]
+    limit = -1 if max_train_count is None else int(max_train_count)
+    per = con.execute(
+        f"""
+        SELECT model, window_id, {COUNT_BUCKET_SQL} AS bucket, is_repeat,
+               count(*) AS n, fsum(nll::DOUBLE) AS s
+        FROM token_losses
+        WHERE $limit::BIGINT < 0 OR train_count <= $limit::BIGINT
+        GROUP BY ALL
+        """,
+        {"limit": limit},
+    ).fetchnumpy()
+    keep = np.isin(per["model"], models)
+    per = {k: np.asarray(v)[keep] for k, v in per.items()}
+    buckets = np.unique(per["bucket"].astype(np.int64))
+    w, k, m = len(window_ids), len(buckets), len(models)
+    rows = np.searchsorted(window_ids, per["window_id"].astype(np.int64))
+    cols = np.searchsorted(buckets, per["bucket"].astype(np.int64))
+    col = {name: i for i, name in enumerate(models)}
+    mods = np.array([col[name] for name in per["model"]], dtype=np.int64)
+    rep = per["is_repeat"].astype(bool)
+    n = np.zeros((2, w, k), dtype=np.int64)
+    s = np.zeros((2, w, k, m))
+    # token counts come from the first model's rows (every model scores the same tokens)
+    first = mods == 0
+    n[rep[first].astype(int), rows[first], cols[first]] = per["n"][first]
+    s[rep.astype(int), rows, cols, mods] = per["s"]
+    return RecallSums(
+        models=list(models),
+        window_ids=window_ids,
+        buckets=buckets,
+        n_rep=n[1],
+        n_non=n[0],
+        sum_rep=s[1],
+        sum_non=s[0],
+    )
+
+
+def recall_gain_statistics(
+    n_rep: np.ndarray, n_non: np.ndarray, s_rep: np.ndarray, s_non: np.ndarray
+) -> dict[str, np.ndarray]:
+    """The recall gain from (resampled) totals.
+
+    Shapes: `n_rep`, `n_non` (..., K) token counts per bucket; `s_rep`, `s_non` (..., K, M) loss
+    sums. Returns `recall_gain` (..., M) (NaN where no bucket holds both kinds), `gain_by_bucket`
+    (..., K, M) (NaN where a bucket lacks either kind) and `n_repeats_weighted` (...,), the
+    repeats in buckets that count.
+    """
+    n_rep = np.asarray(n_rep, dtype=np.float64)
+    n_non = np.asarray(n_non, dtype=np.float64)
+    both = (n_rep > 0) & (n_non > 0)  # (..., K)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        gain_b = s_non / n_non[..., None] - s_rep / n_rep[..., None]  # (..., K, M)
+    gain_b = np.where(both[..., None], gain_b, np.nan)
+    weight = np.where(both, n_rep, 0.0)  # (..., K)
+    total = weight.sum(axis=-1)  # (...,)
+    weighted = np.nansum(gain_b * weight[..., None], axis=-2)  # (..., M)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        gain = np.where(total[..., None] > 0, weighted / total[..., None], np.nan)
+    return {"recall_gain": gain, "gain_by_bucket": gain_b, "n_repeats_weighted": total}
+
+
+@dataclass
+class RecallGainReport:
+    """Point estimate and bootstrap interval of every model's in-context recall gain."""
+
+    models: list[str]
+    buckets: np.ndarray  # (K,)
+    n_rep: np.ndarray  # (K,) repeats per bucket
+    n_non: np.ndarray  # (K,) non-repeats per bucket
+    gain: np.ndarray  # (M,) nats
+    gain_lo: np.ndarray  # (M,) NaN without a bootstrap
+    gain_hi: np.ndarray  # (M,)
+    gain_by_bucket: np.ndarray  # (K, M) NaN where the bucket lacks repeats or non-repeats
+    n_windows: int
+    n_bootstrap: int
+    seed: int
+    level: float
+
+    def rows(self) -> list[dict]:
+        """One dict per model: `recall_gain`, `recall_gain_lo`, `recall_gain_hi` (nats) and
+        `by_bucket`, a list of {bucket, n_repeats, n_non_repeats, gain} per count bucket."""
+        out = []
+        for i, model in enumerate(self.models):
+            out.append(
+                {
+                    "model": model,
+                    "recall_gain": float(self.gain[i]),
+                    "recall_gain_lo": float(self.gain_lo[i]),
+                    "recall_gain_hi": float(self.gain_hi[i]),
+                    "by_bucket": [
+                        {
+                            "bucket": int(b),
+                            "n_repeats": int(self.n_rep[k]),
+                            "n_non_repeats": int(self.n_non[k]),
+                            "gain": float(self.gain_by_bucket[k, i]),
+                        }
+                        for k, b in enumerate(self.buckets)
+                    ],
+                }
+            )
+        return out
+
+
+def recall_gain_report(
+    con,
+    models: list[str] | None = None,
+    n_bootstrap: int = 1000,
+    seed: int = 0,
+    level: float = 0.95,
+    max_train_count: int | None = None,
+) -> RecallGainReport:
+    """Every model's in-context recall gain with a bootstrap interval over windows.
+
+    `con` is a results.duckdb connection (`ar_slicing.results.open_results`); `models` defaults
+    to every model of the run, in name order. With the `n_bootstrap` and `seed` that
+    `slice_report` got, the resamples are the same windows as Table 1's other columns (paired).
+    """
+    sums = recall_sums(con, models, max_train_count)
+    k, m = len(sums.buckets), len(sums.models)
+    point = recall_gain_statistics(
+        sums.n_rep.sum(0), sums.n_non.sum(0), sums.sum_rep.sum(0), sums.sum_non.sum(0)
+    )
+    lo = hi = np.full(m, np.nan)
+    if n_bootstrap > 0:
+        w = len(sums.window_ids)
+        per_window = np.concatenate(
+            [sums.n_rep, sums.n_non, sums.sum_rep.reshape(w, -1), sums.sum_non.reshape(w, -1)],
+            axis=1,
+        )  # (W, 2K + 2KM)
+        t = resampled_totals(per_window, n_bootstrap, seed, desc="bootstrap recall gain")
+        reps = recall_gain_statistics(
+            t[:, :k],
+            t[:, k : 2 * k],
+            t[:, 2 * k : 2 * k + k * m].reshape(-1, k, m),
+            t[:, 2 * k + k * m :].reshape(-1, k, m),
+        )
+        lo, hi = intervals({"g": reps["recall_gain"]}, level)["g"]
+    return RecallGainReport(
+        models=sums.models,
+        buckets=sums.buckets,
+        n_rep=sums.n_rep.sum(0),
+        n_non=sums.n_non.sum(0),
+        gain=point["recall_gain"],
+        gain_lo=np.asarray(lo),
+        gain_hi=np.asarray(hi),
+        gain_by_bucket=point["gain_by_bucket"],
+        n_windows=len(sums.window_ids),
+        n_bootstrap=n_bootstrap,
+        seed=seed,
+        level=level,
     )
