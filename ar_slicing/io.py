@@ -149,21 +149,6 @@ def to_jsonable(obj: Any) -> Any:
     return obj
 
 
-def prepare_out_dir(out_dir: str | os.PathLike, overwrite: bool) -> bool:
-    """Get `out_dir` ready for a stage. Returns False when it is already complete (skip the work).
-
-    With `overwrite`, a complete directory is removed first. An incomplete one is kept: its
-    finished shards let the stage resume.
-    """
-    out_dir = Path(out_dir)
-    if is_complete(out_dir):
-        if not overwrite:
-            return False
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    return True
-
-
 _GIT_HASH: str | None = None
 
 

@@ -15,10 +15,7 @@ from ar_slicing.errors import ArSliceError, BadInput
 from ar_slicing.io import (
     atomic_path,
     build_meta,
-    is_complete,
-    prepare_out_dir,
     stable_meta,
-    write_meta,
 )
 from ar_slicing.store import TokenStore, dtype_for_vocab
 from pipeline.config import add_config_arguments, config_from_mapping, config_from_namespace
@@ -41,18 +38,6 @@ def test_atomic_path_replaces_the_old_file_only_on_success(tmp_path):
         tmp.write_bytes(b"new")
         assert target.read_bytes() == b"old"
     assert target.read_bytes() == b"new"
-
-
-def test_prepare_out_dir_skips_complete_and_overwrites_on_request(tmp_path):
-    out = tmp_path / "stage"
-    assert prepare_out_dir(out, overwrite=False)
-    (out / "part").write_text("x")
-    write_meta(out, build_meta("x", config={}, inputs={}, counts={}, wall_time_s=0.1))
-    assert is_complete(out)
-    assert not prepare_out_dir(out, overwrite=False)
-    assert (out / "part").exists()
-    assert prepare_out_dir(out, overwrite=True)
-    assert not (out / "part").exists() and not is_complete(out)
 
 
 def test_stable_meta_drops_only_timings():
