@@ -2,7 +2,11 @@
 
 Specs:
     hf:<hub id or directory>   transformers AutoModelForCausalLM (Pythia/GPT-NeoX, GPT-2, GPT-Neo,
-                               Llama family, RWKV; RWKV runs through models/rwkv.py's chunked form)
+                               Llama family, RWKV, Mamba, Mamba-2), and mamba_ssm's own layout
+                               (`state-spaces/mamba-*`, `hazyresearch/mamba-1.3b`: a config.json
+                               with `d_model` and `n_layer`), recognised by its config. RWKV and
+                               Mamba-1 run through this project's fast forwards (models/rwkv.py,
+                               models/mamba.py) unless `fast_path=False`
     zoology:<checkpoint>       a Zoology state dict + its ModelConfig -> models.backbone
     safari:<checkpoint>        safari's Hyena LM raw state dict (e.g. Hyena-153M) -> models.backbone
     based:<dir or hub id>      HazyResearch/based's Based / Transformer++ (config.json +
@@ -88,18 +92,19 @@ def spec_identity(spec: str) -> dict:
     return {"files": file_identity(path)}
 
 
-def load_model(spec: str, device="cpu", dtype=None, fast_rwkv: bool = True) -> LoadedModel:
+def load_model(spec: str, device="cpu", dtype=None, fast_path: bool = True) -> LoadedModel:
     """Load the model named by `spec` (see the module docstring) onto `device`, in eval mode.
 
-    `dtype` (torch dtype or "bf16"/"fp32"/...) casts the weights; None keeps fp32. `fast_rwkv`
-    runs hf: RWKV checkpoints through this project's chunked RWKV instead of transformers' loop.
+    `dtype` (torch dtype or "bf16"/"fp32"/...) casts the weights; None keeps fp32. `fast_path`
+    runs hf: RWKV and Mamba-1 checkpoints through this project's chunked RWKV and Mamba forwards
+    instead of transformers' per-token loops (False: transformers' own forward).
     """
     prefix, target = parse_spec(spec)
     from models.precision import torch_dtype
 
     dtype = torch_dtype(dtype)
     if prefix == "hf":
-        return _load_hf(spec, target, device, dtype, fast_rwkv)
+        return _load_hf(spec, target, device, dtype, fast_path)
     if prefix == "native":
         from models.native import load_native
 
@@ -197,8 +202,29 @@ def _fingerprint_near(path) -> str | None:
 # ---- transformers ------------------------------------------------------------------------------
 
 
-def _load_hf(spec: str, target: str, device, dtype, fast_rwkv: bool) -> LoadedModel:
-    import torch
+# model_type -> this project's forward for it (`fast_path`), and the recurrent models, which
+# accept any length
+_FAST_FORWARDS = {"rwkv": ("models.hf_rwkv", "FastRwkv.from_transformers"),
+                  "mamba": ("models.mamba_ckpt", "mamba_from_transformers")}  # fmt: skip
+_RECURRENT = ("rwkv", "mamba", "mamba2", "falcon_mamba")
+
+
+def _fast_forward(model, architecture: str):
+    """`model` converted to this project's forward for its architecture, when it has one."""
+    import importlib
+
+    if architecture not in _FAST_FORWARDS:
+        return model
+    module, name = _FAST_FORWARDS[architecture]
+    fn = importlib.import_module(module)
+    for part in name.split("."):
+        fn = getattr(fn, part)
+    return fn(model)
+
+
+def _load_hf(spec: str, target: str, device, dtype, fast_path: bool) -> LoadedModel:
+    from models.based_ckpt import is_based_config
+    from models.mamba_ckpt import is_mamba_ssm_config, load_mamba_ssm, read_config_json
 
     path = Path(target).expanduser()
     looks_local = target.startswith((".", "/", "~")) or path.exists()
@@ -212,15 +238,63 @@ def _load_hf(spec: str, target: str, device, dtype, fast_rwkv: bool) -> LoadedMo
         raise ArSliceError(
             f"{spec}: {path / 'config.json'} not found (not a transformers model directory)"
         )
-    if looks_local:
-        from ar_slicing.io import read_json
-        from models.based_ckpt import is_based_config
+    raw = read_config_json(target, looks_local)
+    if is_mamba_ssm_config(raw):
+        model = load_mamba_ssm(target, raw, spec, looks_local, as_transformers=not fast_path)
+        architecture = "mamba"
+        if dtype is not None:
+            model = model.to(dtype=dtype)
+    elif is_based_config(raw):
+        raise ArSliceError(
+            f"{spec}: its config.json is a HazyResearch/based config (no model_type), not a "
+            f"transformers one; load it with based:{target}"
+        )
+    else:
+        model, architecture = _load_transformers(spec, target, dtype)
+        if fast_path:
+            model = _fast_forward(model, architecture)
+    model.eval().to(device)
+    tok_fp = _fingerprint_near(path) if looks_local else _hub_tokenizer_fingerprint(target)
+    if hasattr(model, "hidden_and_head"):  # this project's forward
+        hidden_and_head = model.hidden_and_head
+    else:
+        base = model.base_model
+        head = model.get_output_embeddings()
 
-        if is_based_config(read_json(path / "config.json")):
-            raise ArSliceError(
-                f"{spec}: {path / 'config.json'} is a HazyResearch/based config (no model_type), "
-                f"not a transformers one; load it with based:{target}"
-            )
+        def hidden_and_head(input_ids):
+            hidden = base(input_ids=input_ids, use_cache=False).last_hidden_state
+            return hidden, head.weight, getattr(head, "bias", None)
+
+    config = model.config
+    max_positions = None
+    if architecture not in _RECURRENT:
+        max_positions = getattr(config, "max_position_embeddings", None) or getattr(
+            config, "n_positions", None
+        )
+    return LoadedModel(
+        model=model,
+        spec=spec,
+        architecture=architecture,
+        n_params=count_params(model),
+        vocab_size=_head_rows(model),
+        max_positions=max_positions,
+        tokenizer_fingerprint=tok_fp,
+        _hidden_and_head=hidden_and_head,
+    )
+
+
+def _head_rows(model) -> int:
+    """Rows of the output head (transformers' models, FastRwkv, MambaLM): the vocabulary scored."""
+    if hasattr(model, "get_output_embeddings"):
+        return int(model.get_output_embeddings().weight.shape[0])
+    head = model.lm_head if hasattr(model, "lm_head") else model.head
+    return int(head.weight.shape[0])
+
+
+def _load_transformers(spec: str, target: str, dtype):
+    """transformers' AutoModelForCausalLM for `target`, and its model_type."""
+    import torch
+
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -242,39 +316,7 @@ def _load_hf(spec: str, target: str, device, dtype, fast_rwkv: bool) -> LoadedMo
         raise ArSliceError(
             f"{spec}: could not load the weights ({type(e).__name__}: {e})"
         ) from None
-    model.eval().to(device)
-    architecture = config.model_type
-    tok_fp = _fingerprint_near(path) if looks_local else _hub_tokenizer_fingerprint(target)
-    if architecture == "rwkv" and fast_rwkv:
-        from models.hf_rwkv import FastRwkv
-
-        model = FastRwkv.from_transformers(model).eval().to(device)
-        hidden_and_head = model.hidden_and_head
-    else:
-        base = model.base_model
-        head = model.get_output_embeddings()
-
-        def hidden_and_head(input_ids):
-            hidden = base(input_ids=input_ids, use_cache=False).last_hidden_state
-            return hidden, head.weight, getattr(head, "bias", None)
-
-    max_positions = None
-    if architecture != "rwkv":
-        max_positions = getattr(config, "max_position_embeddings", None) or getattr(
-            config, "n_positions", None
-        )
-    return LoadedModel(
-        model=model,
-        spec=spec,
-        architecture=architecture,
-        n_params=count_params(model),
-        vocab_size=int(model.get_output_embeddings().weight.shape[0])
-        if hasattr(model, "get_output_embeddings")
-        else int(config.vocab_size),
-        max_positions=max_positions,
-        tokenizer_fingerprint=tok_fp,
-        _hidden_and_head=hidden_and_head,
-    )
+    return model, config.model_type
 
 
 def _hub_tokenizer_fingerprint(name: str) -> str | None:

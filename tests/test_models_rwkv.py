@@ -141,7 +141,7 @@ def test_transformers_inference_rescaling_is_undone():
 def test_hf_rwkv_directory_loads_and_scores(tmp_path, fast):
     hf = tiny_hf_rwkv(seed=2)
     hf.save_pretrained(tmp_path / "rwkv")
-    loaded = load_model(f"hf:{tmp_path / 'rwkv'}", fast_rwkv=fast)
+    loaded = load_model(f"hf:{tmp_path / 'rwkv'}", fast_path=fast)
     assert loaded.architecture == "rwkv" and loaded.max_positions is None
     assert loaded.vocab_size == 300 and loaded.tokenizer_fingerprint is None
     assert isinstance(loaded.model, FastRwkv) == fast
