@@ -105,6 +105,20 @@ def make_rwkv(path: Path, tokenizer_path) -> Path:
     return _save_hf(model, path, tokenizer_path)
 
 
+def make_mamba(path: Path, tokenizer_path) -> Path:
+    from transformers import MambaConfig, MambaForCausalLM
+
+    torch.manual_seed(3)
+    config = MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2)
+    model = MambaForCausalLM(config).eval()
+    with torch.no_grad():  # decays from slow to fast, and wide logits
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.randn_like(p) * 2)
+        model.backbone.embeddings.weight.normal_(0, 0.5)
+    return _save_hf(model, path, tokenizer_path)
+
+
 def make_native(path: Path, tokenizer_path) -> Path:
     from models.backbone import LanguageModel, ModelConfig
     from models.native import save_native
@@ -146,6 +160,7 @@ def models_dir(tmp_path_factory, bpe_tokenizer_path):
     return {
         "neox": f"hf:{make_neox(root / 'neox', bpe_tokenizer_path)}",
         "rwkv": f"hf:{make_rwkv(root / 'rwkv', bpe_tokenizer_path)}",
+        "mamba": f"hf:{make_mamba(root / 'mamba', bpe_tokenizer_path)}",
         "native": f"native:{make_native(root / 'native', bpe_tokenizer_path)}",
     }
 
@@ -287,11 +302,14 @@ def test_rolling_windows_equal_lm_eval_pairs(n, max_len):
 # ---- per-token losses against plain computations ------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["neox", "rwkv", "native"])
-def test_losses_equal_plain_forward(kind, corpus, models_dir, tmp_path):
+@pytest.mark.parametrize(
+    "kind, fast_path",
+    [("neox", True), ("rwkv", True), ("mamba", True), ("mamba", False), ("native", True)],
+)
+def test_losses_equal_plain_forward(kind, fast_path, corpus, models_dir, tmp_path):
     spec = models_dir[kind]
     out = tmp_path / kind
-    summary = run_eval(config(corpus, spec, out))
+    summary = run_eval(config(corpus, spec, out, fast_path=fast_path))
     losses = read_losses(out)
     keys = read_tag_keys(corpus["tags"])
     assert losses.num_rows == keys.num_rows == corpus["store"].n_tokens - 1
@@ -304,7 +322,8 @@ def test_losses_equal_plain_forward(kind, corpus, models_dir, tmp_path):
     meta = read_json(out / "meta.json")
     assert meta["tokens"] == losses.num_rows == summary["tokens"]
     assert meta["spec"] == spec and meta["windowing"] == "fixed" and meta["partial"] is False
-    assert meta["architecture"] == {"neox": "gpt_neox", "rwkv": "rwkv", "native": "attention"}[kind]
+    architectures = {"neox": "gpt_neox", "rwkv": "rwkv", "mamba": "mamba", "native": "attention"}
+    assert meta["architecture"] == architectures[kind]
     assert meta["n_params"] > 0 and meta["dtype"] == "fp32" and meta["device"] == "cpu"
     assert meta["fingerprint"] == corpus["store"].fingerprint and meta["tokens_per_s"] > 0
 

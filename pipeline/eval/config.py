@@ -67,6 +67,14 @@ class EvalConfig:
             "help": "evaluate even if the model's tokenizer differs from the store's (recorded)"
         },
     )
+    fast_path: bool = field(
+        default=True,
+        metadata={
+            "help": "run RWKV and Mamba-1 through this project's chunked forwards (the same "
+            "losses, many times faster than transformers' per-token loops on a CPU); "
+            "--no-fast-path keeps transformers' own forward"
+        },
+    )
     chunk_windows: int = field(
         default=256, metadata={"help": "windows per output file (the unit of resuming)"}
     )

@@ -92,7 +92,7 @@ class ChunkEvaluator:
         if loaded is None:
             from models import load_model
 
-            loaded = load_model(cfg.model, device=device)
+            loaded = load_model(cfg.model, device=device, fast_path=cfg.fast_path)
         self.out = Path(cfg.out)
         forward = make_forward(loaded, device, dtype)
         self.runner = BatchRunner(forward, batch_size, on_oom=torch.cuda.empty_cache)

@@ -42,6 +42,7 @@ def eval_settings(cfg: EvalConfig, device: str | None = None, dtype: str | None 
     return {
         "spec": cfg.model,
         "windowing": cfg.windowing,
+        "fast_path": cfg.fast_path,
         "chunk_windows": cfg.chunk_windows,
         "device": device,
         "dtype": dtype,
@@ -101,7 +102,9 @@ def run_eval(cfg: EvalConfig) -> dict:
 
     # Loaded before OUT is made, so a bad spec or a model that does not fit leaves nothing behind.
     # With Ray the model is loaded here only for the checks and meta.json; the actors load their own.
-    loaded = load_model(cfg.model, device=device if executor is None else "cpu")
+    loaded = load_model(
+        cfg.model, device=device if executor is None else "cpu", fast_path=cfg.fast_path
+    )
     check_model_fits(loaded, tags, n_windows, cfg)
     batch_size = resolve_batch_size(cfg.batch_size, device, tags.window)
     with stage.running():
