@@ -1,4 +1,4 @@
-"""Sequence models (attention, BaseConv, Hyena, RWKV-4), the LM backbone and checkpoint loaders.
+"""Sequence models (attention, BaseConv, Hyena, RWKV-4, Mamba-1), the LM backbone and checkpoint loaders.
 
 `load_model(spec, device="cpu", dtype=None) -> LoadedModel` and
 `models.nll.per_token_nll(loaded, input_ids, targets)` are what the eval stage uses;
