@@ -10,8 +10,8 @@ same weights (what `load_model("hf:<dir>")` runs) read T = 2048 tokens, 1 and 8 
 * whole model: the backbone forward (the LM head is the same matmul for both); max |Δnll| is the
   largest difference of the per-token NLL that the two hidden states give through that head;
 * selective scan alone, on one layer's inputs: transformers' `mamba_selective_scan` (its
-  sequential fallback when `mamba_ssm` is absent) against `models.mamba.selective_scan` (the
-  chunked scan with the same D skip and gate), with their largest output difference.
+  sequential fallback when `mamba_ssm` is absent) against `models.mamba.selective_scan_chunked`
+  (with the same D skip and gate), with their largest output difference.
 
 Times are the minimum CPU time of interleaved repeats (one thread by default, `--threads`),
 printed with the load average. The closing lines check the target: the chunked scan at least
@@ -85,13 +85,15 @@ def chunked_scan(s):
     """models.mamba's scan on the same inputs, in its own (B, T, E) layout, back to (B, E, T)."""
     import torch.nn.functional as F
 
-    from models.mamba import selective_scan
+    from models.mamba import selective_scan_chunked
 
     def btc(t):  # (B, X, T) -> (B, T, X)
         return t.transpose(1, 2)
 
     delta = F.softplus(btc(s["dt"]) + s["bias"])
-    y = selective_scan(btc(s["u"]), delta, s["A"], btc(s["B"]), btc(s["C"]), s["D"], btc(s["z"]))
+    y = selective_scan_chunked(
+        btc(s["u"]), delta, s["A"], btc(s["B"]), btc(s["C"]), s["D"], btc(s["z"])
+    )
     return btc(y)
 
 

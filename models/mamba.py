@@ -16,8 +16,9 @@ through them one token at a time: ~8 passes over a (B, D, T, N) tensor in main m
 small ops. `selective_scan_chunked` runs the same recurrence in chunks of C tokens over a block
 of sequences that stays in cache: per chunk, the decays (one exp2 pass) and inputs are computed
 for all C tokens at once, the state steps through the chunk in place (one fused multiply-add per
-token), is contracted with C_t for the whole chunk in one batched matmul, and the chunk's last
-state is carried into the next. The decays multiply a state in fp32 as in the recurrence, never
+token), is contracted with C_t for the whole chunk in one batched matmul (the D skip and the
+SiLU gate applied while the chunk is in cache), and the chunk's last state is carried into the
+next. The decays multiply a state in fp32 as in the recurrence, never
 divide it: a factor is at most 1, so no decay, however fast, can overflow and no channel needs
 checking or a fallback; the result is the recurrence's up to fp32 rounding (exp2 of
 Δ A log2(e) instead of exp of Δ A).
@@ -41,93 +42,94 @@ _CPU_BLOCK_ELEMENTS = 1 << 19
 _GPU_BLOCK_ELEMENTS = 1 << 26
 
 
-def selective_scan_sequential(u, delta, A, B, C):
-    """Reference recurrence, one step per token: h = exp(Δ A) h + Δ B u, y = C . h.
+def selective_scan_sequential(u, delta, A, B, C, D=None, z=None):
+    """Reference recurrence, one step per token: h = exp(Δ A) h + Δ B u, y = C . h + D u, gated
+    by silu(z).
 
-    u, delta (B, T, D) with delta already softplus'ed; A (D, N); B, C (B, T, N). Computes in
-    fp32 (fp64 if u is fp64) and returns (B, T, D) in that dtype, without the D skip and gate.
+    u, delta, z (B, T, E) with delta already softplus'ed; A (E, N); B, C (B, T, N); D (E,).
+    Computes in fp32 (fp64 if u is fp64) and returns (B, T, E) in that dtype.
     """
-    Bsz, T, D = u.shape
+    Bsz, T, E = u.shape
     dt = torch.promote_types(u.dtype, torch.float32)
     u, delta, A, B, C = (t.to(dt) for t in (u, delta, A, B, C))
-    h = torch.zeros(Bsz, D, A.shape[1], dtype=dt, device=u.device)  # (B, D, N)
-    out = torch.empty(Bsz, T, D, dtype=dt, device=u.device)
+    h = torch.zeros(Bsz, E, A.shape[1], dtype=dt, device=u.device)  # (B, E, N)
+    out = torch.empty(Bsz, T, E, dtype=dt, device=u.device)
     for t in range(T):
-        decay = torch.exp(delta[:, t, :, None] * A)  # (B, D, N)
+        decay = torch.exp(delta[:, t, :, None] * A)  # (B, E, N)
         h = decay * h + (delta[:, t] * u[:, t])[..., None] * B[:, t, None, :]
         out[:, t] = (h * C[:, t, None, :]).sum(-1)
+    if D is not None:
+        out = out + u * D.to(dt)
+    if z is not None:
+        out = out * F.silu(z.to(dt))
     return out
 
 
-def selective_scan_chunked(u, delta, A, B, C, chunk_size: int = 16, block_elements=None):
+def selective_scan_chunked(
+    u, delta, A, B, C, D=None, z=None, chunk_size: int = 16, block_elements=None
+):
     """The selective scan for all T tokens, in chunks of `chunk_size` (see the module docstring).
 
-    u, delta (B, T, D) with delta already softplus'ed; A (D, N); B, C (B, T, N); any float
-    dtype. Returns (B, T, D) float32, without the D skip and gate. Sequences are processed in
-    blocks of at most `block_elements` (C, sequences, N, D) decays (default: a few MB on a CPU,
-    256 MB on a GPU). With autograd it runs `selective_scan_sequential`, whose every operation
-    is differentiable.
+    Arguments as `selective_scan_sequential`, any float dtype; returns (B, T, E) float32.
+    Sequences are processed in blocks of at most `block_elements` (C, sequences, N, E) decays
+    (default: a few MB on a CPU, 256 MB on a GPU). With autograd it runs
+    `selective_scan_sequential`, whose every operation is differentiable.
     """
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (u, delta, A, B, C))
-    if needs_grad:
-        return selective_scan_sequential(u, delta, A, B, C).float()
+    args = (u, delta, A, B, C, D, z)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args):
+        return selective_scan_sequential(*args).float()
     with torch.no_grad():
-        return _scan_in_chunks(u, delta, A, B, C, chunk_size, block_elements)
+        return _scan_in_chunks(*args, chunk_size, block_elements)
 
 
-def _scan_in_chunks(u, delta, A, B, C, chunk_size, block_elements):
-    Bsz, T, D = u.shape
+def _scan_in_chunks(u, delta, A, B, C, D, z, chunk_size, block_elements):
+    Bsz, T, E = u.shape
     N = A.shape[1]
     dev = u.device
-    out = torch.empty(Bsz, T, D, device=dev)
+    out = torch.empty(Bsz, T, E, device=dev)
     if T == 0 or Bsz == 0:
         return out
     Cn = max(1, min(chunk_size, T))
     if block_elements is None:
         block_elements = _CPU_BLOCK_ELEMENTS if dev.type == "cpu" else _GPU_BLOCK_ELEMENTS
-    G = max(1, min(Bsz, block_elements // (Cn * N * D)))  # sequences per block
-    a2 = (A.float().t() * _LOG2E).contiguous()  # (N, D): log2 of the decay per unit of Δ
-    delta = delta.float()
-    x = delta * u.float()  # (B, T, D): Δ u
-    B, C = B.float(), C.float()
+    G = max(1, min(Bsz, block_elements // (Cn * N * E)))  # sequences per block
+    a2 = (A.float().t() * _LOG2E).contiguous()  # (N, E): log2 of the decay per unit of Δ
+    # (B, T, .) row-major, whatever the callers' strides: every slice below is then a block
+    u = u.float().contiguous()
+    delta = delta.float().contiguous()
+    x = delta * u  # (B, T, E): Δ u
+    B, C = B.float().contiguous(), C.float().contiguous()
+    D = None if D is None else D.float()
     for b0 in range(0, Bsz, G):
         g = min(G, Bsz - b0)
-        if b0 == 0 or g != G:  # two decay buffers, used in turn, so that a chunk's last state
-            # is still there for the next chunk; one for the inputs
-            bufs = [torch.empty(Cn, g, N, D, device=dev) for _ in range(2)]
-            inp = torch.empty(Cn, g, N, D, device=dev)
-        h = torch.zeros(g, N, D, device=dev)  # (g, N, D): the state entering the chunk
+        if b0 == 0 or g != G:  # the chunk's decays, and two state buffers used in turn, so
+            # that a chunk's last state is still there for the next chunk
+            decays = torch.empty(Cn, g, N, E, device=dev)
+            states = [torch.empty(Cn, g, N, E, device=dev) for _ in range(2)]
+        h = torch.zeros(g, N, E, device=dev)  # (g, N, E): the state entering the chunk
         for k, t0 in enumerate(range(0, T, Cn)):
             c = min(Cn, T - t0)
             sl = (slice(b0, b0 + g), slice(t0, t0 + c))
-            H, W = bufs[k % 2][:c], inp[:c]  # (c, g, N, D)
-            # decays 2^{Δ A log2 e} of every token of the chunk: (c, g, 1, D) x (N, D)
-            torch.mul(delta[sl].transpose(0, 1)[:, :, None, :], a2, out=H)
-            H.exp2_()
-            # inputs Δ_t u_t B_t: (c, g, 1, D) x (c, g, N, 1)
-            torch.mul(x[sl].transpose(0, 1)[:, :, None, :], B[sl].transpose(0, 1)[..., None], out=W)
-            for j in range(c):  # h <- decay h + input, in place over the decays
-                torch.addcmul(W[j], H[j], h, out=H[j])
+            P, H = decays[:c], states[k % 2][:c]  # (c, g, N, E)
+            # decays 2^{Δ A log2 e} of every token of the chunk: (c, g, 1, E) x (N, E)
+            torch.mul(delta[sl].transpose(0, 1)[:, :, None, :], a2, out=P)
+            P.exp2_()
+            # inputs Δ_t u_t B_t: (c, g, 1, E) x (c, g, N, 1)
+            torch.mul(x[sl].transpose(0, 1)[:, :, None, :], B[sl].transpose(0, 1)[..., None], out=H)
+            for j in range(c):  # h <- decay h + input, in place over the inputs
+                H[j].addcmul_(P[j], h)
                 h = H[j]
-            # y_t = C_t . h_t for the whole chunk: (c g, 1, N) @ (c g, N, D)
+            # y_t = C_t . h_t for the whole chunk: (c g, 1, N) @ (c g, N, E), then D u and the gate
             Ct = C[sl].transpose(0, 1).reshape(c * g, 1, N)
-            y = torch.bmm(Ct, H.view(c * g, N, D))  # (c g, 1, D)
-            out[sl] = y.view(c, g, D).transpose(0, 1)
+            y = torch.bmm(Ct, H.view(c * g, N, E)).view(c, g, E).transpose(0, 1)  # (g, c, E)
+            o = out[sl]
+            if D is None:
+                o.copy_(y)
+            else:
+                torch.addcmul(y, u[sl], D, out=o)
+            if z is not None:
+                o.mul_(F.silu(z[sl].float()))
     return out
-
-
-def selective_scan(u, delta, A, B, C, D=None, z=None, mode: str = "chunked", chunk_size: int = 16):
-    """`y = scan(u) + D u`, gated by `silu(z)`: the whole of mamba_ssm's `selective_scan_fn`
-    after the softplus. u, delta, z (B, T, E); A (E, N); B, C (B, T, N); D (E,). Returns fp32."""
-    if mode == "sequential":
-        y = selective_scan_sequential(u, delta, A, B, C).float()
-    else:
-        y = selective_scan_chunked(u, delta, A, B, C, chunk_size)
-    if D is not None:
-        y = y + u.float() * D.float()
-    if z is not None:
-        y = y * F.silu(z.float())
-    return y
 
 
 class MambaMixer(nn.Module):
@@ -178,7 +180,10 @@ class MambaMixer(nn.Module):
         dt, Bm, Cm = self.x_proj(u).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
         delta = F.softplus(self.dt_proj(dt).float())  # (B, T, E)
         A = -torch.exp(self.A_log.float())  # (E, N)
-        y = selective_scan(u, delta, A, Bm, Cm, self.D, z, self.mode, self.chunk_size)
+        if self.mode == "sequential":
+            y = selective_scan_sequential(u, delta, A, Bm, Cm, self.D, z)
+        else:
+            y = selective_scan_chunked(u, delta, A, Bm, Cm, self.D, z, self.chunk_size)
         return self.out_proj(y.to(xz.dtype))
 
 

@@ -85,6 +85,9 @@ def test_sequential_scan_matches_the_definition():
 def test_chunked_equals_sequential(B, T, D, N, chunk, block, decay_scale, dt_scale, seed):
     g = torch.Generator().manual_seed(seed)
     args = scan_inputs(g, B, T, D, N, decay_scale, dt_scale)
+    skip, gate = torch.randn(D, generator=g), torch.randn(B, T, D, generator=g)
+    if seed % 2:  # half the cases with the D skip and the silu(z) gate
+        args = (*args, skip, gate)
     ref = selective_scan_sequential(*(a.double() for a in args))
     got = selective_scan_chunked(*args, chunk_size=chunk, block_elements=block)
     assert got.dtype == torch.float32 and got.shape == (B, T, D)
@@ -104,7 +107,7 @@ def test_chunked_is_exact_for_extreme_decays():
     C = torch.randn(3, T, N, generator=g)
     ref = selective_scan_sequential(u.double(), delta.double(), A.double(), B.double(), C.double())
     for block in (None, 3 * 16 * N * D, 16 * N * D):  # all sequences in one block, 1 per block
-        got = selective_scan_chunked(u, delta, A, B, C, 16, block_elements=block)
+        got = selective_scan_chunked(u, delta, A, B, C, chunk_size=16, block_elements=block)
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=1e-4)
 
