@@ -100,6 +100,8 @@ def _scan_in_chunks(u, delta, A, B, C, D, z, chunk_size, block_elements):
     x = delta * u  # (B, T, E): Δ u
     B, C = B.float().contiguous(), C.float().contiguous()
     D = None if D is None else D.float()
+    if z is not None and z.stride(-1) != 1:  # the gate is read a chunk of rows at a time
+        z = z.contiguous()
     for b0 in range(0, Bsz, G):
         g = min(G, Bsz - b0)
         if b0 == 0 or g != G:  # the chunk's decays, and two state buffers used in turn, so
