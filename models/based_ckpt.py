@@ -269,14 +269,12 @@ def normalized_config(raw: dict, source: str) -> dict:
     return cfg
 
 
-def is_mamba_config(cfg: dict) -> bool:
-    """A mamba_ssm `MambaConfig` (d_model, n_layer, ssm_cfg), as hazyresearch/mamba-* publish."""
-    return "d_model" in cfg and "n_embd" not in cfg and "hidden_size" not in cfg
-
-
 def is_based_config(cfg: dict) -> bool:
-    """upstream's GPT2Config-style dict: GPT-2's keys and no transformers `model_type`."""
-    if not isinstance(cfg, dict) or "model_type" in cfg:
+    """upstream's GPT2Config-style dict: GPT-2's keys and no transformers `model_type` (the
+    suite's Mamba, whose config carries `n_embd` too, is mamba_ssm's layout: models/mamba_ckpt)."""
+    from models.mamba_ckpt import is_mamba_ssm_config
+
+    if not isinstance(cfg, dict) or "model_type" in cfg or is_mamba_ssm_config(cfg):
         return False
     return "n_embd" in cfg or "mixer" in cfg or "alt_mixer" in cfg
 
@@ -439,15 +437,16 @@ def load_based(target: str, spec: str):
     from ar_slicing.io import read_json
     from models.backbone import LanguageModel
     from models.checkpoint_io import load_state_dict_checked, read_checkpoint, state_dict_from
+    from models.mamba_ckpt import is_mamba_ssm_config
 
     config_file, weights_file = resolve_files(target, spec)
     raw = read_json(config_file)
     if not isinstance(raw, dict):
         raise ArSliceError(f"{config_file}: expected a JSON object")
-    if is_mamba_config(raw):
+    if is_mamba_ssm_config(raw):  # load_model reads these with models/mamba_ckpt
         raise ArSliceError(
-            f"{config_file}: a mamba_ssm (Mamba) config, not Based or Transformer++; this "
-            "version of based: does not load the mamba_ssm layout"
+            f"{config_file}: a mamba_ssm (Mamba) config, not Based or Transformer++; load it "
+            "with models.load_model (hf: or based:)"
         )
     state = clean_state(state_dict_from(read_checkpoint(weights_file), weights_file))
     source = str(config_file)

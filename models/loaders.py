@@ -10,7 +10,8 @@ Specs:
     zoology:<checkpoint>       a Zoology state dict + its ModelConfig -> models.backbone
     safari:<checkpoint>        safari's Hyena LM raw state dict (e.g. Hyena-153M) -> models.backbone
     based:<dir or hub id>      HazyResearch/based's Based / Transformer++ (config.json +
-                               pytorch_model.bin as published) -> models.backbone
+                               pytorch_model.bin as published) -> models.backbone; the suite's
+                               Mamba (mamba_ssm's layout) is read as hf: reads it
     native:<directory>         config.json + model.safetensors written by models.native.save_native
 
 Checkpoints are read with `torch.load(..., weights_only=True)` or safetensors only; a pickle that
@@ -122,7 +123,11 @@ def load_model(spec: str, device="cpu", dtype=None, fast_path: bool = True) -> L
         model, tok_dir = load_zoology(target)
     elif prefix == "based":
         from models.based_ckpt import architecture_of, load_based
+        from models.mamba_ckpt import is_mamba_ssm_config, read_config_json
 
+        # the suite's Mamba (hazyresearch/mamba-1.3b) is published in mamba_ssm's layout
+        if is_mamba_ssm_config(read_config_json(target, Path(target).expanduser().is_dir())):
+            return _load_hf(spec, target, device, dtype, fast_path)
         model, tok_dir = load_based(target, spec)
         architecture = architecture_of(model.config)
     else:

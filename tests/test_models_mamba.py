@@ -194,6 +194,14 @@ def test_transformers_forward_gives_upstream_nll_for_every_token(case):
     assert max_nll_error(loaded, expected) <= NLL_ATOL
 
 
+def test_based_spec_reads_the_suites_mamba_as_hf_does():
+    """HazyResearch's suite lists its Mamba beside Based: `based:` hands it to the same loader."""
+    expected = json.loads((FIXTURES / "ssm-mamba-hazy" / "expected.json").read_text())
+    loaded = load_model(f"based:{FIXTURES / 'ssm-mamba-hazy'}")
+    assert isinstance(loaded.model, MambaLM) and loaded.architecture == "mamba"
+    assert max_nll_error(loaded, expected) <= NLL_ATOL
+
+
 def test_fixture_layouts_are_the_published_ones():
     ssm = json.loads((FIXTURES / "ssm-mamba" / "config.json").read_text())
     assert "model_type" not in ssm and ssm["pad_vocab_size_multiple"] == 8
