@@ -207,24 +207,21 @@ def _fingerprint_near(path) -> str | None:
 # ---- transformers ------------------------------------------------------------------------------
 
 
-# model_type -> this project's forward for it (`fast_path`), and the recurrent models, which
-# accept any length
-_FAST_FORWARDS = {"rwkv": ("models.hf_rwkv", "FastRwkv.from_transformers"),
-                  "mamba": ("models.mamba_ckpt", "mamba_from_transformers")}  # fmt: skip
+# transformers model types that read any length (recurrent: no positional limit)
 _RECURRENT = ("rwkv", "mamba", "mamba2", "falcon_mamba")
 
 
 def _fast_forward(model, architecture: str):
     """`model` converted to this project's forward for its architecture, when it has one."""
-    import importlib
+    if architecture == "rwkv":
+        from models.hf_rwkv import FastRwkv
 
-    if architecture not in _FAST_FORWARDS:
-        return model
-    module, name = _FAST_FORWARDS[architecture]
-    fn = importlib.import_module(module)
-    for part in name.split("."):
-        fn = getattr(fn, part)
-    return fn(model)
+        return FastRwkv.from_transformers(model)
+    if architecture == "mamba":
+        from models.mamba_ckpt import mamba_from_transformers
+
+        return mamba_from_transformers(model)
+    return model
 
 
 def _load_hf(spec: str, target: str, device, dtype, fast_path: bool) -> LoadedModel:

@@ -18,10 +18,11 @@ of sequences that stays in cache: per chunk, the decays (one exp2 pass) and inpu
 for all C tokens at once, the state steps through the chunk in place (one fused multiply-add per
 token), is contracted with C_t for the whole chunk in one batched matmul (the D skip and the
 SiLU gate applied while the chunk is in cache), and the chunk's last state is carried into the
-next. The decays multiply a state in fp32 as in the recurrence, never
-divide it: a factor is at most 1, so no decay, however fast, can overflow and no channel needs
-checking or a fallback; the result is the recurrence's up to fp32 rounding (exp2 of
-Δ A log2(e) instead of exp of Δ A).
+next. The decays multiply the state as in the recurrence and never divide it: every factor is at
+most 1, so no decay, however fast, can overflow, and no channel needs an accuracy check or a
+fallback; the result is the recurrence's up to fp32 rounding (exp2 of Δ A log2(e) for exp of
+Δ A). Factorising a chunk's decays into prefix sums, as models/rwkv.py does for the WKV, would
+add a division and per-channel range checks to the same exp pass, and measured slower on a CPU.
 `selective_scan_sequential` is the plain recurrence (one step per token) the tests hold it to.
 """
 
