@@ -475,6 +475,40 @@ def test_rolling_losses_equal_lm_eval_rolling_loglikelihood(corpus, models_dir, 
     assert meta["windowing"] == "rolling"
 
 
+def test_safari_settings_are_printed_and_recorded_and_model_config_is_part_of_the_plan(
+    tmp_path, make_store, capsys
+):
+    """A safari checkpoint with no config beside it, evaluated with its config given as
+    --model-config: the settings used are printed and land in meta.json, and the config's
+    identity is part of the plan."""
+    fixture = Path(__file__).parent / "fixtures" / "upstream" / "safari-no-modulate"
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(1, 50, n).tolist() for n in (40, 7, 70)]
+    store = make_store(docs, vocab_size=50, name="val")
+    counts = CountConfig(tokens=[str(store.path)], out=str(tmp_path / "counts"), workers=1)
+    run_count(counts)
+    tags = tmp_path / "tags"
+    run_tag(
+        TagConfig(tokens=str(store.path), counts=counts.out, out=str(tags), window=L, workers=1)
+    )
+    corpus = {"tags": tags}
+    spec, yaml_config = f"safari:{fixture / 'model.pt'}", fixture / "configs" / "hyena-tiny.yaml"
+    run_eval(config(corpus, spec, tmp_path / "given", model_config=str(yaml_config)))
+    assert "model settings" in capsys.readouterr().out
+    meta = read_json(tmp_path / "given" / "meta.json")
+    assert meta["loader_settings"]["modulate"] is False
+    assert meta["loader_settings"]["config"].startswith(str(yaml_config))
+    assert meta["model_config"]["path"] == str(yaml_config.resolve())
+    run_eval(config(corpus, spec, tmp_path / "default"))
+    assert read_json(tmp_path / "default" / "meta.json")["loader_settings"]["modulate"] is True
+    given, default = (
+        read_losses(tmp_path / d).column("nll").to_numpy() for d in ("given", "default")
+    )
+    assert np.abs(given - default).max() > 0.1  # modulation on or off: other losses
+    with pytest.raises(ArSliceError, match="model_config"):
+        run_eval(config(corpus, spec, tmp_path / "default", model_config=str(yaml_config)))
+
+
 # ---- consistency checks -------------------------------------------------------------------------
 
 
@@ -496,6 +530,25 @@ def test_tokenizer_mismatch_is_refused_unless_skipped(corpus, stdlib_texts, tmp_
     meta = read_json(tmp_path / "out" / "meta.json")
     assert meta["skip_tokenizer_check"] is True
     assert meta["model_tokenizer_fingerprint"] != meta["fingerprint"]
+
+
+def test_model_directory_whose_tokenizer_transformers_resaved_needs_no_skip(
+    corpus, bpe_tokenizer_path, tmp_path
+):
+    """The store's tokenizer.json has null BPE affixes (as the real GPT-2 and NeoX files); the
+    model directory's copy went through transformers, which writes them as "". One encoding."""
+    from transformers import AutoTokenizer, GPT2Tokenizer
+
+    model_dir = make_neox(tmp_path / "m", None)
+    GPT2Tokenizer(tokenizer_file=str(bpe_tokenizer_path)).save_pretrained(tmp_path / "tok")
+    AutoTokenizer.from_pretrained(str(tmp_path / "tok")).save_pretrained(model_dir)
+    saved = json.loads((model_dir / "tokenizer.json").read_text())
+    assert saved["model"]["end_of_word_suffix"] == ""
+    assert json.loads(bpe_tokenizer_path.read_text())["model"]["end_of_word_suffix"] is None
+    run_eval(config(corpus, f"hf:{model_dir}", tmp_path / "out", max_windows=1))
+    meta = read_json(tmp_path / "out" / "meta.json")
+    assert meta["model_tokenizer_fingerprint"] == meta["fingerprint"]
+    assert meta["skip_tokenizer_check"] is False
 
 
 def test_vocabulary_too_small_is_refused(corpus, bpe_tokenizer_path, tmp_path):

@@ -61,6 +61,13 @@ class EvalConfig:
             "help": "validation token store (default: the one recorded in the tags' meta.json)"
         },
     )
+    model_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "safari: or zoology: model config file (YAML or JSON, as safari or Zoology "
+            "writes it) to use instead of the one found with the checkpoint"
+        },
+    )
     skip_tokenizer_check: bool = field(
         default=False,
         metadata={

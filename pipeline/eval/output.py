@@ -92,7 +92,7 @@ class ChunkEvaluator:
         if loaded is None:
             from models import load_model
 
-            loaded = load_model(cfg.model, device=device)
+            loaded = load_model(cfg.model, device=device, model_config=cfg.model_config)
         self.out = Path(cfg.out)
         forward = make_forward(loaded, device, dtype)
         self.runner = BatchRunner(forward, batch_size, on_oom=torch.cuda.empty_cache)

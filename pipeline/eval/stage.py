@@ -39,13 +39,35 @@ def eval_settings(cfg: EvalConfig, device: str | None = None, dtype: str | None 
     if device is None and cfg.executor == "local":
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
-    return {
+    settings = {
         "spec": cfg.model,
         "windowing": cfg.windowing,
         "chunk_windows": cfg.chunk_windows,
         "device": device,
         "dtype": dtype,
     }
+    if cfg.model_config is not None:  # it decides what a zoology:/safari: model computes
+        settings["model_config"] = model_config_identity(cfg.model_config)
+    return settings
+
+
+def model_config_identity(path: str) -> dict:
+    """What the plan records of a --model-config file: its path and its bytes' sha256."""
+    import hashlib
+
+    p = Path(path)
+    if not p.is_file():
+        raise ArSliceError(f"--model-config {path}: no such file")
+    return {"path": str(p.resolve()), "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+
+
+def describe_settings(settings: dict) -> str:
+    """One line a person reads: the loader's scalar settings and where they came from."""
+    values = ", ".join(
+        f"{k}={v}" for k, v in settings.items() if k != "config" and not isinstance(v, dict)
+    )
+    source = settings.get("config")
+    return f"model settings {values}" + (f" (from {source})" if source else "")
 
 
 def run_eval(cfg: EvalConfig) -> dict:
@@ -101,7 +123,11 @@ def run_eval(cfg: EvalConfig) -> dict:
 
     # Loaded before OUT is made, so a bad spec or a model that does not fit leaves nothing behind.
     # With Ray the model is loaded here only for the checks and meta.json; the actors load their own.
-    loaded = load_model(cfg.model, device=device if executor is None else "cpu")
+    loaded = load_model(
+        cfg.model, device=device if executor is None else "cpu", model_config=cfg.model_config
+    )
+    if loaded.settings:
+        print(f"eval {name}: {describe_settings(loaded.settings)}")
     check_model_fits(loaded, tags, n_windows, cfg)
     batch_size = resolve_batch_size(cfg.batch_size, device, tags.window)
     with stage.running():
@@ -201,6 +227,8 @@ def _evaluate(stage, cfg, name, tags, n_windows, loaded, executor, device, dtype
         tokens_per_s=tokens_per_s,
         fingerprint=tags.store.fingerprint,
         model_tokenizer_fingerprint=getattr(loaded, "tokenizer_fingerprint", None),
+        model_config=stage.plan["settings"].get("model_config"),
+        loader_settings=loaded.settings,
         skip_tokenizer_check=cfg.skip_tokenizer_check,
         windowing=cfg.windowing,
         window=tags.window,
@@ -229,5 +257,6 @@ COMMAND = Command(
   arslice eval --model native:runs/demo/models/attention --tags runs/demo/tags --out runs/demo/losses/attention
   arslice eval --model hf:RWKV/rwkv-4-169m-pile --tags runs/pile/tags --out runs/pile/losses/rwkv --dtype fp32
   arslice eval --model hf:./pythia-70m --tags runs/pile/tags --out /tmp/smoke --max-windows 8 --device cpu
-  arslice eval --model hf:EleutherAI/pythia-160m --tags runs/pile/tags --out runs/pile/losses/pythia-rolling --windowing rolling""",
+  arslice eval --model hf:EleutherAI/pythia-160m --tags runs/pile/tags --out runs/pile/losses/pythia-rolling --windowing rolling
+  arslice eval --model safari:hyena-small-150b-tok.ckpt --model-config safari/configs/evals/hyena_small_150b.yaml --tags runs/pile/tags --out runs/pile/losses/hyena""",
 )
