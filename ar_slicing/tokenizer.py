@@ -104,6 +104,27 @@ def fingerprint(tokenizer) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def special_token_ids(spec: str | Path) -> dict[str, int | None]:
+    """The BOS and EOS ids a transformers tokenizer declares — a directory with
+    tokenizer_config.json or special_tokens_map.json, or a hub name — as `bos_token_id`,
+    `eos_token_id`; {} where none is declared (a bare tokenizer.json names no BOS)."""
+    path = Path(spec)
+    if path.is_file():
+        path = path.parent
+    if path.is_dir():
+        declared = ("tokenizer_config.json", "special_tokens_map.json")
+        if not any((path / name).is_file() for name in declared):
+            return {}
+        spec = str(path)
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(spec))
+    except Exception:  # unreadable or unreachable: nothing declared that we can see
+        return {}
+    return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}
+
+
 def eos_id(tokenizer, eos_token: str | None = None) -> int:
     """The id that ends a document: `eos_token` if given, else the first known EOS token present."""
     candidates = (eos_token,) if eos_token else EOS_CANDIDATES

@@ -43,7 +43,8 @@ class LoadedModel:
     vocab_size: rows of the output head; max_positions: longest input the model accepts (None: no
     limit); tokenizer_fingerprint: of the tokenizer found with the checkpoint, else None;
     settings: what the loader decided that the weights do not show (where the config came from,
-    safari's filter settings, ...), recorded in the eval stage's meta.json.
+    safari's filter settings, ...), recorded in the eval stage's meta.json; tokenizer_source:
+    the directory or hub name the model's tokenizer is looked up in (None: nowhere).
     `hidden_and_head(input_ids (B, T))` -> (hidden (B, T, D), head weight (V, D), head bias or None).
     """
 
@@ -55,6 +56,7 @@ class LoadedModel:
     max_positions: int | None
     tokenizer_fingerprint: str | None
     settings: dict = field(default_factory=dict)
+    tokenizer_source: str | None = None
     _hidden_and_head: Callable = field(repr=False, default=None)
 
     def hidden_and_head(self, input_ids):
@@ -127,7 +129,9 @@ def load_model(
                 f"{spec}: {path} is not a directory (expected a native checkpoint dir)"
             )
         model = load_native(path, device=device, dtype=dtype)
-        return wrap_language_model(model, spec, tokenizer_fingerprint=_fingerprint_near(path))
+        loaded = wrap_language_model(model, spec, tokenizer_fingerprint=_fingerprint_near(path))
+        loaded.tokenizer_source = str(path)
+        return loaded
     architecture = None
     if prefix == "zoology":
         from models.zoology_ckpt import load_zoology
@@ -147,7 +151,7 @@ def load_model(
     loaded = wrap_language_model(
         model, spec, tokenizer_fingerprint=_fingerprint_near(tok_dir), architecture=architecture
     )
-    loaded.settings = settings
+    loaded.settings, loaded.tokenizer_source = settings, str(tok_dir)
     return loaded
 
 
@@ -295,6 +299,7 @@ def _load_hf(spec: str, target: str, device, dtype, fast_rwkv: bool) -> LoadedMo
         else int(config.vocab_size),
         max_positions=max_positions,
         tokenizer_fingerprint=tok_fp,
+        tokenizer_source=target,
         _hidden_and_head=hidden_and_head,
     )
 

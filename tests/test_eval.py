@@ -509,6 +509,81 @@ def test_safari_settings_are_printed_and_recorded_and_model_config_is_part_of_th
         run_eval(config(corpus, spec, tmp_path / "default", model_config=str(yaml_config)))
 
 
+def harness_prefix_token_id(tokenizer, custom=None) -> int:
+    """lm-evaluation-harness HFLM.prefix_token_id (lm_eval/models/huggingface.py), transcribed."""
+    if custom is not None:
+        return custom
+    if tokenizer.bos_token_id is not None:
+        return tokenizer.bos_token_id
+    return tokenizer.eos_token_id
+
+
+@pytest.fixture(scope="module")
+def bos_corpus(tmp_path_factory, bpe_tokenizer, stdlib_texts):
+    """A store of a tokenizer with a BOS of its own (`<|im_start|>`, as SmolLM2's), its tags, and
+    two model directories with that tokenizer: one declaring the BOS, one declaring only EOS."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("bos")
+    tok = Tokenizer.from_str(bpe_tokenizer.to_str())
+    tok.add_special_tokens(["<|im_start|>"])
+    docs = [tok.encode(t).ids[:n] for t, n in zip(stdlib_texts[20:], (45, 5, 31, 12))]
+    store = write_token_store(root / "val", docs, tokenizer_info=describe(tok, "bos"))
+    counts = CountConfig(tokens=[str(store.path)], out=str(root / "counts"), workers=1)
+    run_count(counts)
+    run_tag(TagConfig(tokens=str(store.path), counts=counts.out, out=str(root / "tags"), window=L))
+    dirs = {}
+    for kind, special in (
+        ("bos", {"bos_token": "<|im_start|>", "eos_token": "<|endoftext|>"}),
+        ("eos_only", {"eos_token": "<|endoftext|>"}),
+    ):
+        model_dir = make_neox(root / kind, None, vocab=VOCAB + 1)
+        PreTrainedTokenizerFast(tokenizer_object=tok, **special).save_pretrained(model_dir)
+        dirs[kind] = model_dir
+    return {"store": store, "tags": root / "tags", "docs": docs, "dirs": dirs}
+
+
+@pytest.mark.parametrize("kind, custom", [("eos_only", None), ("bos", None), ("bos", 7)])
+def test_rolling_prefix_is_the_harness_prefix_token(bos_corpus, tmp_path, kind, custom):
+    """Per-document totals equal lm-eval's loglikelihood_rolling with its prefix_token_id: the
+    model tokenizer's BOS when it declares one, else its EOS; --prefix-token overrides it."""
+    from transformers import AutoTokenizer
+
+    model_dir = bos_corpus["dirs"][kind]
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    prefix = harness_prefix_token_id(tokenizer, custom)
+    assert (prefix == tokenizer.eos_token_id) == (kind == "eos_only" and custom is None)
+    out = tmp_path / "rolling"
+    run_eval(config(bos_corpus, f"hf:{model_dir}", out, windowing="rolling", prefix_token=custom))
+    meta = read_json(out / "meta.json")
+    assert meta["prefix_token"] == prefix
+    assert ("BOS" in meta["prefix_token_source"]) == (kind == "bos" and custom is None)
+    nll = read_losses(out).column("nll").to_numpy()  # row r is stream index r + 1
+    fn, store = plain_logits_fn(f"hf:{model_dir}"), bos_corpus["store"]
+    for d, doc in enumerate(bos_corpus["docs"]):
+        offset = int(store.doc_offsets[d])
+        want = lm_eval_token_nlls(fn, doc, prefix, L)
+        rows = np.arange(offset, offset + len(doc)) - 1
+        if d == 0:  # the stream's first token is no target: it has no row
+            want, rows = want[1:], rows[1:]
+        np.testing.assert_allclose(nll[rows].sum(), want.sum(), rtol=1e-5)
+        np.testing.assert_allclose(nll[rows], want, rtol=0, atol=2e-4)
+    # and the prefix matters: another one moves the document's total
+    doc = bos_corpus["docs"][1]
+    elsewhere = 1 if prefix == tokenizer.eos_token_id else tokenizer.eos_token_id
+    moved = (
+        lm_eval_token_nlls(fn, doc, elsewhere, L).sum()
+        - lm_eval_token_nlls(fn, doc, prefix, L).sum()
+    )
+    assert abs(moved) > 1e-2
+
+
+def test_prefix_token_needs_rolling_windows(corpus, models_dir, tmp_path):
+    with pytest.raises(ArSliceError, match="--prefix-token applies to --windowing rolling"):
+        run_eval(config(corpus, models_dir["neox"], tmp_path / "o", prefix_token=3))
+
+
 # ---- consistency checks -------------------------------------------------------------------------
 
 

@@ -51,8 +51,15 @@ class EvalConfig:
         default="fixed",
         metadata={
             "help": "fixed = the tag windows as they are (the paper's); rolling = per-document "
-            "windows with an EOS prefix (lm-eval loglikelihood_rolling)",
+            "windows after a prefix token (lm-eval loglikelihood_rolling)",
             "choices": ["fixed", "rolling"],
+        },
+    )
+    prefix_token: int | None = field(
+        default=None,
+        metadata={
+            "help": "rolling windowing: the token id read before each document (default: the "
+            "model tokenizer's BOS when it declares one, else EOS, as lm-eval's prefix_token_id)"
         },
     )
     tokens: str | None = field(
