@@ -18,9 +18,9 @@ made, tests/fixtures/upstream):
   * `layer_norm_epsilon` is used for `ln_f` alone: Zoology's blocks build norm1/norm2 with
     LayerNorm's default 1e-5.
   * RWKV: Zoology's `zoology/mixers/rwkv.py` sets `RWKV_FLOAT_MODE=bf16` when imported, so its
-    CUDA kernel rounds the WKV output to bf16 (about 4e-2 nats per token from exact fp32 at
-    Zoology's sizes). This project computes the WKV exactly in fp32, which is what Zoology computes
-    in its fp32 mode; no CPU fixture pins it (the kernel needs CUDA).
+    CUDA kernel rounds the WKV output to bf16: Zoology's own losses are those of a bf16 WKV.
+    This project computes the WKV exactly in fp32, which is what Zoology computes in its fp32
+    mode; no CPU fixture pins it (the kernel needs CUDA).
   * Options that change nothing in an evaluation forward (learning rates, dropout, switches the
     upstream forward ignores) are accepted; any other option this project does not implement is
     refused by name, never ignored.

@@ -239,6 +239,19 @@ def lm_eval_token_nlls(logits_fn, tokens, prefix, max_len) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros(0, dtype=np.float32)
 
 
+def assert_documents_equal_harness(nll, store, docs, logits_fn, prefix) -> None:
+    """Every document's loss rows (row r is stream index r + 1) equal lm-eval's per-token NLL of
+    loglikelihood_rolling after `prefix`, token by token and in total."""
+    for d, doc in enumerate(docs):
+        offset = int(store.doc_offsets[d])
+        want = lm_eval_token_nlls(logits_fn, doc, prefix, L)
+        rows = np.arange(offset, offset + len(doc)) - 1
+        if d == 0:  # the stream's first token is no target: it has no row
+            want, rows = want[1:], rows[1:]
+        np.testing.assert_allclose(nll[rows], want, rtol=0, atol=2e-4)
+        np.testing.assert_allclose(nll[rows].sum(), want.sum(), rtol=1e-5)
+
+
 # ---- rolling windows ----------------------------------------------------------------------------
 
 
@@ -455,14 +468,9 @@ def test_rolling_losses_equal_lm_eval_rolling_loglikelihood(corpus, models_dir, 
     nll = losses.column("nll").to_numpy()  # row r is stream index r + 1
     store, eos = corpus["store"], corpus["eos"]
     fn = plain_logits_fn(spec)
+    assert_documents_equal_harness(nll, store, corpus["docs"], fn, eos)
     for d, doc in enumerate(corpus["docs"]):
         offset = int(store.doc_offsets[d])
-        want = lm_eval_token_nlls(fn, doc, eos, L)
-        rows = np.arange(offset, offset + len(doc)) - 1
-        if d == 0:  # the stream's first token is no target: it has no row
-            want, rows = want[1:], rows[1:]
-        np.testing.assert_allclose(nll[rows], want, rtol=0, atol=2e-4)
-        np.testing.assert_allclose(nll[rows].sum(), want.sum(), rtol=1e-5)
         # the document's EOS: predicted from the at most L tokens of [EOS] + doc before it
         context = ([eos] + list(doc))[-L:]
         eos_nll = plain_nll(fn, context, [*context[1:], eos])[-1]
@@ -560,15 +568,8 @@ def test_rolling_prefix_is_the_harness_prefix_token(bos_corpus, tmp_path, kind, 
     assert meta["prefix_token"] == prefix
     assert ("BOS" in meta["prefix_token_source"]) == (kind == "bos" and custom is None)
     nll = read_losses(out).column("nll").to_numpy()  # row r is stream index r + 1
-    fn, store = plain_logits_fn(f"hf:{model_dir}"), bos_corpus["store"]
-    for d, doc in enumerate(bos_corpus["docs"]):
-        offset = int(store.doc_offsets[d])
-        want = lm_eval_token_nlls(fn, doc, prefix, L)
-        rows = np.arange(offset, offset + len(doc)) - 1
-        if d == 0:  # the stream's first token is no target: it has no row
-            want, rows = want[1:], rows[1:]
-        np.testing.assert_allclose(nll[rows].sum(), want.sum(), rtol=1e-5)
-        np.testing.assert_allclose(nll[rows], want, rtol=0, atol=2e-4)
+    fn = plain_logits_fn(f"hf:{model_dir}")
+    assert_documents_equal_harness(nll, bos_corpus["store"], bos_corpus["docs"], fn, prefix)
     # and the prefix matters: another one moves the document's total
     doc = bos_corpus["docs"][1]
     elsewhere = 1 if prefix == tokenizer.eos_token_id else tokenizer.eos_token_id
