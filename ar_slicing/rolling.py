@@ -1,14 +1,15 @@
 """Rolling per-document windows with the semantics of lm-evaluation-harness `loglikelihood_rolling`.
 
-lm-eval scores a document by calling `get_rolling_token_windows(tokens, prefix_token=EOS,
-max_seq_len=L, context_len=1)` and `make_disjoint_window` on each pair: every token of the
-document is predicted exactly once, the first one conditioned on the EOS prefix alone, in windows
+lm-eval scores a document by calling `get_rolling_token_windows(tokens, prefix_token=P,
+max_seq_len=L, context_len=1)` and `make_disjoint_window` on each pair, with P its
+`prefix_token_id` (`prefix_token` below: the tokenizer's BOS when it has one, else its EOS): every
+token of the document is predicted exactly once, the first one conditioned on the prefix alone, in windows
 of at most L predictions; a model never reads more than L tokens, and never reads anything outside
 the document. All windows but the last are disjoint blocks of L predictions; the last one (when
 it predicts fewer than L tokens) reads a full L tokens, so its context reaches back into tokens
 the previous window predicted.
 
-Here a window is three integers over the *extended document* `E = [EOS] + doc + [EOS]`
+Here a window is three integers over the *extended document* `E = [P] + doc + [EOS]`
 (index 0 is the prefix, `E[j] = doc[j-1]` for `1 <= j <= n`, `E[n+1]` is the EOS that ends the
 document in the token stream): `(start, stop, n_scored)` means the model reads `E[start:stop]`
 and its last `n_scored` outputs predict `E[stop-n_scored+1 : stop+1]`.
@@ -38,10 +39,28 @@ in its only window:
 from __future__ import annotations
 
 
+def prefix_token(
+    custom: int | None, bos_token_id: int | None, eos_token_id: int
+) -> tuple[int, str]:
+    """(the token before each document, where it came from): lm-evaluation-harness
+    `HFLM.prefix_token_id` (lm_eval/models/huggingface.py), transcribed — a custom prefix if one
+    is given, else the tokenizer's BOS if it has one, else its EOS. A tokenizer whose BOS is its
+    EOS (GPT-2, GPT-NeoX) gets that one token either way.
+
+    >>> prefix_token(None, None, 0), prefix_token(None, 1, 2), prefix_token(7, 1, 2)
+    ((0, 'EOS'), (1, 'BOS'), (7, '--prefix-token'))
+    """
+    if custom is not None:
+        return int(custom), "--prefix-token"
+    if bos_token_id is not None:
+        return int(bos_token_id), "BOS" if bos_token_id != eos_token_id else "EOS"
+    return int(eos_token_id), "EOS"
+
+
 def lm_eval_rolling_windows(n_tokens: int, max_len: int) -> list[tuple[int, int, int]]:
     """lm-eval's disjoint rolling windows (context_len=1) for a document of `n_tokens` tokens.
 
-    Same `(start, stop, n_scored)` convention over `E = [EOS] + doc` as `rolling_windows`; no
+    Same `(start, stop, n_scored)` convention over `E = [P] + doc` as `rolling_windows`; no
     window for the trailing EOS. An empty document has no windows (lm-eval yields none).
 
     >>> lm_eval_rolling_windows(34, 10)
@@ -83,12 +102,12 @@ def rolling_windows(
 
 
 def window_tokens(
-    doc_tokens, eos_id: int, window: tuple[int, int, int]
+    doc_tokens, prefix_id: int, window: tuple[int, int, int]
 ) -> tuple[list[int], list[int]]:
     """(inputs, targets) of one window: the model reads `inputs`, and its last `len(targets)`
     outputs are scored against `targets`. `doc_tokens` is the document followed by its EOS when
-    the window scores that EOS.
+    the window scores that EOS; `prefix_id` is the token before the document.
     """
     start, stop, k = window
-    extended = [eos_id, *[int(t) for t in doc_tokens]]
+    extended = [prefix_id, *[int(t) for t in doc_tokens]]
     return extended[start:stop], extended[stop - k + 1 : stop + 1]

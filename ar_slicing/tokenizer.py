@@ -3,7 +3,9 @@
 The fingerprint is a sha256 over exactly what decides the encoding — model type, vocabulary,
 merges, normalizer, pre-tokenizer and added/special tokens — in a canonical form, so the same
 tokenizer saved by `tokenizers` or by `transformers` has one fingerprint, while a change to any
-merge or normalisation rule gives another.
+merge or normalisation rule gives another. Forms that encode alike are one form: merges as pairs
+or strings, a BPE affix that is null or "" (the real GPT-NeoX and GPT-2 files say null;
+transformers 5 re-saves them as ""), an empty Sequence normalizer or pre-tokenizer and none.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from ar_slicing.errors import ArSliceError, TokenizerMismatch
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "<|end_of_text|>", "<EOS>")
 # Model fields that do not change the ids produced for a text.
 _NON_ENCODING_MODEL_KEYS = {"dropout"}
+# Model fields whose null and "" forms encode alike (an empty affix adds nothing to a subword).
+_EMPTY_IS_NULL_MODEL_KEYS = ("continuing_subword_prefix", "end_of_word_suffix")
+# Where a Sequence normalizer / pre-tokenizer keeps its parts; with none it changes nothing.
+_SEQUENCE_PARTS = {"normalizer": "normalizers", "pre_tokenizer": "pretokenizers"}
 
 
 def load_tokenizer(spec: str | Path):
@@ -63,6 +69,9 @@ def encoding_spec(tokenizer) -> dict:
     """The parts of a tokenizer's JSON that decide its encoding, in canonical form."""
     data = json.loads(tokenizer.to_str())
     model = {k: v for k, v in data.get("model", {}).items() if k not in _NON_ENCODING_MODEL_KEYS}
+    for key in _EMPTY_IS_NULL_MODEL_KEYS:
+        if model.get(key) == "" and model.get("type") == "BPE":
+            model[key] = None
     if "merges" in model and model["merges"] is not None:
         model["merges"] = _canonical_merges(model["merges"])
     if isinstance(model.get("vocab"), dict):
@@ -73,16 +82,47 @@ def encoding_spec(tokenizer) -> dict:
     )
     return {
         "model": model,
-        "normalizer": data.get("normalizer"),
-        "pre_tokenizer": data.get("pre_tokenizer"),
+        "normalizer": _none_if_empty(data.get("normalizer"), _SEQUENCE_PARTS["normalizer"]),
+        "pre_tokenizer": _none_if_empty(
+            data.get("pre_tokenizer"), _SEQUENCE_PARTS["pre_tokenizer"]
+        ),
         "added_tokens": added,
     }
+
+
+def _none_if_empty(component, parts: str):
+    """None for a Sequence of no parts (it changes nothing), else the component as it is."""
+    if isinstance(component, dict) and component.get("type") == "Sequence":
+        if not component.get(parts):
+            return None
+    return component
 
 
 def fingerprint(tokenizer) -> str:
     """sha256 (hex) of `encoding_spec(tokenizer)`."""
     blob = json.dumps(encoding_spec(tokenizer), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def special_token_ids(spec: str | Path) -> dict[str, int | None]:
+    """The BOS and EOS ids a transformers tokenizer declares — a directory with
+    tokenizer_config.json or special_tokens_map.json, or a hub name — as `bos_token_id`,
+    `eos_token_id`; {} where none is declared (a bare tokenizer.json names no BOS)."""
+    path = Path(spec)
+    if path.is_file():
+        path = path.parent
+    if path.is_dir():
+        declared = ("tokenizer_config.json", "special_tokens_map.json")
+        if not any((path / name).is_file() for name in declared):
+            return {}
+        spec = str(path)
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(spec))
+    except Exception:  # unreadable or unreachable: nothing declared that we can see
+        return {}
+    return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}
 
 
 def eos_id(tokenizer, eos_token: str | None = None) -> int:

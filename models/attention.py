@@ -8,47 +8,61 @@ builds them for HazyResearch/based's Transformer++ (the same `Wqkv` / `out_proj`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.options import options_from
+
+
+@dataclass
+class MHAOptions:
+    num_heads: int = 1  # Zoology's default; d_model must be divisible by it
+    bias: bool = True  # on Wqkv
+    dropout: float = 0.0  # on the attention weights, training only
+    out_proj_bias: bool = True  # Zoology's out_proj always has one; Transformer++ has none
+    rotary_emb_dim: int = 0  # 0: no rotary (Zoology adds learned positions instead)
+    rotary_emb_base: float = 10000.0
+    softmax_scale: float | None = None  # None: 1/sqrt(head_dim)
+
 
 class MHA(nn.Module):
     """Causal multi-head self-attention (Zoology `MHA`): `Wqkv` -> causal softmax attention -> `out_proj`."""
+
+    Options = MHAOptions
+    mixer_name = "attention"
 
     def __init__(
         self,
         d_model: int,
         l_max: int | None = None,
         layer_idx: int | None = None,
-        num_heads: int = 1,
-        bias: bool = True,
-        dropout: float = 0.0,
-        out_proj_bias: bool = True,  # Zoology's out_proj always has one; Transformer++ has none
-        rotary_emb_dim: int = 0,  # 0: no rotary (Zoology adds learned positions instead)
-        rotary_emb_base: float = 10000.0,
-        softmax_scale: float | None = None,  # None: 1/sqrt(head_dim)
-        **kwargs,
+        n_layers: int = 1,
+        **options,
     ):
         super().__init__()
-        if d_model % num_heads:
-            raise ValueError(f"d_model {d_model} is not divisible by num_heads {num_heads}")
+        opts = options_from(self.Options, options, f"sequence mixer {self.mixer_name!r}")
+        if d_model % opts.num_heads:
+            raise ValueError(f"d_model {d_model} is not divisible by num_heads {opts.num_heads}")
+        self.options = opts
         self.d_model = d_model
         self.l_max = l_max
         self.layer_idx = layer_idx
-        self.num_heads = num_heads
-        self.head_dim = d_model // num_heads
-        self.dropout = dropout
-        self.softmax_scale = softmax_scale
-        self.Wqkv = nn.Linear(d_model, 3 * d_model, bias=bias)
-        self.out_proj = nn.Linear(d_model, d_model, bias=out_proj_bias)
+        self.num_heads = opts.num_heads
+        self.head_dim = d_model // opts.num_heads
+        self.dropout = opts.dropout
+        self.softmax_scale = opts.softmax_scale
+        self.Wqkv = nn.Linear(d_model, 3 * d_model, bias=opts.bias)
+        self.out_proj = nn.Linear(d_model, d_model, bias=opts.out_proj_bias)
         self.rotary_emb = None
-        if rotary_emb_dim:
+        if opts.rotary_emb_dim:
             from models.rotary import RotaryEmbedding
 
-            if rotary_emb_dim > self.head_dim:
-                raise ValueError(f"rotary_emb_dim {rotary_emb_dim} > head_dim {self.head_dim}")
-            self.rotary_emb = RotaryEmbedding(rotary_emb_dim, base=rotary_emb_base)
+            if opts.rotary_emb_dim > self.head_dim:
+                raise ValueError(f"rotary_emb_dim {opts.rotary_emb_dim} > head_dim {self.head_dim}")
+            self.rotary_emb = RotaryEmbedding(opts.rotary_emb_dim, base=opts.rotary_emb_base)
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         B, T, D = x.shape

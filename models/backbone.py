@@ -1,4 +1,4 @@
-"""The language model: token (+ optional position) embeddings, pre-norm blocks, final norm, tied head.
+"""The language model: token (+ optional position) embeddings, pre-norm blocks, final norm, LM head.
 
 Parameter names follow HazyResearch/zoology `zoology/model.py`, so a Zoology state dict loads as is:
 
@@ -8,7 +8,7 @@ Parameter names follow HazyResearch/zoology `zoology/model.py`, so a Zoology sta
     backbone.layers.{i}.state_mixer.*                 mlp.py (fc1, fc2) or rwkv.py channel mixing
     backbone.layers.{i}.norm1.{weight,bias}, norm2.*
     backbone.ln_f.{weight,bias}
-    lm_head.weight                                    tied to the word embeddings
+    lm_head.weight                                    tied to the word embeddings (unless untied)
 
 Each block is Zoology's `TransformerBlock`: the residual stream is carried beside the hidden state,
 `h = mixer(norm(residual))`, `residual = residual + h`. HazyResearch/based's `GPTModel` (Based,
@@ -26,10 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.options import options_dict, options_from
+
 SEQUENCE_MIXERS = (
     "attention", "base_conv", "hyena", "rwkv", "based_conv", "linear_attention", "sliding_attention"
 )  # fmt: skip
-STATE_MIXERS = ("mlp", "glu", "swiglu", "rwkv", "identity")
+# "rwkv" as a state mixer is RWKV-4's channel mixing; "base_conv" is a second BaseConv, as the
+# Zoology of 2023-10-28 .. 2023-11-20 built every block's state mixer from the sequence mixer's config
+STATE_MIXERS = ("mlp", "glu", "swiglu", "rwkv", "identity", "base_conv")
 NORMS = ("layernorm", "rmsnorm")
 
 
@@ -85,14 +89,31 @@ def state_mixer_class(name: str) -> type[nn.Module]:
         return RWKVChannelMixer
     if name == "identity":
         return IdentityMixer
+    if name == "base_conv":
+        return sequence_mixer_class(name)
     raise ValueError(f"unknown state mixer {name!r}; choose one of {', '.join(STATE_MIXERS)}")
+
+
+def resolved_options(kind: str, name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Every option of mixer `name` (kind "sequence" or "state"), defaults filled in; unknown
+    keys are refused by name (ArSliceError)."""
+    cls = sequence_mixer_class(name) if kind == "sequence" else state_mixer_class(name)
+    return options_dict(options_from(cls.Options, options, f"{kind} mixer {name!r}"))
+
+
+@dataclass
+class IdentityOptions:
+    pass  # no options
 
 
 class IdentityMixer(nn.Module):
     """No state mixing (a Zoology `torch.nn.Identity` state mixer)."""
 
-    def __init__(self, *args, **kwargs):
+    Options = IdentityOptions
+
+    def __init__(self, d_model: int, l_max=None, layer_idx=None, n_layers: int = 1, **options):
         super().__init__()
+        options_from(IdentityOptions, options, "state mixer 'identity'")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -105,20 +126,27 @@ class ModelConfig:
     vocab_size: int
     d_model: int = 128
     n_layers: int = 2
-    # "attention" | "base_conv" | "hyena" | "rwkv"
+    # one of SEQUENCE_MIXERS
     sequence_mixer: str = "attention"
-    # passed to the mixer, e.g. {"num_heads": 4} for attention, {"kernel_size": 3} for base_conv
+    # the mixer's options (its `Options` dataclass), e.g. {"num_heads": 4} for attention,
+    # {"kernel_size": 3} for base_conv; stored resolved, every option with its value
     sequence_mixer_kwargs: dict[str, Any] = field(default_factory=dict)
     # None picks RWKV channel mixing for "rwkv" (an RWKV-4 block) and the MLP for the others
     state_mixer: str | None = None
-    # MLP width multiple 4 as in GPT-2 / Pythia; Zoology's MLP default is 1
-    state_mixer_kwargs: dict[str, Any] = field(default_factory=lambda: {"hidden_mult": 4})
+    # e.g. {"hidden_mult": 4} (the MLP's default, as in GPT-2 / Pythia; Zoology's MLP default is 1)
+    state_mixer_kwargs: dict[str, Any] = field(default_factory=dict)
     # longest sequence the model is built for: Hyena's implicit filter length, attention's context
     l_max: int = 2048
     # learned absolute positions as in Zoology's TokenEmbeddings; None = l_max for attention
     # (which has no other notion of order) and 0 (none) for the convolutional/recurrent mixers
     max_position_embeddings: int | None = None
     layer_norm_epsilon: float = 1e-5
+    # epsilon of the blocks' norm1/norm2; None = layer_norm_epsilon (safari, this project).
+    # Zoology's TransformerBlock builds them with LayerNorm's 1e-5 whatever layer_norm_epsilon
+    # says and uses that for ln_f alone
+    block_norm_epsilon: float | None = None
+    # False: a separate lm_head.weight (Zoology with learnable_word_embeddings=False)
+    tie_word_embeddings: bool = True
     # round the vocabulary up (e.g. 8 for GPT-2's 50257 -> 50264, as safari does) for fast matmuls
     pad_vocab_size_multiple: int = 1
     embed_dropout: float = 0.0
@@ -145,6 +173,16 @@ class ModelConfig:
             raise ValueError(
                 f"unknown state mixer {self.state_mixer!r}; choose one of {', '.join(STATE_MIXERS)}"
             )
+        self.sequence_mixer_kwargs = resolved_options(
+            "sequence", self.sequence_mixer, self.sequence_mixer_kwargs
+        )
+        self.layer_mixers = [
+            {**m, "kwargs": resolved_options("sequence", m["name"], m.get("kwargs") or {})}
+            for m in self.layer_mixers
+        ]
+        self.state_mixer_kwargs = resolved_options(
+            "state", self.state_mixer, self.state_mixer_kwargs
+        )
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.l_max if self.sequence_mixer == "attention" else 0
 
@@ -194,33 +232,35 @@ class TokenEmbeddings(nn.Module):
         return x
 
 
-def make_norm(config: ModelConfig) -> nn.Module:
+def make_norm(config: ModelConfig, eps: float | None = None) -> nn.Module:
+    eps = config.layer_norm_epsilon if eps is None else eps
     if config.norm == "rmsnorm":
-        return nn.RMSNorm(config.d_model, eps=config.layer_norm_epsilon)
-    return nn.LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
+        return nn.RMSNorm(config.d_model, eps=eps)
+    return nn.LayerNorm(config.d_model, eps=eps)
 
 
 class Block(nn.Module):
-    """Pre-norm block: sequence mixer then state mixer, each reading the normalised residual."""
+    """Pre-norm block: sequence mixer then state mixer, each reading the normalised residual.
+
+    Every mixer is built as `cls(d_model, l_max, layer_idx, n_layers, **options)`."""
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         mixer, mixer_kwargs = config.mixer_of_layer(layer_idx)
-        mixer_kwargs.setdefault("n_layers", config.n_layers)
-        self.sequence_mixer = sequence_mixer_class(mixer)(
-            d_model=config.d_model, l_max=config.l_max, layer_idx=layer_idx, **mixer_kwargs
+        shape = dict(
+            d_model=config.d_model,
+            l_max=config.l_max,
+            layer_idx=layer_idx,
+            n_layers=config.n_layers,
         )
-        state_kwargs = dict(config.state_mixer_kwargs)
-        if config.state_mixer in ("rwkv", "identity"):
-            state_kwargs.pop("hidden_mult", None)
-            state_kwargs.setdefault("n_layers", config.n_layers)
+        self.sequence_mixer = sequence_mixer_class(mixer)(**shape, **mixer_kwargs)
         self.state_mixer = state_mixer_class(config.state_mixer)(
-            d_model=config.d_model, layer_idx=layer_idx, **state_kwargs
+            **shape, **config.state_mixer_kwargs
         )
         self.dropout1 = nn.Dropout(config.embed_dropout if layer_idx == 0 else config.resid_dropout)
-        self.norm1 = make_norm(config)
+        self.norm1 = make_norm(config, config.block_norm_epsilon)
         self.dropout2 = nn.Dropout(config.resid_dropout)
-        self.norm2 = make_norm(config)
+        self.norm2 = make_norm(config, config.block_norm_epsilon)
         self.residual_in_fp32 = config.residual_in_fp32
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None):
@@ -287,7 +327,8 @@ class LanguageModel(nn.Module):
             if name.endswith(("out_proj", "fc2", "fc3")) and isinstance(module, nn.Linear):
                 module.is_residual_out = True
         self.apply(lambda m: _init_weights(m, config.n_layers))
-        self.lm_head.weight = self.backbone.embeddings.word_embeddings.weight  # tied
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.backbone.embeddings.word_embeddings.weight
 
     def hidden_and_head(self, input_ids: torch.Tensor):
         return self.backbone(input_ids), self.lm_head.weight, None

@@ -1,5 +1,6 @@
 """Checkpoint files: weights-only reads (safetensors or `torch.load(weights_only=True)`), state-dict
-unwrapping, and a checked `load_state_dict` that lists every mismatched key.
+unwrapping, the config files beside them, and a checked `load_state_dict` that lists every
+mismatched key.
 
 Every loader in `models/` reads its weights through here, so there is one refusal policy for
 pickles that carry code and one message format for weights that do not fit a config.
@@ -8,6 +9,7 @@ pickles that carry code and one message format for weights that do not fit a con
 from __future__ import annotations
 
 import pickle
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -18,28 +20,129 @@ from ar_slicing.errors import ArSliceError
 _STATE_DICT_WRAPPERS = ("state_dict", "model_state_dict", "model", "module")
 _KEY_PREFIXES = ("_orig_mod.", "module.", "model.")
 _MAX_LISTED_KEYS = 20
+WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
+# omegaconf's plain-data containers: how Lightning stores a hydra config (safari's
+# `hyper_parameters`). Unpickling them builds nodes holding values and runs no other code.
+_OMEGACONF_GLOBALS = (
+    "omegaconf.dictconfig.DictConfig", "omegaconf.listconfig.ListConfig",
+    "omegaconf.base.ContainerMetadata", "omegaconf.base.Metadata", "omegaconf.nodes.AnyNode",
+    "omegaconf.nodes.StringNode", "omegaconf.nodes.IntegerNode", "omegaconf.nodes.FloatNode",
+    "omegaconf.nodes.BooleanNode",
+)  # fmt: skip
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _config_globals() -> list:
+    """The omegaconf classes that `_OMEGACONF_GLOBALS` names (none without omegaconf), plus the
+    plain types their pickles name."""
+    import collections
+    import importlib
+    import typing
+
+    found = []
+    for name in _OMEGACONF_GLOBALS:
+        module, _, attr = name.rpartition(".")
+        try:
+            found.append(getattr(importlib.import_module(module), attr))
+        except (ImportError, AttributeError):
+            return []
+    # the metadata names node and key types as globals
+    return [*found, typing.Any, collections.defaultdict, dict, list, tuple, int, float, str, bool]
+
+
+def refused_global(message: str) -> str | None:
+    """The class a weights-only unpickler refused, from torch's error text."""
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", _ANSI.sub("", message))
+    return found.group(1) if found else None
 
 
 def safe_torch_load(path) -> Any:
-    """`torch.load(path, weights_only=True)`, with refusals and corrupt files as ArSliceError."""
+    """`torch.load(path, weights_only=True)`, with refusals and corrupt files as ArSliceError.
+
+    Besides tensors and plain containers, omegaconf's config containers load (Lightning keeps a
+    hydra config in them); they are returned as omegaconf objects."""
     import torch
 
     path = Path(path)
     if not path.is_file():
         raise ArSliceError(f"{path}: checkpoint file not found")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(_config_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        name = refused_global(str(e))
+        what = f"names {name}, a class or function" if name else "holds objects"
+        hint = (
+            " (an omegaconf config: pip install omegaconf to read it)"
+            if name and name.startswith("omegaconf.")
+            else ""
+        )
         raise ArSliceError(
-            f"{path}: refused: this pickle holds more than plain weights ({first}). Only tensors "
-            "and plain containers are loaded; re-save it with torch.save(model.state_dict(), ...) "
-            "or as safetensors."
+            f"{path}: refused: this pickle {what}{hint}; only tensors and plain containers are "
+            "loaded. Re-save it with torch.save(model.state_dict(), ...) or as safetensors."
         ) from None
     except Exception as e:  # truncated or foreign files fail deep inside the unpickler
+        first = _ANSI.sub("", str(e)).strip().splitlines()
         raise ArSliceError(
-            f"{path}: not a readable PyTorch checkpoint ({type(e).__name__}: {e})"
+            f"{path}: not a readable PyTorch checkpoint "
+            f"({type(e).__name__}{': ' + first[0] if first else ''})"
         ) from None
+
+
+def find_weights_file(path: Path, spec_prefix: str) -> Path:
+    """The weights file a checkpoint path names: the file itself, or the one in a directory."""
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise ArSliceError(f"{path}: no such checkpoint file or directory")
+    weights = sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+    if not weights:
+        raise ArSliceError(
+            f"{path}: no weights file ({', '.join(WEIGHT_SUFFIXES)}) in this directory"
+        )
+    if len(weights) > 1:
+        raise ArSliceError(
+            f"{path}: several weights files ({', '.join(p.name for p in weights)}); "
+            f"name the one to load: {spec_prefix}:<dir>/<file>"
+        )
+    return weights[0]
+
+
+def read_config_file(path: Path) -> dict:
+    """A JSON or YAML config file holding a mapping."""
+    path = Path(path)
+    if not path.is_file():
+        raise ArSliceError(f"{path}: config file not found")
+    if path.suffix == ".json":
+        import json
+
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ArSliceError(f"{path}: not valid JSON ({e})") from None
+    else:
+        import yaml
+
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            first = str(e).strip().splitlines()
+            raise ArSliceError(f"{path}: not valid YAML ({first[0] if first else e})") from None
+    if not isinstance(data, dict):
+        raise ArSliceError(
+            f"{path}: expected a mapping of config fields, found {type(data).__name__}"
+        )
+    return data
+
+
+def plain_config(obj: Any) -> Any:
+    """An omegaconf container as plain dicts and lists (interpolations left unresolved: resolving
+    safari's custom resolvers would run code); anything else as it is."""
+    if type(obj).__module__.startswith("omegaconf"):
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(obj, resolve=False)
+    return obj
 
 
 def read_checkpoint(path) -> Any:
@@ -107,10 +210,21 @@ def _listed(keys: Iterable[str]) -> str:
     )
 
 
+def _shared_keys(model) -> list[list[str]]:
+    """Groups of state-dict keys that are one tensor in `model` (tied weights, shared modules)."""
+    groups: dict[tuple, list[str]] = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        groups.setdefault((tensor.data_ptr(), tensor.shape, tensor.stride()), []).append(key)
+    return [keys for keys in groups.values() if len(keys) > 1]
+
+
 def load_state_dict_checked(model, state: Mapping[str, Any], source: str, tied: Iterable[str] = ()):
     """Load `state` into `model` after checking keys and shapes; raise ArSliceError listing every
     missing, unexpected and mis-shaped key. Keys in `tied` may be absent (tied weights, buffers the
-    model recomputes)."""
+    model recomputes). Keys that are one tensor in `model` must hold equal values in `state`:
+    two different tensors are never loaded into one."""
+    import torch
+
     expected = model.state_dict()
     tied = set(tied)
     missing = [k for k in expected if k not in state and k not in tied]
@@ -132,5 +246,13 @@ def load_state_dict_checked(model, state: Mapping[str, Any], source: str, tied: 
             "Check that the config saved beside the checkpoint is the one it was trained with."
         )
         raise ArSliceError("\n  ".join(parts))
+    for keys in _shared_keys(model):
+        present = [k for k in keys if k in state]
+        if len(present) > 1 and not all(torch.equal(state[present[0]], state[k]) for k in present):
+            raise ArSliceError(
+                f"{source}: {' and '.join(present)} are one tensor in this model but differ in the "
+                "checkpoint (an untied head or unshared weights); the config does not match how "
+                "the weights were trained"
+            )
     model.load_state_dict({k: v for k, v in state.items()}, strict=False)
     return model

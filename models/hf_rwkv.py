@@ -4,9 +4,12 @@ Offline, transformers computes RWKV's WKV with a per-token Python loop; `FastRwk
 checkpoint's modules and names (`rwkv.embeddings`, `rwkv.blocks.{i}.{pre_ln,ln1,ln2,attention,
 feed_forward}`, `rwkv.ln_out`, `head`) but runs the time mixing through `wkv_chunked`.
 
-transformers rescales `attention.output` and `feed_forward.value` by 2^(i // rescale_every) in
-eval mode and halves the hidden state to match (an fp16 overflow guard); the weights are taken
-un-rescaled here, which is the same function up to LayerNorm's epsilon.
+In eval mode transformers divides `attention.output` and `feed_forward.value` of block i by
+2^(i // rescale_every) and halves the hidden state after every `rescale_every` blocks (an fp16
+overflow guard, as in BlinkDL's inference code). That is the same function up to the LayerNorms'
+epsilon, which then meets a smaller hidden state; `FastRwkv` rescales the same way, so it computes
+exactly what transformers computes (checked against a transformers-made checkpoint in
+tests/fixtures/upstream).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class FastRwkvBlock(nn.Module):
 class FastRwkvModel(nn.Module):
     def __init__(self, config, chunk_size: int = 16):
         super().__init__()
+        self.rescale_every = config.rescale_every
         d = config.hidden_size
         d_attn = config.attention_hidden_size or d
         d_hidden = config.intermediate_size or 4 * d
@@ -59,8 +63,10 @@ class FastRwkvModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embeddings(input_ids)  # (B, T, D)
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
             x = block(x)
+            if self.rescale_every > 0 and (i + 1) % self.rescale_every == 0:
+                x = x / 2  # transformers' inference rescaling (the weights are rescaled to match)
         return self.ln_out(x)
 
 
@@ -75,22 +81,25 @@ class FastRwkv(nn.Module):
 
     @classmethod
     def from_transformers(cls, hf_model, chunk_size: int = 16) -> FastRwkv:
-        """Copy the weights of a transformers `RwkvForCausalLM` (undoing its inference rescaling)."""
+        """Copy the weights of a transformers `RwkvForCausalLM`, rescaled for inference as
+        transformers rescales them (unless they already are)."""
         from models.checkpoint_io import load_state_dict_checked
 
         config = hf_model.config
         fast = cls(config, chunk_size)
         state = {}
-        rescaled = getattr(hf_model.rwkv, "layers_are_rescaled", False) and config.rescale_every > 0
+        rescale = config.rescale_every > 0 and not getattr(
+            hf_model.rwkv, "layers_are_rescaled", False
+        )
         for name, tensor in hf_model.state_dict().items():
             parts = name.split(".")
             parts[-1] = _RENAME.get(parts[-1], parts[-1])
-            if rescaled and parts[-3:] in (
+            if rescale and parts[-3:] in (
                 ["attention", "output", "weight"],
                 ["feed_forward", "value", "weight"],
             ):
                 block = int(parts[parts.index("blocks") + 1])
-                tensor = tensor * 2 ** (block // config.rescale_every)
+                tensor = tensor / 2 ** (block // config.rescale_every)
             state[".".join(parts)] = tensor
         load_state_dict_checked(fast, state, source=f"transformers {type(hf_model).__name__}")
         dtype = hf_model.rwkv.embeddings.weight.dtype

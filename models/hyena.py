@@ -10,9 +10,12 @@ before and after it, and `out_proj`. The filter pieces are shared with base_conv
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from models.options import options_from
 
 
 def fft_causal_conv(
@@ -47,7 +50,7 @@ class Sin(nn.Module):
 class PositionalEmbedding(nn.Module):
     """Filter input features: normalised time t in [0, 1] and `(emb_dim - 1) // 2` complex bands."""
 
-    def __init__(self, emb_dim: int, seq_len: int):
+    def __init__(self, emb_dim: int, seq_len: int, with_time: bool = True):
         super().__init__()
         self.seq_len = seq_len
         t = torch.linspace(0, 1, seq_len)[None, :, None]  # (1, L, 1)
@@ -57,12 +60,16 @@ class PositionalEmbedding(nn.Module):
         f = torch.linspace(1e-4, bands - 1, bands)[None, None]  # (1, 1, bands)
         z = torch.exp(-1j * f * w)
         z = torch.cat([t, z.real, z.imag], dim=-1)  # (1, L, emb_dim)
-        # z is trainable (with a tiny learning rate) in Zoology/safari, t is a buffer
+        # z is trainable (with a tiny learning rate) in Zoology/safari, t is a buffer; BaseConv's
+        # current implicit filter keeps no t
         self.z = nn.Parameter(z)
-        self.register_buffer("t", t)
+        if with_time:
+            self.register_buffer("t", t)
+        else:
+            self.t = None
 
     def forward(self, L: int):
-        return self.z[:, :L], self.t[:, :L]
+        return self.z[:, :L], None if self.t is None else self.t[:, :L]
 
 
 class ExponentialModulation(nn.Module):
@@ -76,7 +83,6 @@ class ExponentialModulation(nn.Module):
         target: float = 1e-2,
         modulate: bool = True,
         shift: float = 0.0,
-        **kwargs,
     ):
         super().__init__()
         self.modulate = modulate
@@ -108,7 +114,11 @@ class ImplicitFilter(nn.Module):
         num_inner_mlps: int = 2,
         normalized: bool = False,
         bias: bool = True,
-        **modulation_kwargs,
+        modulate: bool = True,
+        shift: float = 0.0,
+        fast_decay_pct: float = 0.3,
+        slow_decay_pct: float = 1.5,
+        target: float = 1e-2,
     ):
         super().__init__()
         if emb_dim % 2 == 0 or emb_dim < 3:
@@ -124,7 +134,9 @@ class ImplicitFilter(nn.Module):
             layers += [nn.Linear(order, order), act]
         layers.append(nn.Linear(order, d_model, bias=False))
         self.implicit_filter = nn.Sequential(*layers)
-        self.modulation = ExponentialModulation(d_model, **modulation_kwargs)
+        self.modulation = ExponentialModulation(
+            d_model, fast_decay_pct, slow_decay_pct, target, modulate=modulate, shift=shift
+        )
 
     def filter(self, L: int) -> torch.Tensor:
         """The first L taps of the filter, (d_model, L), computed in fp32."""
@@ -144,40 +156,69 @@ class ImplicitFilter(nn.Module):
         return self.bias if self.use_bias else torch.zeros_like(self.bias)
 
 
+@dataclass
+class HyenaOptions:
+    filter_order: int = 64  # width of the implicit filter's MLP (Zoology's and safari's default)
+    short_filter_order: int = 3  # taps of the short depthwise filter on the three projections
+    num_heads: int = 1  # only 1 is implemented, as in Zoology's LMs and safari's Hyena-153M
+    num_blocks: int = 1  # only 1 is implemented
+    dropout: float = 0.0  # on the pre-gated value, training only
+    filter_dropout: float = 0.0  # accepted as Zoology accepts it: its filter never applies it
+    # the implicit filter h = modulation(t, MLP(z)): z holds the time t and (emb_dim - 1) / 2 bands
+    emb_dim: int = 3
+    w: float = 1.0  # initial frequency of the Sin activations (learned)
+    num_inner_mlps: int = 2  # hidden Linear + Sin layers between the first and the last Linear
+    normalized: bool = False  # divide h by its L1 norm over the channels
+    bias: bool = True  # add the skip term `bias ⊙ u` to the long convolution
+    modulate: bool = True  # multiply h by the decay exp(-t |delta|) (+ shift)
+    shift: float = 0.0
+    # the decay rates span log(target)/slow_decay_pct .. log(target)/fast_decay_pct over channels
+    fast_decay_pct: float = 0.3
+    slow_decay_pct: float = 1.5
+    target: float = 1e-2
+
+    def __post_init__(self):
+        if self.num_heads != 1 or self.num_blocks != 1:
+            raise ValueError(
+                "only num_heads=1, num_blocks=1 Hyena is implemented (as in Zoology's LMs)"
+            )
+
+    def filter_kwargs(self) -> dict:
+        """The ImplicitFilter arguments among these options."""
+        names = ("emb_dim", "w", "num_inner_mlps", "normalized", "bias", "modulate", "shift")
+        decay = ("fast_decay_pct", "slow_decay_pct", "target")
+        return {k: getattr(self, k) for k in names + decay}
+
+
 class Hyena(nn.Module):
     """Order-2 Hyena: `out_proj(x2 ⊙ (h * (v ⊙ x1) + bias ⊙ (v ⊙ x1)))` with x1, x2, v the short-filtered
     thirds of `in_proj(u)` (Zoology's ordering: first third gates before the long convolution)."""
+
+    Options = HyenaOptions
 
     def __init__(
         self,
         d_model: int,
         l_max: int,
         layer_idx: int | None = None,
-        filter_order: int = 64,
-        num_heads: int = 1,
-        num_blocks: int = 1,
-        short_filter_order: int = 3,
-        dropout: float = 0.0,
-        filter_dropout: float = 0.0,
-        **filter_args,
+        n_layers: int = 1,
+        **options,
     ):
         super().__init__()
-        if num_heads != 1 or num_blocks != 1:
-            raise ValueError(
-                "only num_heads=1, num_blocks=1 Hyena is implemented (as in Zoology's LMs)"
-            )
-        filter_args.pop("n_layers", None)
+        opts = options_from(HyenaOptions, options, "sequence mixer 'hyena'")
         self.d_model = d_model
         self.l_max = l_max
         self.layer_idx = layer_idx
         self.in_proj = nn.Linear(d_model, 3 * d_model)
         self.out_proj = nn.Linear(d_model, d_model)
+        k = opts.short_filter_order
         self.short_filter = nn.Conv1d(
-            3 * d_model, 3 * d_model, kernel_size=short_filter_order,
-            groups=3 * d_model, padding=short_filter_order - 1,
-        )  # fmt: skip
-        self.filter_fn = ImplicitFilter(d_model, l_max, order=filter_order, **filter_args)
-        self.dropout = nn.Dropout(dropout)
+            3 * d_model, 3 * d_model, kernel_size=k, groups=3 * d_model, padding=k - 1
+        )
+        self.filter_fn = ImplicitFilter(
+            d_model, l_max, order=opts.filter_order, **opts.filter_kwargs()
+        )
+        self.dropout = nn.Dropout(opts.dropout)
 
     def forward(self, u: torch.Tensor, **kwargs) -> torch.Tensor:
         L = u.shape[1]

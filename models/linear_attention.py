@@ -16,9 +16,12 @@ sum phi(k)^T v (and sum phi(k) for the denominator) is carried, so the cost grow
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from models.options import options_from
 
 FEATURE_MAPS = ("taylor_exp",)
 
@@ -62,36 +65,47 @@ def causal_taylor_attention(
     return out
 
 
+@dataclass
+class LinearAttentionOptions:
+    feature_dim: int = 16  # Based's default: 16 -> 273 features per head
+    num_heads: int = 16
+    head_dim: int | None = None  # value width per head; None: d_model / num_heads
+    feature_map: str = "taylor_exp"
+    scale_dim: int | None = None  # the d in phi's scaling; None: feature_dim
+    eps: float = 1e-12  # upstream's; its flash-linear-attention kernels use 1e-6
+    chunk_size: int = 64
+
+    def __post_init__(self):
+        if self.feature_map not in FEATURE_MAPS:
+            raise ValueError(
+                f"feature map {self.feature_map!r} is not implemented; choose one of {FEATURE_MAPS}"
+            )
+
+
 class LinearAttention(nn.Module):
     """Based's Taylor linear attention: `num_heads` heads of `feature_dim` query/key features."""
+
+    Options = LinearAttentionOptions
 
     def __init__(
         self,
         d_model: int,
         l_max: int | None = None,
         layer_idx: int | None = None,
-        feature_dim: int = 16,  # Based's default: 16 -> 273 features per head
-        num_heads: int = 16,
-        head_dim: int | None = None,  # value width per head; None: d_model / num_heads
-        feature_map: str = "taylor_exp",
-        scale_dim: int | None = None,  # the d in phi's scaling; None: feature_dim
-        eps: float = 1e-12,  # upstream's; its flash-linear-attention kernels use 1e-6
-        chunk_size: int = 64,
-        **kwargs,
+        n_layers: int = 1,
+        **options,
     ):
         super().__init__()
-        if feature_map not in FEATURE_MAPS:
-            raise ValueError(
-                f"feature map {feature_map!r} is not implemented; choose one of {FEATURE_MAPS}"
-            )
+        opts = options_from(LinearAttentionOptions, options, "sequence mixer 'linear_attention'")
+        feature_dim, num_heads = opts.feature_dim, opts.num_heads
         self.d_model = d_model
         self.layer_idx = layer_idx
         self.feature_dim = feature_dim
         self.num_heads = num_heads
-        self.head_dim = d_model // num_heads if head_dim is None else head_dim
-        self.scale_dim = feature_dim if scale_dim is None else scale_dim
-        self.eps = eps
-        self.chunk_size = chunk_size
+        self.head_dim = d_model // num_heads if opts.head_dim is None else opts.head_dim
+        self.scale_dim = feature_dim if opts.scale_dim is None else opts.scale_dim
+        self.eps = opts.eps
+        self.chunk_size = opts.chunk_size
         self.proj_q = nn.Linear(d_model, feature_dim * num_heads, bias=False)
         self.proj_k = nn.Linear(d_model, feature_dim * num_heads, bias=False)
         self.proj_v = nn.Linear(d_model, num_heads * self.head_dim, bias=False)

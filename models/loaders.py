@@ -8,11 +8,17 @@ Specs:
                                Mamba-1 run through this project's fast forwards (models/rwkv.py,
                                models/mamba.py) unless `fast_path=False`
     zoology:<checkpoint>       a Zoology state dict + its ModelConfig -> models.backbone
-    safari:<checkpoint>        safari's Hyena LM raw state dict (e.g. Hyena-153M) -> models.backbone
+                               (models/zoology_ckpt.py says what it supports)
+    safari:<checkpoint>        a safari Hyena LM (e.g. Hyena-153M): raw state dict or Lightning
+                               last.ckpt, with safari's config -> models.backbone (safari_ckpt.py)
     based:<dir or hub id>      HazyResearch/based's Based / Transformer++ (config.json +
                                pytorch_model.bin as published) -> models.backbone; the suite's
                                Mamba (mamba_ssm's layout) is read as hf: reads it
     native:<directory>         config.json + model.safetensors written by models.native.save_native
+
+hf: RWKV-4 runs this project's exact fp32 WKV (models/hf_rwkv.py); transformers' own CPU loop
+computes the same recurrence. zoology: and safari: checkpoints are checked against fixtures that
+Zoology's and safari's own code produced (tests/fixtures/upstream).
 
 Checkpoints are read with `torch.load(..., weights_only=True)` or safetensors only; a pickle that
 holds anything but plain tensors and containers is refused.
@@ -40,7 +46,10 @@ class LoadedModel:
     model: the nn.Module in eval mode; architecture: "attention" | "base_conv" | "hyena" | "rwkv"
     (| "based" for a based: Based LM) for this project's models, the transformers `model_type` (e.g. "gpt_neox") for hf:;
     vocab_size: rows of the output head; max_positions: longest input the model accepts (None: no
-    limit); tokenizer_fingerprint: of the tokenizer found with the checkpoint, else None.
+    limit); tokenizer_fingerprint: of the tokenizer found with the checkpoint, else None;
+    settings: what the loader decided that the weights do not show (where the config came from,
+    safari's filter settings, ...), recorded in the eval stage's meta.json; tokenizer_source:
+    the directory or hub name the model's tokenizer is looked up in (None: nowhere).
     `hidden_and_head(input_ids (B, T))` -> (hidden (B, T, D), head weight (V, D), head bias or None).
     """
 
@@ -51,6 +60,8 @@ class LoadedModel:
     vocab_size: int
     max_positions: int | None
     tokenizer_fingerprint: str | None
+    settings: dict = field(default_factory=dict)
+    tokenizer_source: str | None = None
     _hidden_and_head: Callable = field(repr=False, default=None)
 
     def hidden_and_head(self, input_ids):
@@ -93,17 +104,26 @@ def spec_identity(spec: str) -> dict:
     return {"files": file_identity(path)}
 
 
-def load_model(spec: str, device="cpu", dtype=None, fast_path: bool = True) -> LoadedModel:
+def load_model(
+    spec: str, device="cpu", dtype=None, fast_path: bool = True, model_config=None
+) -> LoadedModel:
     """Load the model named by `spec` (see the module docstring) onto `device`, in eval mode.
 
     `dtype` (torch dtype or "bf16"/"fp32"/...) casts the weights; None keeps fp32. `fast_path`
     runs hf: RWKV and Mamba-1 checkpoints through this project's chunked RWKV and Mamba forwards
     instead of transformers' per-token loops (False: transformers' own forward).
+    `model_config`: a config file to use instead of the one found with a zoology: or safari:
+    checkpoint.
     """
     prefix, target = parse_spec(spec)
     from models.precision import torch_dtype
 
     dtype = torch_dtype(dtype)
+    if model_config is not None and prefix not in ("zoology", "safari"):
+        raise ArSliceError(
+            f"{spec}: a model config file (--model-config) applies to zoology: and safari: "
+            "checkpoints only; hf:, based: and native: directories carry their own config.json"
+        )
     if prefix == "hf":
         return _load_hf(spec, target, device, dtype, fast_path)
     if prefix == "native":
@@ -115,12 +135,14 @@ def load_model(spec: str, device="cpu", dtype=None, fast_path: bool = True) -> L
                 f"{spec}: {path} is not a directory (expected a native checkpoint dir)"
             )
         model = load_native(path, device=device, dtype=dtype)
-        return wrap_language_model(model, spec, tokenizer_fingerprint=_fingerprint_near(path))
+        loaded = wrap_language_model(model, spec, tokenizer_fingerprint=_fingerprint_near(path))
+        loaded.tokenizer_source = str(path)
+        return loaded
     architecture = None
     if prefix == "zoology":
         from models.zoology_ckpt import load_zoology
 
-        model, tok_dir = load_zoology(target)
+        model, tok_dir, settings = load_zoology(target, model_config)
     elif prefix == "based":
         from models.based_ckpt import architecture_of, load_based
         from models.mamba_ckpt import is_mamba_ssm_config, read_config_json
@@ -129,16 +151,18 @@ def load_model(spec: str, device="cpu", dtype=None, fast_path: bool = True) -> L
         if is_mamba_ssm_config(read_config_json(target, Path(target).expanduser().is_dir())):
             return _load_hf(spec, target, device, dtype, fast_path)
         model, tok_dir = load_based(target, spec)
-        architecture = architecture_of(model.config)
+        architecture, settings = architecture_of(model.config), {}
     else:
         from models.safari_ckpt import load_safari
 
-        model, tok_dir = load_safari(target)
+        model, tok_dir, settings = load_safari(target, model_config)
     model.eval()
     model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
-    return wrap_language_model(
+    loaded = wrap_language_model(
         model, spec, tokenizer_fingerprint=_fingerprint_near(tok_dir), architecture=architecture
     )
+    loaded.settings, loaded.tokenizer_source = settings, str(tok_dir)
+    return loaded
 
 
 def count_params(model) -> int:
@@ -157,11 +181,13 @@ def max_positions_of(config) -> int | None:
         limits.append(config.max_position_embeddings)
     for i in range(config.n_layers):
         mixer, kwargs = config.mixer_of_layer(i)
+        kernel = kwargs.get("kernel_size", 3)
+        long_conv = -1 in (kernel if isinstance(kernel, list) else [kernel])
         # attention without rotary has no notion of order beyond l_max; rotary has no limit
         if (
             (mixer == "attention" and not kwargs.get("rotary_emb_dim"))
             or mixer == "hyena"
-            or (mixer == "base_conv" and kwargs.get("kernel_size", 3) == -1)
+            or (mixer == "base_conv" and long_conv)
         ):
             limits.append(config.l_max)
     return min(limits) if limits else None
@@ -281,6 +307,7 @@ def _load_hf(spec: str, target: str, device, dtype, fast_path: bool) -> LoadedMo
         vocab_size=_head_rows(model),
         max_positions=max_positions,
         tokenizer_fingerprint=tok_fp,
+        tokenizer_source=target,
         _hidden_and_head=hidden_and_head,
     )
 

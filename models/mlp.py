@@ -3,9 +3,13 @@ and the SwiGLU of flash-attn / HazyResearch/based's `GatedMlp` (one fused `fc1`,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from models.options import options_from
 
 ACTIVATIONS = {
     "gelu": F.gelu,  # Zoology's default (exact erf form)
@@ -24,22 +28,34 @@ def get_activation(name: str):
         ) from None
 
 
+@dataclass
+class MLPOptions:
+    hidden_mult: int = 4  # GPT-style width; Zoology's own default is 1 but its LM configs use 4
+    activation: str = "gelu"  # one of ACTIVATIONS
+
+    def __post_init__(self):
+        get_activation(self.activation)
+
+
 class MLP(nn.Module):
     """`fc2(act(fc1(x)))` with hidden width `d_model * hidden_mult`."""
+
+    Options = MLPOptions
 
     def __init__(
         self,
         d_model: int,
-        hidden_mult: int = 4,  # GPT-style width; Zoology's own default is 1 but its LM configs use 4
-        activation: str = "gelu",
+        l_max: int | None = None,
         layer_idx: int | None = None,
-        **kwargs,
+        n_layers: int = 1,
+        **options,
     ):
         super().__init__()
-        hidden = d_model * hidden_mult
+        opts = options_from(MLPOptions, options, "state mixer 'mlp'")
+        hidden = d_model * opts.hidden_mult
         self.fc1 = nn.Linear(d_model, hidden)
         self.fc2 = nn.Linear(hidden, d_model)
-        self.act = get_activation(activation)
+        self.act = get_activation(opts.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
@@ -48,43 +64,55 @@ class MLP(nn.Module):
 class GLU(nn.Module):
     """Gated linear unit: `fc3(fc1(x) * act(fc2(x)))`."""
 
+    Options = MLPOptions
+
     def __init__(
         self,
         d_model: int,
-        hidden_mult: int = 4,
-        activation: str = "gelu",
+        l_max: int | None = None,
         layer_idx: int | None = None,
-        **kwargs,
+        n_layers: int = 1,
+        **options,
     ):
         super().__init__()
-        hidden = d_model * hidden_mult
+        opts = options_from(MLPOptions, options, "state mixer 'glu'")
+        hidden = d_model * opts.hidden_mult
         self.fc1 = nn.Linear(d_model, hidden)
         self.fc2 = nn.Linear(d_model, hidden)
         self.fc3 = nn.Linear(hidden, d_model)
-        self.act = get_activation(activation)
+        self.act = get_activation(opts.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc3(self.fc1(x) * self.act(self.fc2(x)))
+
+
+@dataclass
+class SwiGLUOptions:
+    hidden: int | None = None  # None: d_model * hidden_mult
+    hidden_mult: int = 4
+    fc1_bias: bool = True
+    fc2_bias: bool = True
 
 
 class SwiGLU(nn.Module):
     """`fc2(y ⊙ silu(gate))` with `(y, gate)` the two halves of `fc1(x)` (Shazeer, 2020; flash-attn
     `GatedMlp`, the MLP of HazyResearch/based's Based and Transformer++)."""
 
+    Options = SwiGLUOptions
+
     def __init__(
         self,
         d_model: int,
-        hidden: int | None = None,  # None: d_model * hidden_mult
-        hidden_mult: int = 4,
-        fc1_bias: bool = True,
-        fc2_bias: bool = True,
+        l_max: int | None = None,
         layer_idx: int | None = None,
-        **kwargs,
+        n_layers: int = 1,
+        **options,
     ):
         super().__init__()
-        hidden = d_model * hidden_mult if hidden is None else hidden
-        self.fc1 = nn.Linear(d_model, 2 * hidden, bias=fc1_bias)
-        self.fc2 = nn.Linear(hidden, d_model, bias=fc2_bias)
+        opts = options_from(SwiGLUOptions, options, "state mixer 'swiglu'")
+        hidden = d_model * opts.hidden_mult if opts.hidden is None else opts.hidden
+        self.fc1 = nn.Linear(d_model, 2 * hidden, bias=opts.fc1_bias)
+        self.fc2 = nn.Linear(hidden, d_model, bias=opts.fc2_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, gate = self.fc1(x).chunk(2, dim=-1)  # each (B, T, hidden)

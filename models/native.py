@@ -1,8 +1,10 @@
 """This project's own checkpoint format: `config.json` + `model.safetensors` (+ `tokenizer.json`).
 
 `save_native` writes the weights first and `config.json` last, each atomically, so a directory
-with a `config.json` is a complete checkpoint. The tied `lm_head.weight` is not stored twice
-(safetensors refuses shared tensors); `load_native` ties it again.
+with a `config.json` is a complete checkpoint. A tied `lm_head.weight` is not stored twice
+(safetensors refuses shared tensors); `load_native` ties it again. Format version 2 stores every
+mixer option resolved; version 1 configs (written before the options were typed) are read as the
+models they described.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from ar_slicing.errors import ArSliceError
 from ar_slicing.io import atomic_path, read_json, write_json_atomic
 
 FORMAT = "ar-slicing-native"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 TIED_KEYS = ("lm_head.weight",)
@@ -26,10 +28,11 @@ def save_native(model, out_dir, tokenizer_json=None) -> Path:
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    tied = TIED_KEYS if model.config.tie_word_embeddings else ()
     state = {
         k: v.detach().to("cpu").clone().contiguous()  # clone: shared Sin freqs would share storage
         for k, v in model.state_dict().items()
-        if k not in TIED_KEYS
+        if k not in tied
     }
     with atomic_path(out_dir / WEIGHTS_NAME) as tmp:
         save_file(state, str(tmp), metadata={"format": "pt"})
@@ -66,10 +69,34 @@ def read_native_config(model_dir):
             f"{path}: not a native checkpoint config (format {data.get('format')!r}); "
             "for a transformers directory use the spec hf:<dir>"
         )
+    model = dict(data["model"])
+    if data.get("format_version", 1) == 1:
+        model = _from_format_1(model)
     try:
-        return ModelConfig.from_dict(data["model"])
+        return ModelConfig.from_dict(model)
+    except ArSliceError as e:
+        raise ArSliceError(f"{path}: {e}") from None
     except (TypeError, ValueError) as e:
         raise ArSliceError(f"{path}: invalid model config ({e})") from None
+
+
+def _from_format_1(model: dict) -> dict:
+    """A format-1 ModelConfig as format 2 says it: the options the mixers then read and nothing
+    they ignored (state mixers other than the MLP dropped `hidden_mult`; a long BaseConv's
+    implicit filter was the Hyena-style one)."""
+    state = model.get("state_mixer") or ("rwkv" if model.get("sequence_mixer") == "rwkv" else "mlp")
+    if state not in ("mlp", "glu", "swiglu"):
+        model["state_mixer_kwargs"] = {
+            k: v for k, v in (model.get("state_mixer_kwargs") or {}).items() if k != "hidden_mult"
+        }
+    kwargs = dict(model.get("sequence_mixer_kwargs") or {})
+    if model.get("sequence_mixer") == "base_conv":
+        kwargs = {
+            k: v for k, v in kwargs.items() if k in ("kernel_size", "implicit_long_conv", "use_act")
+        }
+        kwargs["implicit_filter"] = "hyena"
+    model["sequence_mixer_kwargs"] = kwargs
+    return model
 
 
 def load_native(model_dir, device="cpu", dtype=None):
@@ -89,6 +116,7 @@ def load_native(model_dir, device="cpu", dtype=None):
     except Exception as e:  # safetensors raises its own error types for corrupt headers
         raise ArSliceError(f"{weights}: not a readable safetensors file ({e})") from None
     model = LanguageModel(config)
-    load_state_dict_checked(model, state, source=str(weights), tied=TIED_KEYS)
+    tied = TIED_KEYS if config.tie_word_embeddings else ()
+    load_state_dict_checked(model, state, source=str(weights), tied=tied)
     model.eval()
     return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)

@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from models.options import options_from
 
 log = logging.getLogger(__name__)
 
@@ -452,27 +455,38 @@ def _time_shift(x: torch.Tensor) -> torch.Tensor:
     return F.pad(x, (0, 0, 1, -1))
 
 
+@dataclass
+class RWKVTimeMixerOptions:
+    d_attn: int | None = None  # attention width; None = d_model, as in RWKV-4
+    chunk_size: int = 16  # 16 balances the O(C) intra-chunk work against the scan's steps
+    mode: str = "chunked"  # or "sequential": the reference recurrence
+
+    def __post_init__(self):
+        if self.mode not in ("chunked", "sequential"):
+            raise ValueError(f"mode {self.mode!r}: choose chunked or sequential")
+
+
 class RWKVTimeMixer(nn.Module):
     """RWKV-4 time mixing: token shift, k/v/r projections, WKV, `output(sigmoid(r) ⊙ wkv)`."""
+
+    Options = RWKVTimeMixerOptions
 
     def __init__(
         self,
         d_model: int,
         l_max: int | None = None,
         layer_idx: int | None = None,
-        n_layers: int = 2,
-        d_attn: int | None = None,  # attention width; RWKV-4 uses d_model
-        chunk_size: int = 16,  # 16 balances the O(C) intra-chunk work against the scan's steps
-        mode: str = "chunked",  # or "sequential": the reference recurrence
-        **kwargs,
+        n_layers: int = 2,  # the initialisation depends on the depth
+        **options,
     ):
         super().__init__()
+        opts = options_from(RWKVTimeMixerOptions, options, "sequence mixer 'rwkv'")
         layer = layer_idx or 0
-        d_attn = d_attn or d_model
+        d_attn = opts.d_attn or d_model
         self.layer_idx = layer_idx
         self.l_max = l_max
-        self.chunk_size = chunk_size
-        self.mode = mode
+        self.chunk_size = opts.chunk_size
+        self.mode = opts.mode
         with torch.no_grad():  # RWKV-4's initialisation (as in Zoology / BlinkDL)
             ratio_0_to_1 = layer / max(1, n_layers - 1)
             ratio_1_to_almost0 = 1.0 - layer / n_layers
@@ -502,21 +516,29 @@ class RWKVTimeMixer(nn.Module):
         return self.output((r * wkv).to(r.dtype))
 
 
+@dataclass
+class RWKVChannelMixerOptions:
+    d_hidden: int | None = None  # None = 4 d_model, as in RWKV-4
+
+
 class RWKVChannelMixer(nn.Module):
     """RWKV-4 channel mixing: `sigmoid(receptance(xr)) ⊙ value(relu(key(xk))^2)` (Zoology's
     `RWKVStateMixer`)."""
 
+    Options = RWKVChannelMixerOptions
+
     def __init__(
         self,
         d_model: int,
+        l_max: int | None = None,
         layer_idx: int | None = None,
-        n_layers: int = 2,
-        d_hidden: int | None = None,  # 4 d_model in RWKV-4
-        **kwargs,
+        n_layers: int = 2,  # the initialisation depends on the depth
+        **options,
     ):
         super().__init__()
+        opts = options_from(RWKVChannelMixerOptions, options, "state mixer 'rwkv'")
         layer = layer_idx or 0
-        d_hidden = d_hidden or 4 * d_model
+        d_hidden = opts.d_hidden or 4 * d_model
         with torch.no_grad():
             ratio_1_to_almost0 = 1.0 - layer / n_layers
             x = (torch.arange(d_model, dtype=torch.float32) / d_model)[None, None]  # (1, 1, D)

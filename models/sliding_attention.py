@@ -14,29 +14,43 @@ rather than T².
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from models.attention import MHA
+from models.attention import MHA, MHAOptions
+
+
+@dataclass
+class SlidingWindowOptions(MHAOptions):
+    window: int = 64  # earlier tokens in view; Based's window_size 128 -> 64
+    block: int = 64  # query positions per block; any value gives the same result
+
+    def __post_init__(self):
+        if self.window < 0 or self.block < 1:
+            raise ValueError(
+                f"window must be >= 0 and block >= 1 (got {self.window}, {self.block})"
+            )
 
 
 class SlidingWindowAttention(MHA):
     """Causal softmax attention restricted to the last `window` positions (and the current one)."""
+
+    Options = SlidingWindowOptions
+    mixer_name = "sliding_attention"
 
     def __init__(
         self,
         d_model: int,
         l_max: int | None = None,
         layer_idx: int | None = None,
-        window: int = 64,  # earlier tokens in view; Based's window_size 128 -> 64
-        block: int = 64,  # query positions per block; any value gives the same result
-        **kwargs,
+        n_layers: int = 1,
+        **options,
     ):
-        super().__init__(d_model, l_max=l_max, layer_idx=layer_idx, **kwargs)
-        if window < 0 or block < 1:
-            raise ValueError(f"window must be >= 0 and block >= 1 (got {window}, {block})")
-        self.window = window
-        self.block = block
+        super().__init__(d_model, l_max=l_max, layer_idx=layer_idx, n_layers=n_layers, **options)
+        self.window = self.options.window
+        self.block = self.options.block
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         B, H, T, Dh = q.shape

@@ -1,22 +1,42 @@
 """`zoology:<checkpoint>`: a Zoology LM state dict plus its `ModelConfig`, loaded into models.backbone.
 
 The checkpoint is a weights file (`.pt`/`.pth`/`.bin`/`.ckpt` read with weights_only=True, or
-`.safetensors`) or a directory holding one. The config is Zoology's `ModelConfig` as a dict —
-`{"d_model", "n_layers", "vocab_size", "max_position_embeddings", "sequence_mixer": {"name":
-"zoology.mixers.hyena.Hyena", "kwargs": {...}}, "state_mixer": {...}, ...}`, or a whole
-`TrainConfig` with it under "model" — taken from a "config" entry inside the checkpoint, else from
-`config.json` / `config.yaml` beside it.
+`.safetensors`) or a directory holding one: a bare state dict, `{"model", "optimizer", "config"}`,
+Lightning's `{"state_dict": {"model.*"}}`, or `torch.compile`'s `_orig_mod.` keys. The config is
+Zoology's `ModelConfig` as a dict — `{"d_model", "n_layers", "vocab_size",
+"max_position_embeddings", "sequence_mixer": {"name": "zoology.mixers.hyena.Hyena", "kwargs":
+{...}}, "state_mixer": {...}, ...}`, or a whole `TrainConfig` with it under "model" — taken from a
+"config" entry inside the checkpoint, else from `config.json` / `config.yaml` beside it.
+
+What Zoology computes, and this loader with it (checked against checkpoints Zoology's own code
+made, tests/fixtures/upstream):
+  * attention (`MHA`), `BaseConv` (short, explicit long, and both implicit filters: Zoology's
+    current Linear-ReLU-Linear one and, told apart by its keys, the Hyena-style one it had before
+    2023-10-29), `Hyena` (one head), RWKV-4 (`RWKVTimeMixer` / `RWKVStateMixer`); `MLP`, `GLU`,
+    `torch.nn.Identity` state mixers; learned positions; padded vocabularies; untied heads
+    (`learnable_word_embeddings: false`).
+  * `layer_norm_epsilon` is used for `ln_f` alone: Zoology's blocks build norm1/norm2 with
+    LayerNorm's default 1e-5.
+  * RWKV: Zoology's `zoology/mixers/rwkv.py` sets `RWKV_FLOAT_MODE=bf16` when imported, so its
+    CUDA kernel rounds the WKV output to bf16: Zoology's own losses are those of a bf16 WKV.
+    This project computes the WKV exactly in fp32, which is what Zoology computes in its fp32
+    mode; no CPU fixture pins it (the kernel needs CUDA).
+  * Options that change nothing in an evaluation forward (learning rates, dropout, switches the
+    upstream forward ignores) are accepted; any other option this project does not implement is
+    refused by name, never ignored.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 from ar_slicing.errors import ArSliceError
 
+log = logging.getLogger(__name__)
+
 CONFIG_NAMES = ("config.json", "config.yaml", "config.yml")
-WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
 # The last component of Zoology's import path -> this project's mixer names.
 SEQUENCE_MIXER_NAMES = {
     "MHA": "attention", "SelfAttention": "attention", "BaseConv": "base_conv",
@@ -26,53 +46,35 @@ STATE_MIXER_NAMES = {"MLP": "mlp", "GLU": "glu", "RWKVStateMixer": "rwkv", "Iden
 # Zoology ModelConfig defaults (zoology/config.py) for keys a saved config may omit.
 ZOOLOGY_DEFAULTS = {
     "d_model": 128, "n_layers": 2, "max_position_embeddings": 64, "vocab_size": 8192,
-    "layer_norm_epsilon": 1e-5, "pad_vocab_size_multiple": 1,
+    "layer_norm_epsilon": 1e-5, "pad_vocab_size_multiple": 1, "learnable_word_embeddings": True,
+    "block_type": "TransformerBlock",
+}  # fmt: skip
+# Zoology ModelConfig fields that do not change an evaluation forward (dropout, initialisation).
+_MODEL_NO_EFFECT = {"resid_dropout", "embed_dropout", "drop_path", "embedding_init_type", "name"}
+# Mixer options with no effect on an evaluation forward: training hyper-parameters, the
+# initialisation's depth, and settings Zoology's own forward never reads (Hyena's outer_mixing).
+_MIXER_NO_EFFECT = {
+    "hyena": {"lr", "lr_pos_emb", "wd", "modulation_lr", "return_state", "channels", "outer_mixing"},
+    "rwkv": {"n_layer"},
+    "mlp": set(), "glu": set(), "identity": set(), "attention": set(), "base_conv": set(),
+}  # fmt: skip
+# Zoology options that only their default value leaves without effect.
+_MIXER_MUST_BE = {
+    "hyena": {"bidirectional": False, "linear_mixer": False},
+    "mlp": {"return_residual": False}, "glu": {"return_residual": False},
 }  # fmt: skip
 
 
 def find_files(target: str | Path) -> tuple[Path, Path | None]:
     """(weights file, config file or None) for a checkpoint path or directory."""
-    path = Path(target)
-    if path.is_dir():
-        weights = sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
-        if not weights:
-            raise ArSliceError(
-                f"{path}: no weights file ({', '.join(WEIGHT_SUFFIXES)}) in this directory"
-            )
-        if len(weights) > 1:
-            raise ArSliceError(
-                f"{path}: several weights files ({', '.join(p.name for p in weights)}); "
-                "name the one to load: zoology:<dir>/<file>"
-            )
-        weights_file, folder = weights[0], path
-    elif path.is_file():
-        weights_file, folder = path, path.parent
-    else:
-        raise ArSliceError(f"{path}: no such checkpoint file or directory")
+    from models.checkpoint_io import find_weights_file
+
+    weights_file = find_weights_file(Path(target), "zoology")
+    folder = weights_file.parent
     configs = [
         folder / n for n in (f"{weights_file.stem}.json", *CONFIG_NAMES) if (folder / n).is_file()
     ]
     return weights_file, (configs[0] if configs else None)
-
-
-def read_config_file(path: Path) -> dict:
-    if path.suffix == ".json":
-        from ar_slicing.io import read_json
-
-        return read_json(path)
-    try:
-        import yaml
-    except ImportError:
-        raise ArSliceError(
-            f"{path}: reading YAML needs PyYAML (pip install pyyaml), or save it as JSON"
-        ) from None
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ArSliceError(f"{path}: not valid YAML ({e})") from None
-    if not isinstance(data, dict):
-        raise ArSliceError(f"{path}: expected a mapping of config fields")
-    return data
 
 
 def _mixer_name(spec: Any, table: dict[str, str], what: str, source: str) -> tuple[str, dict]:
@@ -90,34 +92,90 @@ def _mixer_name(spec: Any, table: dict[str, str], what: str, source: str) -> tup
     return table[short], dict(spec.get("kwargs") or {})
 
 
-def model_config_from_zoology(data: dict, source: str):
+def _mixer_options(name: str, kwargs: dict, what: str, source: str) -> dict:
+    """Zoology's kwargs for mixer `name` as this project's options: no-effect keys dropped, keys
+    that need a value this project implements checked; the rest go to the typed options."""
+    options = {}
+    for key, value in kwargs.items():
+        if key in _MIXER_NO_EFFECT[name]:
+            continue
+        if key in _MIXER_MUST_BE.get(name, {}):
+            if value != _MIXER_MUST_BE[name][key]:
+                raise ArSliceError(
+                    f"{source}: {what} option {key}={value!r} is not implemented "
+                    f"(only {_MIXER_MUST_BE[name][key]!r})"
+                )
+            continue
+        options[key] = value
+    if name in ("mlp", "glu"):
+        options.setdefault("hidden_mult", 1)  # Zoology's MLP default (this project's is 4)
+    return options
+
+
+def state_layout(state: dict) -> dict[str, Any]:
+    """What only the keys tell: BaseConv's implicit filter ("mlp" now, "hyena" before
+    2023-10-29) and whether each block's state mixer is a copy of its sequence mixer (the
+    Zoology of 2023-10-28 .. 2023-11-20)."""
+    layout: dict[str, Any] = {}
+    if any(".sequence_mixer.conv.implicit_filter." in k for k in state):
+        layout["implicit_filter"] = "hyena"
+    elif any(".sequence_mixer.conv.mlp." in k for k in state):
+        layout["implicit_filter"] = "mlp"
+    prefix = "backbone.layers.0."
+    seq = {
+        k[len(prefix + "sequence_mixer.") :]
+        for k in state
+        if k.startswith(prefix + "sequence_mixer.")
+    }
+    st = {k[len(prefix + "state_mixer.") :] for k in state if k.startswith(prefix + "state_mixer.")}
+    layout["state_is_sequence_copy"] = bool(seq) and seq == st
+    return layout
+
+
+def model_config_from_zoology(data: dict, source: str, layout: dict | None = None):
     """Translate a Zoology ModelConfig dict into this project's ModelConfig."""
     from models.backbone import ModelConfig
 
+    layout = layout or {}
     if "model" in data and isinstance(data["model"], dict):  # a whole TrainConfig
         data = data["model"]
     if "sequence_mixer" not in data:
         raise ArSliceError(
             f"{source}: no 'sequence_mixer' in the config; is this a Zoology ModelConfig?"
         )
+    known = set(ZOOLOGY_DEFAULTS) | _MODEL_NO_EFFECT | {"sequence_mixer", "state_mixer"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ArSliceError(
+            f"{source}: unknown Zoology ModelConfig field(s) {', '.join(unknown)}; known: "
+            f"{', '.join(sorted(known))}"
+        )
     cfg = {**ZOOLOGY_DEFAULTS, **data}
-    mixer, mixer_kwargs = _mixer_name(
+    if cfg["block_type"] != "TransformerBlock":
+        raise ArSliceError(f"{source}: block_type {cfg['block_type']!r} is not supported")
+    mixer, zoology_kwargs = _mixer_name(
         cfg["sequence_mixer"], SEQUENCE_MIXER_NAMES, "sequence_mixer", source
     )
-    state_spec = cfg.get("state_mixer") or {
-        "name": "zoology.mixers.mlp.MLP",
-        "kwargs": {"hidden_mult": 4},
-    }
-    state, state_kwargs = _mixer_name(state_spec, STATE_MIXER_NAMES, "state_mixer", source)
-    if state in ("mlp", "glu"):
-        state_kwargs = {
-            "hidden_mult": int(state_kwargs.get("hidden_mult", 1))
-        }  # Zoology's default is 1
+    l_max = zoology_kwargs.pop("l_max", None) or cfg["max_position_embeddings"] or 2048
+    for key in ("layer_idx", "d_model"):
+        zoology_kwargs.pop(key, None)
+    mixer_kwargs = _mixer_options(mixer, zoology_kwargs, "sequence_mixer", source)
+    if mixer == "base_conv" and "implicit_filter" in layout:
+        mixer_kwargs["implicit_filter"] = layout["implicit_filter"]
+    if layout.get("state_is_sequence_copy") and mixer == "base_conv":
+        log.info(
+            "%s: each block's state mixer is a second BaseConv (Zoology of 2023-10-28 .. "
+            "2023-11-20 built it from the sequence-mixer config, whatever state_mixer said)",
+            source,
+        )
+        state, state_kwargs = mixer, dict(mixer_kwargs)
     else:
-        state_kwargs = {}
-    l_max = mixer_kwargs.pop("l_max", None) or cfg["max_position_embeddings"] or 2048
-    for key in ("n_layer", "layer_idx", "d_model"):
-        mixer_kwargs.pop(key, None)
+        state_spec = cfg.get("state_mixer") or {
+            "name": "zoology.mixers.mlp.MLP",
+            "kwargs": {"hidden_mult": 4},
+        }
+        state, state_kwargs = _mixer_name(state_spec, STATE_MIXER_NAMES, "state_mixer", source)
+        state_kwargs = _mixer_options(state, state_kwargs, "state_mixer", source)
     try:
         return ModelConfig(
             vocab_size=int(cfg["vocab_size"]),
@@ -130,21 +188,33 @@ def model_config_from_zoology(data: dict, source: str):
             l_max=int(l_max),
             max_position_embeddings=int(cfg["max_position_embeddings"] or 0),
             layer_norm_epsilon=float(cfg["layer_norm_epsilon"]),
+            block_norm_epsilon=1e-5,  # Zoology's TransformerBlock: nn.LayerNorm(d_model)
+            tie_word_embeddings=bool(cfg["learnable_word_embeddings"]),
             pad_vocab_size_multiple=int(cfg["pad_vocab_size_multiple"]),
         )
+    except ArSliceError as e:
+        raise ArSliceError(f"{source}: {e}") from None
     except (TypeError, ValueError) as e:
         raise ArSliceError(f"{source}: invalid model config ({e})") from None
 
 
-def load_zoology(target: str | Path):
-    """(LanguageModel with the checkpoint's weights, directory to look for a tokenizer in)."""
+def load_zoology(target: str | Path, model_config: str | Path | None = None):
+    """(LanguageModel with the checkpoint's weights, directory to look for a tokenizer in, the
+    settings used). `model_config`: a config file to use instead of the one found."""
     from models.backbone import LanguageModel
-    from models.checkpoint_io import load_state_dict_checked, read_checkpoint, state_dict_from
+    from models.checkpoint_io import (
+        load_state_dict_checked,
+        read_checkpoint,
+        read_config_file,
+        state_dict_from,
+    )
 
     weights_file, config_file = find_files(target)
     obj = read_checkpoint(weights_file)
     embedded = obj.get("config") if isinstance(obj, dict) else None
-    if isinstance(embedded, dict):
+    if model_config is not None:
+        data, source = read_config_file(Path(model_config)), f"{model_config} (--model-config)"
+    elif isinstance(embedded, dict):
         data, source = embedded, f"{weights_file} (embedded config)"
     elif config_file is not None:
         data, source = read_config_file(config_file), str(config_file)
@@ -153,10 +223,13 @@ def load_zoology(target: str | Path):
             f"{weights_file}: no model config found (no 'config' entry in the checkpoint and no "
             f"{' / '.join(CONFIG_NAMES)} beside it); save Zoology's ModelConfig there as JSON"
         )
+    state = state_dict_from(obj, weights_file)
+    layout = state_layout(state)
+    config = model_config_from_zoology(data, source, layout)
     try:
-        model = LanguageModel(model_config_from_zoology(data, source))
+        model = LanguageModel(config)
     except (TypeError, ValueError) as e:
         raise ArSliceError(f"{source}: cannot build the model ({e})") from None
-    state = state_dict_from(obj, weights_file)
-    load_state_dict_checked(model, state, source=str(weights_file), tied=("lm_head.weight",))
-    return model, weights_file.parent
+    tied = ("lm_head.weight",) if config.tie_word_embeddings else ()
+    load_state_dict_checked(model, state, source=str(weights_file), tied=tied)
+    return model, weights_file.parent, {"config": source, **layout}

@@ -81,8 +81,8 @@ class TrainConfig:
     mixer_options: list[str] = field(
         default_factory=list,
         metadata={
-            "help": "sequence-mixer arguments as KEY=VALUE, e.g. num_heads=4 (attention) or "
-            "kernel_size=3 (base_conv)"
+            "help": "sequence-mixer options as KEY=VALUE, e.g. num_heads=4 (attention) or "
+            "kernel_size=3 (base_conv); an option the mixer does not have is refused"
         },
     )
     seq_len: int = field(
@@ -240,7 +240,7 @@ def model_config_for(cfg: TrainConfig, vocab_size: int):
     values["sequence_mixer_kwargs"] = mixer_kwargs
     try:
         return ModelConfig(**values)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, ArSliceError) as e:
         raise ArSliceError(f"model config for --arch {cfg.arch}: {e}") from None
 
 

@@ -23,6 +23,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch intra-op thread for a module's tests (restored after)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 

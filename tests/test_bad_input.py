@@ -302,16 +302,17 @@ class Payload:
 
 
 def test_pickle_checkpoint_carrying_code(run_copy, tmp_path, capsys):
+    import shutil
+
     import torch
-    from test_models_checkpoints import zoology_config, zoology_model
+    from test_models_checkpoints import FIXTURES
 
     marker = tmp_path / "code-ran"
-    state = dict(zoology_model("attention").state_dict())
-    state["extra"] = Payload(marker)
     ckpt = tmp_path / "ckpt" / "model.pt"
-    ckpt.parent.mkdir()
+    shutil.copytree(FIXTURES / "zoology-mha", ckpt.parent)
+    state = torch.load(ckpt, weights_only=True)
+    state["extra"] = Payload(marker)
     torch.save(state, ckpt)
-    (ckpt.parent / "config.json").write_text(json.dumps(zoology_config("attention")))
     out = run_copy / "losses/pickled"
     rc, err = run_cli(capsys, "eval", "--model", f"zoology:{ckpt}", "--tags", run_copy / "tags",
                       "--device", "cpu", "--skip-tokenizer-check", "--out", out)  # fmt: skip

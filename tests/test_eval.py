@@ -254,6 +254,19 @@ def lm_eval_token_nlls(logits_fn, tokens, prefix, max_len) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros(0, dtype=np.float32)
 
 
+def assert_documents_equal_harness(nll, store, docs, logits_fn, prefix) -> None:
+    """Every document's loss rows (row r is stream index r + 1) equal lm-eval's per-token NLL of
+    loglikelihood_rolling after `prefix`, token by token and in total."""
+    for d, doc in enumerate(docs):
+        offset = int(store.doc_offsets[d])
+        want = lm_eval_token_nlls(logits_fn, doc, prefix, L)
+        rows = np.arange(offset, offset + len(doc)) - 1
+        if d == 0:  # the stream's first token is no target: it has no row
+            want, rows = want[1:], rows[1:]
+        np.testing.assert_allclose(nll[rows], want, rtol=0, atol=2e-4)
+        np.testing.assert_allclose(nll[rows].sum(), want.sum(), rtol=1e-5)
+
+
 # ---- rolling windows ----------------------------------------------------------------------------
 
 
@@ -474,14 +487,9 @@ def test_rolling_losses_equal_lm_eval_rolling_loglikelihood(corpus, models_dir, 
     nll = losses.column("nll").to_numpy()  # row r is stream index r + 1
     store, eos = corpus["store"], corpus["eos"]
     fn = plain_logits_fn(spec)
+    assert_documents_equal_harness(nll, store, corpus["docs"], fn, eos)
     for d, doc in enumerate(corpus["docs"]):
         offset = int(store.doc_offsets[d])
-        want = lm_eval_token_nlls(fn, doc, eos, L)
-        rows = np.arange(offset, offset + len(doc)) - 1
-        if d == 0:  # the stream's first token is no target: it has no row
-            want, rows = want[1:], rows[1:]
-        np.testing.assert_allclose(nll[rows], want, rtol=0, atol=2e-4)
-        np.testing.assert_allclose(nll[rows].sum(), want.sum(), rtol=1e-5)
         # the document's EOS: predicted from the at most L tokens of [EOS] + doc before it
         context = ([eos] + list(doc))[-L:]
         eos_nll = plain_nll(fn, context, [*context[1:], eos])[-1]
@@ -492,6 +500,108 @@ def test_rolling_losses_equal_lm_eval_rolling_loglikelihood(corpus, models_dir, 
     )  # the two windowings differ: the test can tell them apart
     meta = read_json(out / "meta.json")
     assert meta["windowing"] == "rolling"
+
+
+def test_safari_settings_are_printed_and_recorded_and_model_config_is_part_of_the_plan(
+    tmp_path, make_store, capsys
+):
+    """A safari checkpoint with no config beside it, evaluated with its config given as
+    --model-config: the settings used are printed and land in meta.json, and the config's
+    identity is part of the plan."""
+    fixture = Path(__file__).parent / "fixtures" / "upstream" / "safari-no-modulate"
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(1, 50, n).tolist() for n in (40, 7, 70)]
+    store = make_store(docs, vocab_size=50, name="val")
+    counts = CountConfig(tokens=[str(store.path)], out=str(tmp_path / "counts"), workers=1)
+    run_count(counts)
+    tags = tmp_path / "tags"
+    run_tag(
+        TagConfig(tokens=str(store.path), counts=counts.out, out=str(tags), window=L, workers=1)
+    )
+    corpus = {"tags": tags}
+    spec, yaml_config = f"safari:{fixture / 'model.pt'}", fixture / "configs" / "hyena-tiny.yaml"
+    run_eval(config(corpus, spec, tmp_path / "given", model_config=str(yaml_config)))
+    assert "model settings" in capsys.readouterr().out
+    meta = read_json(tmp_path / "given" / "meta.json")
+    assert meta["loader_settings"]["modulate"] is False
+    assert meta["loader_settings"]["config"].startswith(str(yaml_config))
+    assert meta["model_config"]["path"] == str(yaml_config.resolve())
+    run_eval(config(corpus, spec, tmp_path / "default"))
+    assert read_json(tmp_path / "default" / "meta.json")["loader_settings"]["modulate"] is True
+    given, default = (
+        read_losses(tmp_path / d).column("nll").to_numpy() for d in ("given", "default")
+    )
+    assert np.abs(given - default).max() > 0.1  # modulation on or off: other losses
+    with pytest.raises(ArSliceError, match="model_config"):
+        run_eval(config(corpus, spec, tmp_path / "default", model_config=str(yaml_config)))
+
+
+def harness_prefix_token_id(tokenizer, custom=None) -> int:
+    """lm-evaluation-harness HFLM.prefix_token_id (lm_eval/models/huggingface.py), transcribed."""
+    if custom is not None:
+        return custom
+    if tokenizer.bos_token_id is not None:
+        return tokenizer.bos_token_id
+    return tokenizer.eos_token_id
+
+
+@pytest.fixture(scope="module")
+def bos_corpus(tmp_path_factory, bpe_tokenizer, stdlib_texts):
+    """A store of a tokenizer with a BOS of its own (`<|im_start|>`, as SmolLM2's), its tags, and
+    two model directories with that tokenizer: one declaring the BOS, one declaring only EOS."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("bos")
+    tok = Tokenizer.from_str(bpe_tokenizer.to_str())
+    tok.add_special_tokens(["<|im_start|>"])
+    docs = [tok.encode(t).ids[:n] for t, n in zip(stdlib_texts[20:], (45, 5, 31, 12))]
+    store = write_token_store(root / "val", docs, tokenizer_info=describe(tok, "bos"))
+    counts = CountConfig(tokens=[str(store.path)], out=str(root / "counts"), workers=1)
+    run_count(counts)
+    run_tag(TagConfig(tokens=str(store.path), counts=counts.out, out=str(root / "tags"), window=L))
+    dirs = {}
+    for kind, special in (
+        ("bos", {"bos_token": "<|im_start|>", "eos_token": "<|endoftext|>"}),
+        ("eos_only", {"eos_token": "<|endoftext|>"}),
+    ):
+        model_dir = make_neox(root / kind, None, vocab=VOCAB + 1)
+        PreTrainedTokenizerFast(tokenizer_object=tok, **special).save_pretrained(model_dir)
+        dirs[kind] = model_dir
+    return {"store": store, "tags": root / "tags", "docs": docs, "dirs": dirs}
+
+
+@pytest.mark.parametrize("kind, custom", [("eos_only", None), ("bos", None), ("bos", 7)])
+def test_rolling_prefix_is_the_harness_prefix_token(bos_corpus, tmp_path, kind, custom):
+    """Per-document totals equal lm-eval's loglikelihood_rolling with its prefix_token_id: the
+    model tokenizer's BOS when it declares one, else its EOS; --prefix-token overrides it."""
+    from transformers import AutoTokenizer
+
+    model_dir = bos_corpus["dirs"][kind]
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    prefix = harness_prefix_token_id(tokenizer, custom)
+    assert (prefix == tokenizer.eos_token_id) == (kind == "eos_only" and custom is None)
+    out = tmp_path / "rolling"
+    run_eval(config(bos_corpus, f"hf:{model_dir}", out, windowing="rolling", prefix_token=custom))
+    meta = read_json(out / "meta.json")
+    assert meta["prefix_token"] == prefix
+    assert ("BOS" in meta["prefix_token_source"]) == (kind == "bos" and custom is None)
+    nll = read_losses(out).column("nll").to_numpy()  # row r is stream index r + 1
+    fn = plain_logits_fn(f"hf:{model_dir}")
+    assert_documents_equal_harness(nll, bos_corpus["store"], bos_corpus["docs"], fn, prefix)
+    # and the prefix matters: another one moves the document's total
+    doc = bos_corpus["docs"][1]
+    elsewhere = 1 if prefix == tokenizer.eos_token_id else tokenizer.eos_token_id
+    moved = (
+        lm_eval_token_nlls(fn, doc, elsewhere, L).sum()
+        - lm_eval_token_nlls(fn, doc, prefix, L).sum()
+    )
+    assert abs(moved) > 1e-2
+
+
+def test_prefix_token_needs_rolling_windows(corpus, models_dir, tmp_path):
+    with pytest.raises(ArSliceError, match="--prefix-token applies to --windowing rolling"):
+        run_eval(config(corpus, models_dir["neox"], tmp_path / "o", prefix_token=3))
 
 
 # ---- consistency checks -------------------------------------------------------------------------
@@ -515,6 +625,25 @@ def test_tokenizer_mismatch_is_refused_unless_skipped(corpus, stdlib_texts, tmp_
     meta = read_json(tmp_path / "out" / "meta.json")
     assert meta["skip_tokenizer_check"] is True
     assert meta["model_tokenizer_fingerprint"] != meta["fingerprint"]
+
+
+def test_model_directory_whose_tokenizer_transformers_resaved_needs_no_skip(
+    corpus, bpe_tokenizer_path, tmp_path
+):
+    """The store's tokenizer.json has null BPE affixes (as the real GPT-2 and NeoX files); the
+    model directory's copy went through transformers, which writes them as "". One encoding."""
+    from transformers import AutoTokenizer, GPT2Tokenizer
+
+    model_dir = make_neox(tmp_path / "m", None)
+    GPT2Tokenizer(tokenizer_file=str(bpe_tokenizer_path)).save_pretrained(tmp_path / "tok")
+    AutoTokenizer.from_pretrained(str(tmp_path / "tok")).save_pretrained(model_dir)
+    saved = json.loads((model_dir / "tokenizer.json").read_text())
+    assert saved["model"]["end_of_word_suffix"] == ""
+    assert json.loads(bpe_tokenizer_path.read_text())["model"]["end_of_word_suffix"] is None
+    run_eval(config(corpus, f"hf:{model_dir}", tmp_path / "out", max_windows=1))
+    meta = read_json(tmp_path / "out" / "meta.json")
+    assert meta["model_tokenizer_fingerprint"] == meta["fingerprint"]
+    assert meta["skip_tokenizer_check"] is False
 
 
 def test_vocabulary_too_small_is_refused(corpus, bpe_tokenizer_path, tmp_path):

@@ -17,14 +17,8 @@ from models.backbone import LanguageModel, ModelConfig
 from models.native import load_native, save_native
 from models.nll import chunked_nll, per_token_nll, tiled_nll
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids OpenMP stalls on a busy machine (restored after)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# tiny tensors: one intra-op thread avoids OpenMP stalls on a busy machine
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # The state-dict keys of a 2-layer Zoology attention LM (zoology/model.py + mixers/attention.py + mlp.py).
@@ -171,6 +165,48 @@ def test_native_round_trip(tmp_path, bpe_tokenizer_path, bpe_tokenizer):
         model(ids)[:, :-1].reshape(-1, 97), ids[:, 1:].reshape(-1), reduction="none"
     )
     torch.testing.assert_close(nll.view(-1), ref.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_native_untied_head_round_trip(tmp_path):
+    model = tiny(tie_word_embeddings=False, state_mixer="identity", state_mixer_kwargs={})
+    assert model.lm_head.weight is not model.backbone.embeddings.word_embeddings.weight
+    save_native(model, tmp_path / "m")
+    again = load_native(tmp_path / "m")
+    ids = torch.randint(0, 97, (2, 11))
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids), model(ids), rtol=0, atol=0)
+    assert not torch.equal(again.lm_head.weight, again.backbone.embeddings.word_embeddings.weight)
+
+
+def test_native_format_1_config_reads_as_the_model_it_described(tmp_path):
+    """Before the options were typed, configs kept the MLP's hidden_mult for every state mixer
+    and a long BaseConv meant the Hyena-style implicit filter."""
+    from safetensors.torch import save_file
+
+    config = ModelConfig(
+        vocab_size=97, d_model=16, n_layers=2, sequence_mixer="base_conv", l_max=32,
+        sequence_mixer_kwargs={"kernel_size": [3, -1], "implicit_filter": "hyena"},
+        state_mixer="identity",
+    )  # fmt: skip
+    model = LanguageModel(config).eval()
+    (tmp_path / "m").mkdir()
+    state = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(tmp_path / "m" / "model.safetensors"))
+    old = {
+        "vocab_size": 97, "d_model": 16, "n_layers": 2, "sequence_mixer": "base_conv",
+        "sequence_mixer_kwargs": {"kernel_size": [3, -1]}, "state_mixer": "identity",
+        "state_mixer_kwargs": {"hidden_mult": 4}, "l_max": 32, "max_position_embeddings": 0,
+        "layer_norm_epsilon": 1e-5, "pad_vocab_size_multiple": 1, "embed_dropout": 0.0,
+        "resid_dropout": 0.0,
+    }  # fmt: skip
+    (tmp_path / "m" / "config.json").write_text(
+        json.dumps({"format": "ar-slicing-native", "format_version": 1, "model": old})
+    )
+    again = load_native(tmp_path / "m")
+    assert again.config.sequence_mixer_kwargs["implicit_filter"] == "hyena"
+    ids = torch.randint(0, 97, (1, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids), model(ids), rtol=0, atol=0)
 
 
 def test_native_weights_that_do_not_match_the_config_are_listed(tmp_path):

@@ -1,112 +1,121 @@
-"""zoology: and safari: checkpoints, and the errors a researcher sees for bad ones."""
+"""zoology: and safari: checkpoints: what the loaders decide that the weights do not show, and the
+errors a researcher sees for bad ones. That the losses equal the upstream code's is pinned by
+checkpoints that code made (tests/test_upstream_fixtures.py); these files come from there."""
 
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from ar_slicing.errors import ArSliceError
 from models import load_model
-from models.backbone import LanguageModel, ModelConfig
-from models.nll import per_token_nll
+
+FIXTURES = Path(__file__).parent / "fixtures" / "upstream"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids OpenMP stalls on a busy machine (restored after)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# tiny tensors: one intra-op thread avoids OpenMP stalls on a busy machine
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-ZOOLOGY_MIXERS = {
-    "attention": ("zoology.mixers.attention.MHA", {"num_heads": 2}),
-    "base_conv": ("zoology.mixers.base_conv.BaseConv", {"l_max": 32, "kernel_size": 3}),
-    "hyena": ("zoology.mixers.hyena.Hyena", {"l_max": 32, "filter_order": 16}),
-    "rwkv": ("zoology.mixers.rwkv.RWKVTimeMixer", {"l_max": 32}),
-}
+def copy_case(case: str, dest: Path) -> Path:
+    shutil.copytree(FIXTURES / case, dest)
+    (dest / "expected.json").unlink()
+    return dest
 
 
-def zoology_config(mixer: str) -> dict:
-    """A Zoology ModelConfig as zoology/config.py would dump it."""
-    name, kwargs = ZOOLOGY_MIXERS[mixer]
-    state = (
-        {"name": "zoology.mixers.rwkv.RWKVStateMixer", "kwargs": {}}
-        if mixer == "rwkv"
-        else {"name": "zoology.mixers.mlp.MLP", "kwargs": {"hidden_mult": 2}}
-    )
-    return {
-        "d_model": 16, "n_layers": 2, "vocab_size": 50, "max_position_embeddings": 32,
-        "sequence_mixer": {"name": name, "kwargs": kwargs}, "state_mixer": state,
-        "pad_vocab_size_multiple": 8,
-    }  # fmt: skip
+def zoology_config(case: str) -> dict:
+    return json.loads((FIXTURES / case / "config.json").read_text())
 
 
-def zoology_model(mixer: str) -> LanguageModel:
-    """The model the config describes, built directly (the weights a Zoology run would save)."""
-    torch.manual_seed(0)
-    _, kwargs = ZOOLOGY_MIXERS[mixer]
-    kwargs = {k: v for k, v in kwargs.items() if k != "l_max"}
-    cfg = ModelConfig(
-        vocab_size=50, d_model=16, n_layers=2, sequence_mixer=mixer, sequence_mixer_kwargs=kwargs,
-        state_mixer_kwargs={} if mixer == "rwkv" else {"hidden_mult": 2},
-        l_max=32, max_position_embeddings=32, pad_vocab_size_multiple=8,
-    )  # fmt: skip
-    return LanguageModel(cfg).eval()
-
-
-def logits(model, ids):
+def logits(loaded, ids):
     with torch.no_grad():
-        return model(ids)
+        hidden, weight, _ = loaded.hidden_and_head(ids)
+        return hidden @ weight.T
 
 
-@pytest.mark.parametrize("mixer", list(ZOOLOGY_MIXERS))
-def test_zoology_checkpoint_with_config_beside_it(tmp_path, mixer):
-    model = zoology_model(mixer)
-    torch.save(model.state_dict(), tmp_path / "model.pt")
-    (tmp_path / "config.json").write_text(json.dumps(zoology_config(mixer)))
-    loaded = load_model(f"zoology:{tmp_path / 'model.pt'}")
-    assert loaded.architecture == mixer and loaded.vocab_size == 56  # 50 padded to a multiple of 8
-    ids = torch.randint(0, 50, (2, 30))
-    torch.testing.assert_close(logits(loaded.model, ids), logits(model, ids))
-    expected = F.cross_entropy(
-        logits(model, ids)[:, :-1].reshape(-1, 56), ids[:, 1:].reshape(-1), reduction="none"
-    )
-    got = per_token_nll(loaded, ids[:, :-1], ids[:, 1:])
-    torch.testing.assert_close(got.view(-1), expected, atol=1e-5, rtol=1e-5)
+# ---- zoology ------------------------------------------------------------------------------------
 
 
-def test_zoology_lightning_checkpoint_with_embedded_config_and_yaml(tmp_path):
-    import yaml
+def test_zoology_config_of_a_mixer_option_typo_is_refused_by_name(tmp_path):
+    ckpt = copy_case("zoology-mha", tmp_path / "c")
+    config = zoology_config("zoology-mha")
+    config["sequence_mixer"]["kwargs"] = {"num_head": 2}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ArSliceError) as err:
+        load_model(f"zoology:{ckpt}")
+    msg = str(err.value)
+    assert "config.json" in msg and "sequence mixer 'attention'" in msg
+    assert "unknown option 'num_head'" in msg and "accepts num_heads, bias, dropout" in msg
 
-    model = zoology_model("hyena")
-    wrapped = {"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}
-    torch.save({**wrapped, "config": {"model": zoology_config("hyena")}}, tmp_path / "last.ckpt")
-    ids = torch.randint(0, 50, (1, 20))
-    torch.testing.assert_close(
-        logits(load_model(f"zoology:{tmp_path / 'last.ckpt'}").model, ids), logits(model, ids)
-    )
 
-    (tmp_path / "yaml").mkdir()
-    torch.save(wrapped, tmp_path / "yaml" / "weights.pt")
-    (tmp_path / "yaml" / "config.yaml").write_text(yaml.safe_dump(zoology_config("hyena")))
-    torch.testing.assert_close(
-        logits(load_model(f"zoology:{tmp_path / 'yaml'}").model, ids), logits(model, ids)
-    )
+def test_zoology_hyena_option_typo_is_refused_though_zoology_would_swallow_it(tmp_path):
+    ckpt = copy_case("zoology-hyena", tmp_path / "c")
+    config = zoology_config("zoology-hyena")
+    config["sequence_mixer"]["kwargs"]["filter_ordr"] = 8
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ArSliceError, match="sequence mixer 'hyena': unknown option 'filter_ordr'"):
+        load_model(f"zoology:{ckpt}")
+    config["sequence_mixer"]["kwargs"] = {"l_max": 32, "bidirectional": True}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ArSliceError, match="bidirectional=True is not implemented"):
+        load_model(f"zoology:{ckpt}")
+    config["sequence_mixer"]["kwargs"] = {"l_max": 32, "lr": 1e-3, "outer_mixing": True}
+    (ckpt / "config.json").write_text(json.dumps(config))  # no effect in Zoology's forward
+    assert load_model(f"zoology:{ckpt}").architecture == "hyena"
+
+
+def test_zoology_untied_head_is_never_loaded_into_the_tied_one(tmp_path):
+    ckpt = copy_case("zoology-untied", tmp_path / "c")
+    loaded = load_model(f"zoology:{ckpt}")
+    head, embedding = loaded.model.lm_head.weight, loaded.model.backbone.embeddings.word_embeddings
+    assert head is not embedding.weight and not torch.equal(head, embedding.weight)
+    config = zoology_config("zoology-untied")
+    config["learnable_word_embeddings"] = True  # the config now says tied: two tensors, one slot
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ArSliceError, match="lm_head.weight are one tensor in this model but differ"
+    ):
+        load_model(f"zoology:{ckpt}")
+
+
+def test_zoology_norms_use_layer_norm_epsilon_for_ln_f_only():
+    model = load_model(f"zoology:{FIXTURES / 'zoology-eps'}").model
+    assert model.backbone.ln_f.eps == 1e-3
+    assert {layer.norm1.eps for layer in model.backbone.layers} == {1e-5}
+    assert {layer.norm2.eps for layer in model.backbone.layers} == {1e-5}
+
+
+def test_zoology_base_conv_filter_layouts_are_told_apart_by_their_keys():
+    new = load_model(f"zoology:{FIXTURES / 'zoology-baseconv-implicit'}")
+    old = load_model(f"zoology:{FIXTURES / 'zoology-baseconv-implicit-old'}")
+    assert new.model.config.sequence_mixer_kwargs["implicit_filter"] == "mlp"
+    assert old.model.config.sequence_mixer_kwargs["implicit_filter"] == "hyena"
+    assert old.model.config.state_mixer == "base_conv"  # that Zoology's second BaseConv per block
+    assert old.settings["state_is_sequence_copy"] and not new.settings["state_is_sequence_copy"]
+
+
+def test_zoology_model_config_option_replaces_the_one_found(tmp_path):
+    ckpt = copy_case("zoology-mha", tmp_path / "c")
+    other = tmp_path / "elsewhere.json"
+    (ckpt / "config.json").rename(other)
+    with pytest.raises(ArSliceError, match="no model config found"):
+        load_model(f"zoology:{ckpt}")
+    loaded = load_model(f"zoology:{ckpt}", model_config=other)
+    assert loaded.settings["config"] == f"{other} (--model-config)"
 
 
 def test_zoology_shape_mismatch_lists_the_keys(tmp_path):
-    torch.save(zoology_model("attention").state_dict(), tmp_path / "model.pt")
-    config = zoology_config("attention")
+    ckpt = copy_case("zoology-mha", tmp_path / "c")
+    config = zoology_config("zoology-mha")
     config["state_mixer"]["kwargs"]["hidden_mult"] = 4
     config["n_layers"] = 3
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (ckpt / "config.json").write_text(json.dumps(config))
     with pytest.raises(ArSliceError) as err:
-        load_model(f"zoology:{tmp_path / 'model.pt'}")
+        load_model(f"zoology:{ckpt}")
     msg = str(err.value)
     assert "missing keys (12): backbone.layers.2." in msg
     assert "backbone.layers.0.state_mixer.fc1.weight (checkpoint (32, 16), model (64, 16))" in msg
@@ -120,23 +129,30 @@ def test_zoology_shape_mismatch_lists_the_keys(tmp_path):
         ("no_config", "no model config found"),
         ("two_weights", "several weights files"),
         ("mamba", "'zoology.mixers.mamba.Mamba' is not supported"),
+        ("unknown_field", "unknown Zoology ModelConfig field.*num_layer"),
         ("not_a_checkpoint", "not a readable PyTorch checkpoint"),
+        ("config_not_a_mapping", "config.json: expected a mapping of config fields, found list"),
     ],
 )
 def test_zoology_bad_inputs(tmp_path, setup, words):
     target = tmp_path / "ckpt"
     if setup != "nothing":
-        target.mkdir()
-        torch.save(zoology_model("attention").state_dict(), target / "a.pt")
+        copy_case("zoology-mha", target)
+    config = zoology_config("zoology-mha")
+    if setup == "no_config":
+        (target / "config.json").unlink()
     if setup == "two_weights":
         torch.save({}, target / "b.pt")
     if setup == "mamba":
-        config = zoology_config("attention")
         config["sequence_mixer"]["name"] = "zoology.mixers.mamba.Mamba"
+    if setup == "unknown_field":
+        config["num_layer"] = 2
+    if setup in ("mamba", "unknown_field"):
         (target / "config.json").write_text(json.dumps(config))
     if setup == "not_a_checkpoint":
-        (target / "a.pt").write_text("this is text, not weights")
-        (target / "config.json").write_text(json.dumps(zoology_config("attention")))
+        (target / "model.pt").write_text("this is text, not weights")
+    if setup == "config_not_a_mapping":
+        (target / "config.json").write_text("[1, 2]")
     with pytest.raises(ArSliceError, match=words):
         load_model(f"zoology:{target}")
 
@@ -148,132 +164,143 @@ class Payload:
         return (print, ("code ran while loading",))
 
 
-def test_pickle_carrying_code_is_refused(tmp_path, capsys):
-    state = dict(zoology_model("attention").state_dict())
+def test_pickle_carrying_code_is_refused_in_one_clean_line(tmp_path, capsys):
+    ckpt = copy_case("zoology-mha", tmp_path / "c")
+    state = torch.load(ckpt / "model.pt", weights_only=True)
     state["extra"] = Payload()
-    torch.save(state, tmp_path / "model.pt")
-    (tmp_path / "config.json").write_text(json.dumps(zoology_config("attention")))
-    with pytest.raises(ArSliceError, match="refused: this pickle holds more than plain weights"):
-        load_model(f"zoology:{tmp_path / 'model.pt'}")
+    torch.save(state, ckpt / "model.pt")
+    with pytest.raises(ArSliceError) as err:
+        load_model(f"zoology:{ckpt}")
+    msg = str(err.value)
+    assert "refused: this pickle names print, a class or function" in msg
+    assert "\x1b" not in msg and "\n" not in msg and "two options" not in msg
     assert "code ran" not in capsys.readouterr().out
 
 
 # ---- safari ------------------------------------------------------------------------------------
 
 
-def safari_state_dict(d=16, layers=2, vocab=64, l_max=32, emb_dim=5, seed=0) -> dict:
-    """A random state dict with safari's ConvLMHeadModel / HyenaOperator layout and names."""
-    g = torch.Generator().manual_seed(seed)
-
-    def r(*shape, scale=0.2):
-        return torch.randn(*shape, generator=g) * scale
-
-    state = {"backbone.embeddings.word_embeddings.weight": r(vocab, d, scale=0.5)}
-    z = r(1, l_max, emb_dim, scale=1.0)
-    for i in range(layers):
-        p = f"backbone.layers.{i}."
-        state |= {
-            p + "mixer.in_proj.weight": r(3 * d, d), p + "mixer.in_proj.bias": r(3 * d),
-            p + "mixer.out_proj.weight": r(d, d), p + "mixer.out_proj.bias": r(d),
-            p + "mixer.short_filter.weight": r(3 * d, 1, 3, scale=0.5),
-            p + "mixer.short_filter.bias": r(3 * d),
-            p + "mixer.filter_fn.bias": r(d), p + "mixer.filter_fn.pos_emb.z": z,
-            p + "mixer.filter_fn.pos_emb.t": torch.linspace(0, 1, l_max)[None, :, None],
-            p + "mixer.filter_fn.implicit_filter.0.weight": r(8, emb_dim),
-            p + "mixer.filter_fn.implicit_filter.0.bias": r(8),
-            p + "mixer.filter_fn.implicit_filter.2.weight": r(8, 8),
-            p + "mixer.filter_fn.implicit_filter.2.bias": r(8),
-            p + "mixer.filter_fn.implicit_filter.4.weight": r(d, 8),
-            p + "mixer.filter_fn.modulation.deltas": -torch.rand(1, 1, d, generator=g) * 5,
-            p + "mlp.fc1.weight": r(4 * d, d), p + "mlp.fc1.bias": r(4 * d),
-            p + "mlp.fc2.weight": r(d, 4 * d), p + "mlp.fc2.bias": r(d),
-            p + "norm1.weight": 1 + r(d), p + "norm1.bias": r(d),
-            p + "norm2.weight": 1 + r(d), p + "norm2.bias": r(d),
-        }  # fmt: skip
-        freq = 1 + r(1, 8)
-        state[p + "mixer.filter_fn.implicit_filter.1.freq"] = freq  # one shared Sin module
-        state[p + "mixer.filter_fn.implicit_filter.3.freq"] = freq
-    state |= {"backbone.ln_f.weight": 1 + r(d), "backbone.ln_f.bias": r(d)}
-    return state
+def test_safari_settings_come_from_safaris_own_config_layouts(tmp_path):
+    found = {
+        case: load_case_settings(case)
+        for case in ("safari-modulate", "safari-eval-yaml", "safari-lightning")
+    }
+    assert found["safari-modulate"]["modulate"] is True
+    assert found["safari-modulate"]["config"].endswith("safari-modulate/config.json")
+    assert found["safari-eval-yaml"]["modulate"] is False
+    assert found["safari-eval-yaml"]["config"].endswith("hyena_tiny.yaml")
+    lightning = found["safari-lightning"]
+    assert "hyper_parameters" in lightning["config"]
+    assert lightning["normalized"] is True and lightning["layer_norm_epsilon"] == 1e-3
+    assert "layer.local_order" in found["safari-eval-yaml"]["accepted_without_effect"]
+    # without a config, safari's default: modulation on
+    bare = tmp_path / "bare.pt"
+    shutil.copy(FIXTURES / "safari-eval-yaml" / "model.pt", bare)
+    settings = load_model(f"safari:{bare}").settings
+    assert settings["modulate"] is True and settings["config"].startswith("safari's defaults")
 
 
-def safari_reference_logits(state: dict, ids: torch.Tensor, d: int = 16) -> torch.Tensor:
-    """safari's forward written out from its source, directly on the safari-layout weights."""
-    S = {k: v.double() for k, v in state.items()}
-    x = S["backbone.embeddings.word_embeddings.weight"][ids]  # (B, L, D)
-    L = ids.shape[1]
-    residual = None
-    i = 0
-    while f"backbone.layers.{i}.norm1.weight" in S:
-        p = f"backbone.layers.{i}."
-        residual = x if residual is None else residual + x
-        h = F.layer_norm(residual, (d,), S[p + "norm1.weight"], S[p + "norm1.bias"], eps=1e-5)
-        u = F.linear(h, S[p + "mixer.in_proj.weight"], S[p + "mixer.in_proj.bias"]).transpose(1, 2)
-        uc = F.conv1d(
-            u,
-            S[p + "mixer.short_filter.weight"],
-            S[p + "mixer.short_filter.bias"],
-            padding=2,
-            groups=3 * d,
-        )[..., :L]
-        x0, x1, v = uc.split(d, dim=1)  # safari: *x, v = uc.split(d_model)
-        # HyenaFilter.filter: implicit MLP (shared Sin), then exponential modulation
-        f = f"{p}mixer.filter_fn."
-        z, t = S[f + "pos_emb.z"][:, :L], S[f + "pos_emb.t"][:, :L]
-        hz = torch.sin(
-            S[f + "implicit_filter.1.freq"]
-            * F.linear(z, S[f + "implicit_filter.0.weight"], S[f + "implicit_filter.0.bias"])
-        )
-        hz = torch.sin(
-            S[f + "implicit_filter.3.freq"]
-            * F.linear(hz, S[f + "implicit_filter.2.weight"], S[f + "implicit_filter.2.bias"])
-        )
-        hz = F.linear(hz, S[f + "implicit_filter.4.weight"])
-        k = (hz * torch.exp(-t * S[f + "modulation.deltas"].abs()))[0].T  # (D, L)
-        v = v * x1  # for o, x_i in enumerate(reversed(x[1:])): v = v * x_i
-        conv = torch.zeros_like(v)
-        for tt in range(L):
-            conv[..., tt] = (k[:, : tt + 1].flip(-1) * v[..., : tt + 1]).sum(-1)
-        v = conv + v * S[f + "bias"][:, None]
-        y = (v * x0).transpose(1, 2)  # y = v * x[0]
-        x = F.linear(y, S[p + "mixer.out_proj.weight"], S[p + "mixer.out_proj.bias"])
-        residual = residual + x
-        h = F.layer_norm(residual, (d,), S[p + "norm2.weight"], S[p + "norm2.bias"], eps=1e-5)
-        h = F.gelu(F.linear(h, S[p + "mlp.fc1.weight"], S[p + "mlp.fc1.bias"]), approximate="tanh")
-        x = F.linear(h, S[p + "mlp.fc2.weight"], S[p + "mlp.fc2.bias"])
-        i += 1
-    h = F.layer_norm(
-        residual + x, (d,), S["backbone.ln_f.weight"], S["backbone.ln_f.bias"], eps=1e-5
+def load_case_settings(case: str) -> dict:
+    data = json.loads((FIXTURES / case / "expected.json").read_text())
+    return load_model(f"safari:{FIXTURES / case / data['spec'].split(':', 1)[1]}").settings
+
+
+def test_safari_hydra_run_directory_config_is_found(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / ".hydra").mkdir()
+    shutil.copy(FIXTURES / "safari-no-modulate" / "model.pt", run / "checkpoints" / "last.ckpt")
+    shutil.copy(
+        FIXTURES / "safari-no-modulate" / "configs" / "hyena-tiny.yaml",
+        run / ".hydra" / "config.yaml",
     )
-    return (h @ S["backbone.embeddings.word_embeddings.weight"].T).float()
+    settings = load_model(f"safari:{run / 'checkpoints' / 'last.ckpt'}").settings
+    assert settings["modulate"] is False and settings["bias"] is False
+    assert settings["config"].endswith(".hydra/config.yaml")
 
 
-def test_safari_layout_loads_and_computes_what_safari_computes(tmp_path, bpe_tokenizer_path):
+def test_the_published_hyena_small_is_recognised_by_hub_id_or_shapes(tmp_path):
+    from models.safari_ckpt import load_safari, published_shapes, shapes_of
+
+    # its exact shapes, as meta tensors: nothing is allocated
+    p = published_shapes()
+    d, layer = p["d_model"], "backbone.layers.{}.sequence_mixer."
+    state = {
+        "backbone.embeddings.word_embeddings.weight": torch.empty(p["vocab_rows"], d, device="meta")
+    }
+    for i in range(p["n_layer"]):
+        state[layer.format(i) + "in_proj.weight"] = torch.empty(3 * d, d, device="meta")
+        state[layer.format(i) + "short_filter.weight"] = torch.empty(3 * d, 1, 3, device="meta")
+        state[layer.format(i) + "filter_fn.pos_emb.z"] = torch.empty(1, 2048, 33, device="meta")
+        for j in (0, 2, 4, 6):
+            state[layer.format(i) + f"filter_fn.implicit_filter.{j}.weight"] = torch.empty(64, 1)
+        state[f"backbone.layers.{i}.state_mixer.fc1.weight"] = torch.empty(2 * d, d, device="meta")
+    assert shapes_of(state, "x") == p
+    # by its hub id (here in a hub cache path): its evaluation config, modulate False
+    cached = tmp_path / "models--Zymrael--hyena-small-150b-tok" / "snapshots" / "abc"
+    cached.mkdir(parents=True)
+    shutil.copy(FIXTURES / "safari-modulate" / "model.pt", cached / "model.pt")
+    with pytest.raises(ArSliceError, match="d_model is 864 but the weights have 16"):
+        load_safari(cached / "model.pt")  # the published config, checked against these weights
+
+
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        ({"activation": "gelu"}, "layer.activation='gelu' is not implemented"),
+        ({"outer_mixing": True}, "layer.outer_mixing=True is not implemented"),
+        ({"filter_ordr": 8}, "layer.filter_ordr is not an option this project implements"),
+        ({"filter_order": 32}, "layer.filter_order is 32 but the weights have 64"),
+        ({"modulate": "${model.flag}"}, "layer.modulate is an unresolved interpolation"),
+    ],
+)
+def test_safari_options_it_does_not_implement_are_refused_by_name(tmp_path, edit, words):
+    ckpt = copy_case("safari-modulate", tmp_path / "c")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["model"]["layer"].update(edit)
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ArSliceError, match=words.replace("$", r"\$").replace("{", r"\{")):
+        load_model(f"safari:{ckpt / 'model.pt'}")
+
+
+def test_safari_config_that_is_not_an_object_is_one_clear_line(tmp_path):
+    ckpt = copy_case("safari-modulate", tmp_path / "c")
+    for text, words in (("[1, 2]", "expected a mapping"), ("{not json", "not valid JSON")):
+        (ckpt / "config.json").write_text(text)
+        with pytest.raises(ArSliceError, match=f"config.json: {words}"):
+            load_model(f"safari:{ckpt / 'model.pt'}")
+    (ckpt / "config.json").write_text(json.dumps({"modulate": False}))
+    with pytest.raises(ArSliceError, match="not a safari config"):
+        load_model(f"safari:{ckpt / 'model.pt'}")
+
+
+def test_safari_tokenizer_beside_the_weights_is_fingerprinted(tmp_path, bpe_tokenizer_path):
     from ar_slicing.tokenizer import fingerprint, load_tokenizer
 
-    state = safari_state_dict()
-    torch.save({"state_dict": {f"model.{k}": v for k, v in state.items()}}, tmp_path / "hyena.ckpt")
-    (tmp_path / "tokenizer.json").write_bytes(bpe_tokenizer_path.read_bytes())
-    loaded = load_model(f"safari:{tmp_path / 'hyena.ckpt'}")
-    assert loaded.architecture == "hyena" and loaded.max_positions == 32 and loaded.vocab_size == 64
+    ckpt = copy_case("safari-modulate", tmp_path / "c")
+    shutil.copy(bpe_tokenizer_path, ckpt / "tokenizer.json")
+    loaded = load_model(f"safari:{ckpt}")  # a directory holding one weights file
+    assert loaded.architecture == "hyena" and loaded.max_positions == 64
     assert loaded.tokenizer_fingerprint == fingerprint(load_tokenizer(bpe_tokenizer_path))
-    ids = torch.randint(0, 64, (2, 24))
-    expected = safari_reference_logits(state, ids)
-    torch.testing.assert_close(logits(loaded.model, ids), expected, atol=1e-4, rtol=1e-4)
-    # and the reordering matters: read in Zoology's order without the swap, the logits differ
+
+
+def test_safari_gate_order_is_swapped_on_the_way_in():
+    """Read in Zoology's order without the swap, the same weights give other logits."""
+    from models.backbone import LanguageModel
     from models.safari_ckpt import rename_safari_keys
 
+    loaded = load_model(f"safari:{FIXTURES / 'safari-modulate' / 'model.pt'}")
     unswapped = LanguageModel(loaded.model.config).eval()
-    unswapped.load_state_dict(rename_safari_keys(state), strict=False)
-    assert (logits(unswapped, ids) - expected).abs().max() > 1e-2
+    raw = torch.load(FIXTURES / "safari-modulate" / "model.pt", weights_only=True)
+    unswapped.load_state_dict(rename_safari_keys(raw), strict=False)
+    ids = torch.randint(0, 50, (1, 24))
+    with torch.no_grad():
+        assert (loaded.model(ids) - unswapped(ids)).abs().max() > 1e-2
 
 
 def test_safari_state_dict_without_recomputable_buffers(tmp_path):
-    state = {
-        k: v
-        for k, v in safari_state_dict().items()
-        if not k.endswith(("pos_emb.t", "modulation.deltas"))
-    }
+    raw = torch.load(FIXTURES / "safari-modulate" / "model.pt", weights_only=True)
+    state = {k: v for k, v in raw.items() if not k.endswith(("pos_emb.t", "modulation.deltas"))}
     torch.save(state, tmp_path / "hyena.pt")
     assert load_model(f"safari:{tmp_path / 'hyena.pt'}").architecture == "hyena"
 
@@ -284,7 +311,7 @@ def test_safari_bad_inputs(tmp_path):
     torch.save({"backbone.ln_f.weight": torch.ones(4)}, tmp_path / "other.pt")
     with pytest.raises(ArSliceError, match="not a safari Hyena LM state dict"):
         load_model(f"safari:{tmp_path / 'other.pt'}")
-    state = safari_state_dict()
+    state = torch.load(FIXTURES / "safari-modulate" / "model.pt", weights_only=True)
     state["backbone.layers.1.mixer.out_proj.weight"] = torch.zeros(16, 15)
     torch.save(state, tmp_path / "bad.pt")
     with pytest.raises(
@@ -292,3 +319,5 @@ def test_safari_bad_inputs(tmp_path):
         match=r"sequence_mixer.out_proj.weight \(checkpoint \(16, 15\), model \(16, 16\)\)",
     ):
         load_model(f"safari:{tmp_path / 'bad.pt'}")
+    with pytest.raises(ArSliceError, match="applies to zoology: and safari: checkpoints only"):
+        load_model(f"native:{tmp_path}", model_config=tmp_path / "x.yaml")

@@ -9,14 +9,8 @@ from models.backbone import LanguageModel, ModelConfig
 from models.base_conv import BaseConv
 from models.hyena import Hyena, fft_causal_conv
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids OpenMP stalls on a busy machine (restored after)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# tiny tensors: one intra-op thread avoids OpenMP stalls on a busy machine
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 IMPLICIT_FILTER_KEYS = [
@@ -29,7 +23,10 @@ IMPLICIT_FILTER_KEYS = [
 # Zoology's per-layer sequence-mixer keys (zoology/mixers/{base_conv,convolution,hyena,rwkv}.py)
 ZOOLOGY_MIXER_KEYS = {
     ("base_conv", 3): ["projection.weight", "projection.bias", "conv.conv.weight", "conv.conv.bias"],
-    ("base_conv", -1): ["projection.weight", "projection.bias"] + [f"conv.{k}" for k in IMPLICIT_FILTER_KEYS],
+    ("base_conv", -1): [
+        "projection.weight", "projection.bias", "conv.pos_emb.z",
+        "conv.mlp.0.weight", "conv.mlp.0.bias", "conv.mlp.2.weight", "conv.mlp.2.bias",
+    ],
     ("hyena", None): [
         "in_proj.weight", "in_proj.bias", "out_proj.weight", "out_proj.bias",
         "short_filter.weight", "short_filter.bias",

@@ -15,14 +15,8 @@ from models.hf_rwkv import FastRwkv
 from models.nll import per_token_nll
 from models.rwkv import wkv_chunked, wkv_sequential
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids OpenMP stalls on a busy machine (restored after)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# tiny tensors: one intra-op thread avoids OpenMP stalls on a busy machine
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # Tolerances: fp32 recurrence vs fp64 factorised sums differ by float32 rounding of outputs ~1.

@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer, normalizers
 
 from ar_slicing.store import TokenStore
-from ar_slicing.tokenizer import fingerprint, load_tokenizer
+from ar_slicing.tokenizer import encoding_spec, fingerprint, load_tokenizer
 from pipeline.tokenize import TokenizeConfig, run_tokenize
 
 SAMPLE = "def  main(argv):\n    return {'x': 1}  # café\n"
@@ -109,3 +109,87 @@ def test_normalizer_pretokenizer_and_special_tokens_count(bpe_tokenizer):
     extra = Tokenizer.from_str(bpe_tokenizer.to_str())
     extra.add_special_tokens(["<|pad|>"])
     assert fingerprint(extra) != base
+
+
+# ---- forms that encode alike ---------------------------------------------------------------------
+
+
+def shaped_like(kind: str, texts: list[str]) -> Tokenizer:
+    """A BPE built by `tokenizers` with the components of the real GPT-NeoX (20B_tokenizer.json) or
+    GPT-2 tokenizer.json: byte-level pre-tokenizer and decoder, null affixes; NeoX adds NFC, a
+    byte-level post-processor and its padding token."""
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>"]
+    if kind == "neox":
+        tok.normalizer = normalizers.NFC()
+        tok.post_processor = processors.ByteLevel(trim_offsets=True)
+        special.append("<|padding|>")
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+@pytest.mark.parametrize("kind", ["neox", "gpt2"])
+def test_null_and_empty_affixes_are_one_tokenizer(tmp_path, stdlib_texts, kind):
+    tok = shaped_like(kind, stdlib_texts[:8])
+    data = json.loads(tok.to_str())
+    assert data["model"]["continuing_subword_prefix"] is None
+    assert data["model"]["end_of_word_suffix"] is None
+    tok.save(str(tmp_path / "null.json"))
+
+    def empty_affixes(d):  # as transformers 5 re-saves them
+        d["model"]["continuing_subword_prefix"] = ""
+        d["model"]["end_of_word_suffix"] = ""
+
+    empty = edited(tok, empty_affixes)
+    empty.save(str(tmp_path / "empty.json"))
+    a, b = load_tokenizer(tmp_path / "null.json"), load_tokenizer(tmp_path / "empty.json")
+    assert json.loads(b.to_str())["model"]["end_of_word_suffix"] == ""  # really written that way
+    assert a.encode(SAMPLE).ids == b.encode(SAMPLE).ids
+    assert fingerprint(a) == fingerprint(b)
+
+    def suffix(d):  # a real suffix is another encoding
+        d["model"]["end_of_word_suffix"] = "</w>"
+
+    assert fingerprint(edited(tok, suffix)) != fingerprint(a)
+
+
+@pytest.mark.parametrize("kind, cls", [("neox", "GPTNeoXTokenizer"), ("gpt2", "GPT2Tokenizer")])
+def test_transformers_resaved_directory_has_the_files_fingerprint(
+    tmp_path, stdlib_texts, kind, cls
+):
+    import transformers
+    from transformers import AutoTokenizer
+
+    shaped_like(kind, stdlib_texts[:8]).save(str(tmp_path / "tokenizer.json"))
+    wrapper = getattr(transformers, cls)(
+        tokenizer_file=str(tmp_path / "tokenizer.json"), eos_token="<|endoftext|>"
+    )
+    wrapper.save_pretrained(tmp_path / "first")
+    AutoTokenizer.from_pretrained(str(tmp_path / "first")).save_pretrained(tmp_path / "resaved")
+    resaved = json.loads((tmp_path / "resaved" / "tokenizer.json").read_text())
+    assert resaved["model"]["continuing_subword_prefix"] == ""  # how transformers writes it
+    assert fingerprint(load_tokenizer(tmp_path / "resaved")) == fingerprint(
+        load_tokenizer(tmp_path / "tokenizer.json")
+    )
+
+
+def test_an_empty_sequence_is_no_normalizer(bpe_tokenizer):
+    def empty_sequence(d):
+        d["normalizer"] = {"type": "Sequence", "normalizers": []}
+        d["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [d["pre_tokenizer"]]}
+
+    wrapped = edited(bpe_tokenizer, empty_sequence)
+    assert wrapped.encode(SAMPLE).ids == bpe_tokenizer.encode(SAMPLE).ids
+    # an empty normalizer Sequence is none; a pre-tokenizer wrapped in a Sequence is kept as such
+    assert encoding_spec(wrapped)["normalizer"] is None
+    assert encoding_spec(wrapped)["pre_tokenizer"]["type"] == "Sequence"

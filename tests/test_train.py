@@ -321,6 +321,12 @@ def test_errors_name_the_problem(stores, tmp_path, make_store):
         train(tiny_config(stores, tmp_path / "c", model_options=["no_such_field=1"]))
     with pytest.raises(ArSliceError, match="--arch attention"):
         train(tiny_config(stores, tmp_path / "d", mixer_options=["num_heads=5"]))
+    with pytest.raises(ArSliceError) as err:  # a typo would otherwise build a default filter
+        train(tiny_config(stores, tmp_path / "e", arch="hyena", mixer_options=["filter_ordr=8"]))
+    assert "sequence mixer 'hyena': unknown option 'filter_ordr'; it accepts filter_order" in str(
+        err.value
+    )
+    assert not (tmp_path / "e" / "meta.json").exists()
 
 
 def test_cli_prints_errors_without_traceback(stores, tmp_path, capsys):

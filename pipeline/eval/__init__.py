@@ -23,7 +23,10 @@ Windowing:
   * `fixed` (default, the paper's): the model reads the tag windows themselves, `S[w*L : w*L+n]`,
     so a target's context is every earlier token of its window, across document boundaries.
   * `rolling`: lm-evaluation-harness `loglikelihood_rolling` per document (`ar_slicing.rolling`):
-    each document is read on its own, after an EOS prefix, in windows of at most `L` predictions.
+    each document is read on its own, after one prefix token, in windows of at most `L`
+    predictions. The prefix is lm-eval's `prefix_token_id`: the model tokenizer's BOS when it
+    declares one, else its EOS (the store's when the model's tokenizer declares neither);
+    `--prefix-token` overrides it, and meta.json records it and where it came from.
     A row keeps the `(window_id, pos)` of the tag row whose target is the same stream token. The
     EOS that ends each document in the stream (a tag row, never scored by lm-eval) is scored as
     one more prediction with the at most `L` tokens of its document before it as context; the

@@ -14,8 +14,11 @@ from pipeline.eval.inputs import TagsInput
 log = logging.getLogger(__name__)
 
 
-def check_model_fits(loaded, tags: TagsInput, n_windows: int, cfg: EvalConfig) -> int:
-    """Tokenizer, vocabulary and positional-limit checks. Returns the largest token id read."""
+def check_model_fits(
+    loaded, tags: TagsInput, n_windows: int, cfg: EvalConfig, prefix: int | None = None
+) -> int:
+    """Tokenizer, vocabulary and positional-limit checks (`prefix`: the rolling windows' prefix
+    token). Returns the largest token id read."""
     store = tags.store
     model_fp = getattr(loaded, "tokenizer_fingerprint", None)
     if model_fp is not None and model_fp != store.fingerprint:
@@ -35,8 +38,11 @@ def check_model_fits(loaded, tags: TagsInput, n_windows: int, cfg: EvalConfig) -
             )
     end = int(tags.starts[n_windows - 1] + tags.n_targets[n_windows - 1]) + 1 if n_windows else 0
     max_id = max_token_id(store, end)
-    if cfg.windowing == "rolling":
-        max_id = max(max_id, store.eos_id)
+    if prefix is not None and not 0 <= prefix < loaded.vocab_size:
+        raise ArSliceError(
+            f"prefix token {prefix} is outside model {cfg.model}'s vocabulary of "
+            f"{loaded.vocab_size} ids; pass --prefix-token with an id of its tokenizer"
+        )
     if max_id >= loaded.vocab_size:
         raise ArSliceError(
             f"model {cfg.model} has a vocabulary of {loaded.vocab_size} ids but token store "

@@ -51,14 +51,28 @@ class EvalConfig:
         default="fixed",
         metadata={
             "help": "fixed = the tag windows as they are (the paper's); rolling = per-document "
-            "windows with an EOS prefix (lm-eval loglikelihood_rolling)",
+            "windows after a prefix token (lm-eval loglikelihood_rolling)",
             "choices": ["fixed", "rolling"],
+        },
+    )
+    prefix_token: int | None = field(
+        default=None,
+        metadata={
+            "help": "rolling windowing: the token id read before each document (default: the "
+            "model tokenizer's BOS when it declares one, else EOS, as lm-eval's prefix_token_id)"
         },
     )
     tokens: str | None = field(
         default=None,
         metadata={
             "help": "validation token store (default: the one recorded in the tags' meta.json)"
+        },
+    )
+    model_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "safari: or zoology: model config file (YAML or JSON, as safari or Zoology "
+            "writes it) to use instead of the one found with the checkpoint"
         },
     )
     skip_tokenizer_check: bool = field(

@@ -141,8 +141,11 @@ def fixed_sequences(tags: TagsInput, w0: int, w1: int) -> list[Sequence]:
     return out
 
 
-def rolling_sequences(tags: TagsInput, w0: int, w1: int) -> list[Sequence]:
-    """Per-document rolling windows (ar_slicing.rolling) whose predictions fall in windows w0..w1-1.
+def rolling_sequences(
+    tags: TagsInput, w0: int, w1: int, prefix: int | None = None
+) -> list[Sequence]:
+    """Per-document rolling windows (ar_slicing.rolling) whose predictions fall in windows w0..w1-1,
+    each document read after the token `prefix` (default: the store's EOS).
 
     Rows of a chunk are its targets in stream order, so stream index `i` lands in row
     `i - (first target of the chunk)`. A rolling window that reaches past the chunk is cut
@@ -159,6 +162,7 @@ def rolling_sequences(tags: TagsInput, w0: int, w1: int) -> list[Sequence]:
     first_doc = int(np.searchsorted(ends, lo, side="right"))  # the segment holding `lo`
     last_doc = int(np.searchsorted(offsets, hi, side="right")) - 1
     eos = store.eos_id
+    prefix = eos if prefix is None else prefix
     out = []
     for d in range(first_doc, last_doc + 1):
         o, e = int(offsets[d]), int(ends[d])
@@ -167,7 +171,7 @@ def rolling_sequences(tags: TagsInput, w0: int, w1: int) -> list[Sequence]:
         trailing_eos = e > o and int(store.tokens[e - 1]) == eos
         n_doc = e - o - 1 if trailing_eos else e - o
         for a, b, k in rolling_windows(n_doc, tags.window, trailing_eos):
-            # E[j] is stream index o + j - 1 (E[0] is the EOS prefix); outputs t predict E[a + 1 + t].
+            # E[j] is stream index o + j - 1 (E[0] is the prefix); outputs t predict E[a + 1 + t].
             first_scored = o + b - k  # stream index of the first scored target
             last_scored = o + b - 1
             s_lo, s_hi = max(first_scored, lo), min(last_scored, hi)
@@ -175,7 +179,7 @@ def rolling_sequences(tags: TagsInput, w0: int, w1: int) -> list[Sequence]:
                 continue
             stop = b - (last_scored - s_hi)  # drop inputs only needed for targets after the chunk
             if a == 0:
-                inputs = np.concatenate([[eos], store.slice(o, o + stop - 1)]).astype(np.int64)
+                inputs = np.concatenate([[prefix], store.slice(o, o + stop - 1)]).astype(np.int64)
             else:
                 inputs = store.slice(o + a - 1, o + stop - 1).astype(np.int64)
             targets = store.slice(o + a, o + stop).astype(np.int64)

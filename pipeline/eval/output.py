@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
@@ -84,7 +85,14 @@ class ChunkEvaluator:
     and tags from the paths in `cfg`)."""
 
     def __init__(
-        self, cfg: EvalConfig, device: str, dtype: str, batch_size: int, loaded=None, tags=None
+        self,
+        cfg: EvalConfig,
+        device: str,
+        dtype: str,
+        batch_size: int,
+        loaded=None,
+        tags=None,
+        prefix: int | None = None,  # the rolling windows' prefix token (default: the store's EOS)
     ):
         import torch
 
@@ -92,11 +100,16 @@ class ChunkEvaluator:
         if loaded is None:
             from models import load_model
 
-            loaded = load_model(cfg.model, device=device, fast_path=cfg.fast_path)
+            loaded = load_model(
+                cfg.model, device=device, fast_path=cfg.fast_path, model_config=cfg.model_config
+            )
         self.out = Path(cfg.out)
         forward = make_forward(loaded, device, dtype)
         self.runner = BatchRunner(forward, batch_size, on_oom=torch.cuda.empty_cache)
-        self.make_sequences = rolling_sequences if cfg.windowing == "rolling" else fixed_sequences
+        if cfg.windowing == "rolling":
+            self.make_sequences = functools.partial(rolling_sequences, prefix=prefix)
+        else:
+            self.make_sequences = fixed_sequences
 
     def __call__(self, task: tuple[int, int, int], progress=None) -> dict:
         c, w0, w1 = task

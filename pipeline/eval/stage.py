@@ -28,6 +28,8 @@ def validate_eval(cfg: EvalConfig) -> None:
         raise ArSliceError(f"--chunk-windows {cfg.chunk_windows}: must be at least 1")
     if cfg.max_windows is not None and cfg.max_windows < 1:
         raise ArSliceError(f"--max-windows {cfg.max_windows}: must be at least 1")
+    if cfg.prefix_token is not None and cfg.windowing != "rolling":
+        raise ArSliceError("--prefix-token applies to --windowing rolling only")
     if cfg.ray_actors < 0:
         raise ArSliceError(f"--ray-actors {cfg.ray_actors}: must be 0 (one per GPU) or more")
     resolve_batch_size(cfg.batch_size, "cpu", 1)  # refuses what is neither a number nor auto
@@ -39,7 +41,7 @@ def eval_settings(cfg: EvalConfig, device: str | None = None, dtype: str | None 
     if device is None and cfg.executor == "local":
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
-    return {
+    settings = {
         "spec": cfg.model,
         "windowing": cfg.windowing,
         "fast_path": cfg.fast_path,
@@ -47,6 +49,49 @@ def eval_settings(cfg: EvalConfig, device: str | None = None, dtype: str | None 
         "device": device,
         "dtype": dtype,
     }
+    if cfg.model_config is not None:  # it decides what a zoology:/safari: model computes
+        settings["model_config"] = model_config_identity(cfg.model_config)
+    if cfg.windowing == "rolling":  # None: the harness's rule over the model's tokenizer
+        settings["prefix_token"] = cfg.prefix_token
+    return settings
+
+
+def rolling_prefix(cfg: EvalConfig, loaded, store) -> tuple[int, str]:
+    """The token before each document in rolling windows and where it came from: lm-eval's
+    prefix_token_id over the model's tokenizer (its BOS, else its EOS; the store's EOS when the
+    model's tokenizer declares neither), or --prefix-token."""
+    from ar_slicing.rolling import prefix_token
+    from ar_slicing.tokenizer import special_token_ids
+
+    declared = special_token_ids(loaded.tokenizer_source) if loaded.tokenizer_source else {}
+    eos = declared.get("eos_token_id")
+    token, what = prefix_token(
+        cfg.prefix_token, declared.get("bos_token_id"), store.eos_id if eos is None else eos
+    )
+    if what == "--prefix-token":
+        return token, what
+    if what == "EOS" and eos is None:
+        return token, "the store's EOS: the model's tokenizer declares no BOS"
+    return token, f"the model tokenizer's {what}"
+
+
+def model_config_identity(path: str) -> dict:
+    """What the plan records of a --model-config file: its path and its bytes' sha256."""
+    import hashlib
+
+    p = Path(path)
+    if not p.is_file():
+        raise ArSliceError(f"--model-config {path}: no such file")
+    return {"path": str(p.resolve()), "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+
+
+def describe_settings(settings: dict) -> str:
+    """One line a person reads: the loader's scalar settings and where they came from."""
+    values = ", ".join(
+        f"{k}={v}" for k, v in settings.items() if k != "config" and not isinstance(v, dict)
+    )
+    source = settings.get("config")
+    return f"model settings {values}" + (f" (from {source})" if source else "")
 
 
 def run_eval(cfg: EvalConfig) -> dict:
@@ -103,19 +148,32 @@ def run_eval(cfg: EvalConfig) -> dict:
     # Loaded before OUT is made, so a bad spec or a model that does not fit leaves nothing behind.
     # With Ray the model is loaded here only for the checks and meta.json; the actors load their own.
     loaded = load_model(
-        cfg.model, device=device if executor is None else "cpu", fast_path=cfg.fast_path
+        cfg.model,
+        device=device if executor is None else "cpu",
+        fast_path=cfg.fast_path,
+        model_config=cfg.model_config,
     )
-    check_model_fits(loaded, tags, n_windows, cfg)
+    if loaded.settings:
+        print(f"eval {name}: {describe_settings(loaded.settings)}")
+    prefix = prefix_source = None
+    if cfg.windowing == "rolling":
+        prefix, prefix_source = rolling_prefix(cfg, loaded, tags.store)
+        print(f"eval {name}: each document read after token {prefix} ({prefix_source})")
+    check_model_fits(loaded, tags, n_windows, cfg, prefix)
     batch_size = resolve_batch_size(cfg.batch_size, device, tags.window)
     with stage.running():
         if extend:
             stage.reopen()  # incomplete again until its meta.json is rewritten
         return _evaluate(
-            stage, cfg, name, tags, n_windows, loaded, executor, device, dtype, batch_size, t0
-        )
+            stage, cfg, name, tags, n_windows, loaded, executor, device, dtype, batch_size, t0,
+            (prefix, prefix_source),
+        )  # fmt: skip
 
 
-def _evaluate(stage, cfg, name, tags, n_windows, loaded, executor, device, dtype, batch_size, t0):
+def _evaluate(
+    stage, cfg, name, tags, n_windows, loaded, executor, device, dtype, batch_size, t0, prefix
+):
+    prefix, prefix_source = prefix
     out = stage.out
     partial = n_windows < tags.n_windows
     chunks = chunk_bounds(n_windows, cfg.chunk_windows)
@@ -139,10 +197,14 @@ def _evaluate(stage, cfg, name, tags, n_windows, loaded, executor, device, dtype
     tasks = [(c, *chunks[c]) for c in todo]
     t_loop = time.time()
     if executor is None:
-        evaluator = ChunkEvaluator(cfg, device, dtype, batch_size, loaded=loaded, tags=tags)
+        evaluator = ChunkEvaluator(
+            cfg, device, dtype, batch_size, loaded=loaded, tags=tags, prefix=prefix
+        )
         results = ((task, evaluator(task, bar.update)) for task in tasks)
     else:
-        make_evaluator = functools.partial(ChunkEvaluator, cfg, device, dtype, batch_size)
+        make_evaluator = functools.partial(
+            ChunkEvaluator, cfg, device, dtype, batch_size, prefix=prefix
+        )
         results = executor.map_actors(
             make_evaluator,
             tasks,
@@ -204,8 +266,12 @@ def _evaluate(stage, cfg, name, tags, n_windows, loaded, executor, device, dtype
         tokens_per_s=tokens_per_s,
         fingerprint=tags.store.fingerprint,
         model_tokenizer_fingerprint=getattr(loaded, "tokenizer_fingerprint", None),
+        model_config=stage.plan["settings"].get("model_config"),
+        loader_settings=loaded.settings,
         skip_tokenizer_check=cfg.skip_tokenizer_check,
         windowing=cfg.windowing,
+        prefix_token=prefix,
+        prefix_token_source=prefix_source,
         window=tags.window,
         partial=partial,
         windows_evaluated=n_windows,
@@ -232,5 +298,6 @@ COMMAND = Command(
   arslice eval --model native:runs/demo/models/attention --tags runs/demo/tags --out runs/demo/losses/attention
   arslice eval --model hf:RWKV/rwkv-4-169m-pile --tags runs/pile/tags --out runs/pile/losses/rwkv --dtype fp32
   arslice eval --model hf:./pythia-70m --tags runs/pile/tags --out /tmp/smoke --max-windows 8 --device cpu
-  arslice eval --model hf:EleutherAI/pythia-160m --tags runs/pile/tags --out runs/pile/losses/pythia-rolling --windowing rolling""",
+  arslice eval --model hf:EleutherAI/pythia-160m --tags runs/pile/tags --out runs/pile/losses/pythia-rolling --windowing rolling
+  arslice eval --model safari:hyena-small-150b-tok.ckpt --model-config safari/configs/evals/hyena_small_150b.yaml --tags runs/pile/tags --out runs/pile/losses/hyena""",
 )
