@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ar_slicing.errors import BadInput
-from ar_slicing.io import atomic_path, build_meta, is_complete, read_json, write_meta
+from ar_slicing.io import atomic_path, build_meta, is_complete, read_json, sha256_file, write_meta
 
 TOKENS_NAME = "tokens.bin"
 DOCS_NAME = "docs.parquet"
@@ -112,6 +112,11 @@ class TokenStore:
     @property
     def eos_appended(self) -> bool:
         return bool(self.meta.get("eos_appended", True))
+
+    @cached_property
+    def tokens_sha256(self) -> str:
+        """sha256 of tokens.bin: what identifies the stream itself (restricted counts name it)."""
+        return sha256_file(self.path / TOKENS_NAME)
 
     @cached_property
     def tokens(self) -> np.ndarray:

@@ -71,6 +71,14 @@ class CountConfig:
             "help": "tokens per map shard: resume granularity; up to ~7 bytes of memory each"
         },
     )
+    only_bigrams_of: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "count only the bigrams that occur in these token stores (the evaluated, "
+            "validation stores): memory and disk then scale with them, not with the training "
+            "set; `tag` accepts such counts only for these stores"
+        },
+    )
     overwrite: bool = field(default=False, metadata={"help": "redo a complete output directory"})
     executor: str = field(
         default="local",
@@ -161,9 +169,28 @@ def plan_reduce_tasks(work: Path, partials: list[str], shift: int) -> list[reduc
 PARTIALS_FORMAT = 2  # 2: reduced ranges are Parquet parts; bump when the work files change
 
 
-def count_settings(unit: str, shard_tokens: int) -> dict:
+def count_settings(unit: str, shard_tokens: int, only_bigrams_of=None) -> dict:
     """What decides the counts (and the resumable work files) besides the input stores."""
-    return {"unit": unit, "shard_tokens": shard_tokens, "partials_format": PARTIALS_FORMAT}
+    settings = {"unit": unit, "shard_tokens": shard_tokens, "partials_format": PARTIALS_FORMAT}
+    if only_bigrams_of:
+        settings["only_bigrams_of"] = [str(p) for p in only_bigrams_of]
+    return settings
+
+
+def open_evaluated(paths, stores) -> list:
+    """The evaluated stores of a restricted count, of the training stores' tokenizer."""
+    from ar_slicing.store import TokenStore
+    from ar_slicing.tokenizer import require_same_fingerprint
+
+    evaluated = [TokenStore.open(p) for p in paths or ()]
+    for store in evaluated:
+        require_same_fingerprint(
+            stores[0].fingerprint,
+            f"token store {stores[0].path}",
+            store.fingerprint,
+            f"token store {store.path}",
+        )
+    return evaluated
 
 
 def open_stores(store_paths) -> list:
@@ -190,13 +217,16 @@ def open_stores(store_paths) -> list:
     return stores
 
 
-def open_count_stage(stores, out, unit: str, shard_tokens: int, overwrite: bool):
+def open_count_stage(stores, out, unit: str, shard_tokens: int, overwrite: bool, evaluated=()):
     from ar_slicing.plan import StagePlan, identity, open_stage
 
+    inputs = {"stores": [identity(s.path) for s in stores]}
+    if evaluated:
+        inputs["only_bigrams_of"] = [identity(s.path) for s in evaluated]
     plan = StagePlan(
         "count",
-        settings=count_settings(unit, shard_tokens),
-        inputs={"stores": [identity(s.path) for s in stores]},
+        settings=count_settings(unit, shard_tokens, [s.path for s in evaluated]),
+        inputs=inputs,
     )
     return open_stage(out, plan, overwrite=overwrite)
 
@@ -215,11 +245,14 @@ def count_stores(
     config: dict | None = None,
     executor=None,
     progress: bool = True,
+    only_bigrams_of=None,
 ) -> dict:
     """Count the bigrams of the concatenation of `store_paths` into `out`. Returns its meta.json.
 
-    Resumable: partials of finished shards (and finished reduce ranges) under `out/.work` are
-    reused by a rerun with the same inputs and settings.
+    With `only_bigrams_of` (store paths), only the bigrams occurring in those stores are
+    counted (`ar_slicing.counts.restricted`). Resumable: partials of finished shards (and
+    finished reduce ranges) under `out/.work` are reused by a rerun with the same inputs and
+    settings.
     """
     import time
 
@@ -227,14 +260,25 @@ def count_stores(
     row = parse_unit(unit)
     _check_shard_tokens(shard_tokens)
     stores = open_stores(store_paths)
-    stage = open_count_stage(stores, out, unit, shard_tokens, overwrite)
+    evaluated = open_evaluated(only_bigrams_of, stores)
+    stage = open_count_stage(stores, out, unit, shard_tokens, overwrite, evaluated)
     if stage.complete:
         meta = stage.skip()
         log.debug("%s is complete (%s pairs); --overwrite to redo", out, meta.get("total_pairs"))
         return meta
     with stage.running():
         return _count(
-            stage, stores, row, unit, shard_tokens, workers, config, executor, progress, t0
+            stage,
+            stores,
+            evaluated,
+            row,
+            unit,
+            shard_tokens,
+            workers,
+            config,
+            executor,
+            progress,
+            t0,
         )
 
 
@@ -243,7 +287,9 @@ def _check_shard_tokens(shard_tokens: int) -> None:
         raise BadInput(f"--shard-tokens {shard_tokens}: must be between 2 and 2**32 - 1")
 
 
-def _count(stage, stores, row, unit, shard_tokens, workers, config, executor, progress, t0):
+def _count(
+    stage, stores, evaluated, row, unit, shard_tokens, workers, config, executor, progress, t0
+):
     import time
 
     from ar_slicing.counts.kernels import warm_kernels
@@ -251,8 +297,7 @@ def _count(stage, stores, row, unit, shard_tokens, workers, config, executor, pr
     from ar_slicing.io import build_meta
 
     out = stage.out
-    shift = max(key_shift_for(s.dtype) for s in stores)
-    vocab_size = max(s.vocab_size for s in stores)
+    shift = max(key_shift_for(s.dtype) for s in stores + evaluated)
     sources = [
         {
             "path": str(s.path.resolve()),
@@ -270,9 +315,57 @@ def _count(stage, stores, row, unit, shard_tokens, workers, config, executor, pr
     import pyarrow.parquet  # noqa: F401  (here, so forked reduce workers inherit it loaded)
 
     executor = executor or LocalExecutor(workers)
+    args = (stores, work, row, shard_tokens, shift, executor, progress)
+    restriction = {}
+    if evaluated:
+        from ar_slicing.counts.restricted import restriction_of
+
+        restriction = {"only_bigrams_of": [restriction_of(s) for s in evaluated]}
+        done = _count_restricted(*args, evaluated=evaluated, groups=workers)
+    else:
+        done = _count_full(*args)
+    if row is None and not evaluated and done["total_pairs"] != _stream_pairs(stores, row):
+        raise RuntimeError(  # the stream unit counts every pair exactly once
+            f"count: {done['total_pairs']} pairs written but the stream has "
+            f"{_stream_pairs(stores, row)}"
+        )
+    wall = time.time() - t0
+    n_tokens = sum(s.n_tokens for s in stores)
+    meta = build_meta(
+        "count",
+        config=config
+        or {"tokens": [str(s.path) for s in stores], "unit": unit, "shard_tokens": shard_tokens},
+        inputs={"stores": sources, **restriction},
+        counts={"tokens": n_tokens, **done["counts"]},
+        wall_time_s=wall,
+        throughput={"tokens_per_s": n_tokens / max(wall, 1e-9), **done["times"]},
+        fingerprint=stores[0].fingerprint,
+        total_pairs=done["total_pairs"],
+        distinct_bigrams=done["distinct"],
+        unit=unit,
+        sources=sources,
+        **restriction,
+        **done.get("meta", {}),
+    )
+    meta = stage.finish(meta)
+    shutil.rmtree(work, ignore_errors=True)
+    return meta
+
+
+def _stream_pairs(stores, row: int | None) -> int:
+    """Pairs of the concatenated stream in the unit: N - 1, less those ending a row of `row`."""
+    n = max(sum(s.n_tokens for s in stores) - 1, 0)
+    return n - (n // row if row else 0)
+
+
+def _count_full(stores, work, row, shard_tokens, shift, executor, progress) -> dict:
+    """Map every shard, reduce every `prev` range, join the parts into bigrams.parquet."""
+    import time
+
+    vocab_size = max(s.vocab_size for s in stores)
     tasks = plan_map_tasks(stores, work, row, shard_tokens, shift, vocab_size)
     t_map = time.time()
-    resumed = _run_map(executor, tasks, progress)
+    resumed = _run_map(executor, tasks, count_shard, progress)
     t_map = time.time() - t_map
 
     partials = [t.out for t in tasks]
@@ -282,44 +375,92 @@ def _count(stage, stores, row, unit, shard_tokens, workers, config, executor, pr
 
     t_reduce = time.time()
     reduce_tasks = plan_reduce_tasks(work, partials, shift)
-    distinct, total_pairs = _run_reduce(executor, reduce_tasks, out / BIGRAMS_NAME, progress)
-    t_reduce = time.time() - t_reduce
-    expected_pairs = sum((s.n_tokens - 1 if s.n_tokens else 0) for s in stores) + edge.size
-    if row is None and total_pairs != expected_pairs:  # the stream unit counts every pair once
-        raise RuntimeError(
-            f"count: {total_pairs} pairs written but the stream has {expected_pairs}"
-        )
-    wall = time.time() - t0
-    meta = build_meta(
-        "count",
-        config=config
-        or {"tokens": [str(s.path) for s in stores], "unit": unit, "shard_tokens": shard_tokens},
-        inputs={"stores": sources},
-        counts={
-            "tokens": sum(s.n_tokens for s in stores),
+    distinct, total_pairs = _run_reduce(
+        executor, reduce_tasks, work.parent / BIGRAMS_NAME, progress
+    )
+    return {
+        "distinct": distinct,
+        "total_pairs": total_pairs,
+        "counts": {
             "shards": len(tasks),
             "shards_resumed": resumed,
             "reduce_ranges": len(reduce_tasks),
         },
-        wall_time_s=wall,
-        throughput={
-            "tokens_per_s": sum(s.n_tokens for s in stores) / max(wall, 1e-9),
+        "times": {"map_s": t_map, "reduce_and_write_s": time.time() - t_reduce},
+    }
+
+
+def _count_restricted(
+    stores, work, row, shard_tokens, shift, executor, progress, *, evaluated, groups: int
+) -> dict:
+    """Count only the bigrams of the `evaluated` stores: their key set, then about `groups`
+    tasks of consecutive training pairs counted into dense partials over it, summed into the
+    rows. A partial's name says which pairs it counted, so a rerun with other groups (other
+    workers) never adds up partials of two groupings."""
+    import time
+
+    from ar_slicing.counts import restricted
+    from ar_slicing.counts.parquet import write_bigrams_batches
+
+    t_keys = time.time()
+    keys_path = work / "only-keys.bin"
+    if not keys_path.is_file():
+        restricted.write_keys(keys_path, restricted.key_set(evaluated, shift, shard_tokens))
+    keys = restricted.read_keys(keys_path, shift)
+    t_keys = time.time() - t_keys
+
+    total = max(sum(s.n_tokens - 1 for s in stores if s.n_tokens), 1)
+    group_pairs = max(shard_tokens, -(-total // max(groups, 1)))
+    tasks, offset = [], 0
+    for s, store in enumerate(stores):
+        for start in range(0, max(store.n_tokens - 1, 0), group_pairs):
+            stop = min(start + group_pairs, store.n_tokens - 1)
+            tasks.append(
+                restricted.RestrictedTask(
+                    tokens_path=str((store.path / "tokens.bin").resolve()),
+                    dtype=store.dtype.name,
+                    n_tokens=store.n_tokens,
+                    start=start,
+                    stop=stop,
+                    stream_offset=offset,
+                    row=row,
+                    shift=shift,
+                    shard_tokens=shard_tokens,
+                    keys=str(keys_path),
+                    out=str(work / "partials" / f"g{s:04d}-{start:012d}-{stop:012d}.bin"),
+                )
+            )
+        offset += store.n_tokens
+    t_map = time.time()
+    resumed = _run_map(executor, tasks, restricted.count_restricted, progress)
+    t_map = time.time() - t_map
+
+    t_reduce = time.time()
+    extra = restricted.key_counts(keys, boundary_keys(stores, row, shift))
+    part = work / "reduced" / "r00000.parquet"
+    rows = restricted.restricted_rows(keys, [t.out for t in tasks], extra)
+    write_bigrams_batches(part, rows, shift)
+    distinct, total_pairs = write_bigrams(work.parent / BIGRAMS_NAME, [str(part)])
+    return {
+        "distinct": distinct,
+        "total_pairs": total_pairs,
+        "counts": {"groups": len(tasks), "groups_resumed": resumed},
+        "times": {
+            "key_set_s": t_keys,
             "map_s": t_map,
-            "reduce_and_write_s": t_reduce,
+            "reduce_and_write_s": time.time() - t_reduce,
         },
-        fingerprint=stores[0].fingerprint,
-        total_pairs=total_pairs,
-        distinct_bigrams=distinct,
-        unit=unit,
-        sources=sources,
-    )
-    meta = stage.finish(meta)
-    shutil.rmtree(work, ignore_errors=True)
-    return meta
+        "meta": {
+            # every pair of the training stream in the unit, counted or not
+            "stream_pairs": _stream_pairs(stores, row),
+            "evaluated_bigrams": int(keys.size),
+            "evaluated_bigrams_unseen": int(keys.size) - distinct,
+        },
+    }
 
 
-def _run_map(executor, tasks: list[MapTask], progress: bool) -> int:
-    """Count every shard whose partial is not there yet. Returns how many were there."""
+def _run_map(executor, tasks: list, count, progress: bool) -> int:
+    """`count` every task whose partial is not there yet. Returns how many were there."""
     from tqdm import tqdm
 
     todo = [t for t in tasks if not Path(t.out).is_file()]
@@ -335,7 +476,7 @@ def _run_map(executor, tasks: list[MapTask], progress: bool) -> int:
         desc="count: map",
         disable=not progress,
     ) as bar:
-        for task, _ in executor.map_unordered(count_shard, todo):
+        for task, _ in executor.map_unordered(count, todo):
             bar.update(task.n_pairs)
     return resumed
 
@@ -403,9 +544,9 @@ def run_count(cfg: CountConfig) -> dict:
     from ar_slicing.executor import default_workers, get_executor
 
     validate_count(cfg)
-    stage = open_count_stage(
-        open_stores(cfg.tokens), cfg.out, cfg.unit, cfg.shard_tokens, cfg.overwrite
-    )
+    stores = open_stores(cfg.tokens)
+    evaluated = open_evaluated(cfg.only_bigrams_of, stores)
+    stage = open_count_stage(stores, cfg.out, cfg.unit, cfg.shard_tokens, cfg.overwrite, evaluated)
     if stage.complete:
         meta = stage.skip()
         print(f"count: {cfg.out} is complete ({meta['total_pairs']:,} pairs); --overwrite to redo")
@@ -423,11 +564,18 @@ def run_count(cfg: CountConfig) -> dict:
         overwrite=cfg.overwrite,
         config=config_to_dict(cfg),
         executor=executor,
+        only_bigrams_of=list(cfg.only_bigrams_of or []),
     )
     rate = meta.get("throughput", {}).get("tokens_per_s")
+    only = (
+        f", only those of {len(meta['only_bigrams_of'])} evaluated store(s) "
+        f"({meta['evaluated_bigrams_unseen']:,} of their {meta['evaluated_bigrams']:,} never seen)"
+        if meta.get("only_bigrams_of")
+        else ""
+    )
     print(
         f"count: {meta['total_pairs']:,} pairs, {meta['distinct_bigrams']:,} distinct bigrams "
-        f"(unit {meta['unit']}) from {len(meta['sources'])} store(s) -> {cfg.out}"
+        f"(unit {meta['unit']}) from {len(meta['sources'])} store(s){only} -> {cfg.out}"
         + (f" ({meta['wall_time_s']:.1f} s, {rate / 1e6:.1f} M tokens/s)" if rate else "")
     )
     return meta
@@ -437,11 +585,12 @@ COMMAND = Command(
     CountConfig,
     run_count,
     validate=validate_count,
-    plan_settings=lambda cfg: count_settings(cfg.unit, cfg.shard_tokens),
+    plan_settings=lambda cfg: count_settings(cfg.unit, cfg.shard_tokens, cfg.only_bigrams_of),
     summary="exact training bigram counts of token stores",
     examples="""\
   arslice count --tokens runs/pile/tokens/train --out runs/pile/counts
   arslice count --tokens runs/pile/tokens/train-00 runs/pile/tokens/train-01 --out runs/pile/counts
+  arslice count --tokens runs/pile/tokens/train --only-bigrams-of runs/pile/tokens/val --out runs/pile/counts
   arslice count --tokens runs/pythia/tokens/train --unit row:2049 --workers 16 --out runs/pythia/counts
   arslice count --tokens /shared/pile/tokens/train --out /shared/pile/counts --executor ray --ray-address auto""",
 )

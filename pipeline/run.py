@@ -256,7 +256,13 @@ class Pipeline:
     # -- count, tag --------------------------------------------------------------------------
     def count_configs(self) -> dict[str, Any]:
         defaults = {"tokens": [str(self.layout.store("train"))], "out": str(self.layout.counts)}
-        return {"count": self._build("count", self.table("count"), defaults, "[count]")}
+        table = self.table("count")
+        if table.get("only_bigrams_of"):  # "val" names the run's own validation store
+            table["only_bigrams_of"] = [
+                str(self.layout.store(s)) if s in STORE_PARTS else s
+                for s in table["only_bigrams_of"]
+            ]
+        return {"count": self._build("count", table, defaults, "[count]")}
 
     def run_count(self) -> dict:
         return self.loader("count").run(self.count_configs()["count"])

@@ -257,6 +257,7 @@ def _counted_sources(counts_meta: dict, store) -> list[str]:
 
 def _run_tag(cfg: TagConfig) -> dict:
 
+    from ar_slicing.counts.restricted import check_covers
     from ar_slicing.plan import StagePlan, identity, open_stage
     from ar_slicing.store import TokenStore
     from ar_slicing.tokenizer import require_same_fingerprint
@@ -278,6 +279,7 @@ def _run_tag(cfg: TagConfig) -> dict:
         str(counts_meta.get("fingerprint")),
         f"counts {cfg.counts}",
     )
+    check_covers(counts_meta, cfg.counts, store)
     plan = StagePlan(
         "tag",
         settings=tag_settings(cfg),

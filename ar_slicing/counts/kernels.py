@@ -29,6 +29,32 @@ def _count_u16_kernel(tokens, row, phase, nexts, out_next, out_c8, prev_offsets,
     where that is 255, the next of `escaped`. Returns (distinct pairs, escaped counts, pairs
     counted). `nexts` (scatter space), out_next and out_c8 hold at least len(tokens) - 1 entries.
     """
+    hist = _bucket_by_prev(tokens, row, phase, nexts)
+    # uint32: a shard has fewer than 2**32 pairs, and half the table of int64 stays in L2
+    scratch = np.zeros(65536, np.uint32)
+    bits = np.zeros(1024, np.uint64)
+    summary = np.zeros(16, np.uint64)
+    d = 0
+    e = 0
+    for p in range(65536):
+        prev_offsets[p] = d
+        a = hist[p]
+        b = hist[p + 1]
+        if a == b:
+            continue
+        for i in range(a, b):
+            x = np.int64(nexts[i])
+            _touch(x, bits, summary)
+            scratch[x] += 1
+        d, e = _emit_compact(scratch, bits, summary, out_next, out_c8, escaped, d, e)
+    prev_offsets[65536] = d
+    return d, e, hist[65536]
+
+
+def _bucket_by_prev(tokens, row, phase, nexts):
+    """Counting sort of the pairs (tokens[j], tokens[j+1]) by `prev`: the `next` ids of prev p
+    land in nexts[hist[p]:hist[p + 1]], in stream order; returns `hist` (65537 entries, its last
+    the number of pairs). With `row` > 0, pair j is skipped when (phase + j + 1) % row == 0."""
     n = tokens.size - 1
     hist = np.zeros(65537, np.int64)
     c = phase
@@ -52,25 +78,43 @@ def _count_u16_kernel(tokens, row, phase, nexts, out_next, out_c8, prev_offsets,
         p = tokens[j]
         nexts[pos[p]] = tokens[j + 1]
         pos[p] += 1
-    # uint32: a shard has fewer than 2**32 pairs, and half the table of int64 stays in L2
+    return hist
+
+
+def _count_restricted_u16_kernel(tokens, row, phase, nexts, key_offsets, key_next, acc):
+    """Add the counts of the pairs of a uint16 shard to acc[j], for the allowed pairs j only.
+
+    The allowed pairs are sorted keys given per prev: pair j = (p, key_next[j]) for
+    key_offsets[p] <= j < key_offsets[p + 1]. Pairs are bucketed by prev as in the map kernel;
+    then each prev's bucket is counted in the scratch table and read out at its allowed `next`
+    ids, or, where the bucket is much smaller than the prev's allowed ids, each of its pairs is
+    found among them by binary search. Returns the number of pairs of the shard (all of them,
+    allowed or not). `nexts` (scatter space) holds at least len(tokens) - 1 entries.
+    """
+    hist = _bucket_by_prev(tokens, row, phase, nexts)
     scratch = np.zeros(65536, np.uint32)
-    bits = np.zeros(1024, np.uint64)
-    summary = np.zeros(16, np.uint64)
-    d = 0
-    e = 0
     for p in range(65536):
-        prev_offsets[p] = d
         a = hist[p]
         b = hist[p + 1]
-        if a == b:
+        k0 = key_offsets[p]
+        k1 = key_offsets[p + 1]
+        if a == b or k0 == k1:
+            continue
+        if 8 * (b - a) < k1 - k0:
+            allowed = key_next[k0:k1]
+            for i in range(a, b):
+                x = nexts[i]
+                j = np.searchsorted(allowed, x)
+                if j < allowed.size and allowed[j] == x:
+                    acc[k0 + j] += 1
             continue
         for i in range(a, b):
-            x = np.int64(nexts[i])
-            _touch(x, bits, summary)
-            scratch[x] += 1
-        d, e = _emit_compact(scratch, bits, summary, out_next, out_c8, escaped, d, e)
-    prev_offsets[65536] = d
-    return d, e, hist[65536]
+            scratch[nexts[i]] += 1
+        for j in range(k0, k1):
+            acc[j] += scratch[key_next[j]]
+        for i in range(a, b):
+            scratch[nexts[i]] = 0
+    return hist[65536]
 
 
 def _merge16_kernel(nexts, c8, prev_offsets, escaped, escaped_start, p_lo, out_keys, out_counts):
@@ -230,13 +274,15 @@ def _probe_split_kernel(table_keys, table_values, home_size, shift, prev, nxt, o
 
 def _jit_all(jit) -> dict:
     """The compiled kernels, or None (numpy fallback) without numba or with ARSLICE_NO_NUMBA=1."""
-    global _emit_segment, _emit_compact, _touch, _home_slot
+    global _emit_segment, _emit_compact, _touch, _home_slot, _bucket_by_prev
+    _bucket_by_prev = jit(_bucket_by_prev)
     _touch = jit(_touch)
     _emit_segment = jit(_emit_segment)
     _emit_compact = jit(_emit_compact)
     _home_slot = jit(_home_slot)
     return {
         "count_u16": jit(_count_u16_kernel),
+        "count_restricted_u16": jit(_count_restricted_u16_kernel),
         "merge16": jit(_merge16_kernel),
         "build_split": jit(_build_split_kernel),
         "probe_split": jit(_probe_split_kernel),

@@ -31,6 +31,11 @@ def write_bigrams_part(path: str | Path, keys: np.ndarray, counts: np.ndarray, s
 
     Row groups of ROW_GROUP_ROWS rows, explicit schema. Returns the part's total pairs.
     """
+    return write_bigrams_batches(path, [(keys, counts)], shift)
+
+
+def write_bigrams_batches(path: str | Path, batches, shift: int) -> int:
+    """`write_bigrams_part` of (keys, counts) batches that follow one another in key order."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -61,14 +66,15 @@ def write_bigrams_part(path: str | Path, keys: np.ndarray, counts: np.ndarray, s
                 write_page_index=False,
             ) as writer,
         ):
-            for a in range(0, keys.size, ROW_GROUP_ROWS):
-                k = keys[a : a + ROW_GROUP_ROWS]
-                c = np.ascontiguousarray(counts[a : a + ROW_GROUP_ROWS], dtype=np.int64)
-                prev = (k >> k.dtype.type(shift)).astype(np.int32)
-                nxt = (k & k.dtype.type(mask)).astype(np.int32)
-                columns = [_arrow_view(x, f.type) for x, f in zip((prev, nxt, c), schema)]
-                writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=schema))
-                total += int(c.sum())
+            for keys, counts in batches:
+                for a in range(0, keys.size, ROW_GROUP_ROWS):
+                    k = keys[a : a + ROW_GROUP_ROWS]
+                    c = np.ascontiguousarray(counts[a : a + ROW_GROUP_ROWS], dtype=np.int64)
+                    prev = (k >> k.dtype.type(shift)).astype(np.int32)
+                    nxt = (k & k.dtype.type(mask)).astype(np.int32)
+                    columns = [_arrow_view(x, f.type) for x, f in zip((prev, nxt, c), schema)]
+                    writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=schema))
+                    total += int(c.sum())
             writer.add_key_value_metadata({PART_PAIRS_KEY: str(total)})
     except BaseException:
         tmp.unlink(missing_ok=True)
