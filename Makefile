@@ -15,7 +15,7 @@ RUN := $(shell sed -n 's/^run_dir *= *"\([^"]*\)".*/\1/p' $(CONFIG) 2>/dev/null)
 RUNFLAGS := $(if $(OVERWRITE),--redo-changed,)
 STAGE = $(ARSLICE) run --config $(CONFIG) $(RUNFLAGS) --stage
 
-.PHONY: FORCE install test test-slow test-demo test-gpu lint format bench bench-gpu all tokenizer tokenize counts tags train eval report verify readme-demo clean-run
+.PHONY: FORCE install test test-slow test-demo test-gpu lint format bench bench-scale bench-gpu all tokenizer tokenize counts tags train eval report verify readme-demo clean-run
 
 install:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,7 +46,12 @@ format:
 	$(VENV)/bin/ruff format .
 
 bench:
-	@set -e; for f in benchmarks/bench_*.py; do echo "== $$f"; $(PY) $$f; done
+	@set -e; for f in $(filter-out benchmarks/bench_scale.py,$(wildcard benchmarks/bench_*.py)); do echo "== $$f"; $(PY) $$f; done
+
+# The Pile on one node, scaled down: 2 B training + 100 M validation tokens through import,
+# count (full and restricted) and tag (about 12 GB under bench-data/scale/).
+bench-scale:
+	$(PY) benchmarks/bench_scale.py
 
 bench-gpu:
 	@set -e; for f in benchmarks/gpu_*.py; do echo "== $$f"; $(PY) $$f; done
