@@ -30,7 +30,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ar_slicing.counts import reduce
 from ar_slicing.counts.keys import (
     bucket_bounds,
     count_keys,
@@ -39,7 +38,8 @@ from ar_slicing.counts.keys import (
     parse_unit,
 )
 from ar_slicing.counts.parquet import BIGRAMS_NAME, write_bigrams
-from ar_slicing.counts.partials import MapTask, bucket_sizes, count_shard, write_partial
+from ar_slicing.counts.partials import MapTask, count_shard, write_partial
+from ar_slicing.counts.tasks import plan_reduce_tasks, run_map, run_reduce
 from ar_slicing.errors import BadInput
 from pipeline.config import Command, config_to_dict, ray_address_option
 
@@ -53,15 +53,17 @@ WORK_NAME = ".work"  # partials and reduced ranges of an unfinished count (kept 
 
 @dataclass(frozen=True)
 class CountConfig:
-    tokens: list[str] = field(
-        metadata={"help": "training token store directories, counted as their concatenation"}
-    )
     out: str = field(metadata={"help": "output directory for bigrams.parquet and meta.json"})
-    unit: str = field(
-        default="stream",
+    tokens: list[str] = field(
+        default_factory=list,
+        metadata={"help": "training token store directories, counted as their concatenation"},
+    )
+    unit: str | None = field(
+        default=None,
         metadata={
-            "help": "'stream': every adjacent pair of the EOS-joined stream; 'row:N': only pairs "
-            "inside consecutive rows of N tokens (Pythia: row:2049)"
+            "help": "'stream' (the default): every adjacent pair of the EOS-joined stream; "
+            "'row:N': only pairs inside consecutive rows of N tokens (Pythia: row:2049); with "
+            "--import, the unit the published counts were made in (it must be stated)"
         },
     )
     workers: int = field(default=0, metadata={"help": "worker processes (0 = all cores)"})
@@ -78,6 +80,18 @@ class CountConfig:
             "validation stores): memory and disk then scale with them, not with the training "
             "set; `tag` accepts such counts only for these stores"
         },
+    )
+    import_parquet: list[str] | None = field(
+        default=None,
+        metadata={
+            "flag": "import",
+            "help": "instead of counting, import published counts: Parquet files with columns "
+            "id0, id1, count (e.g. Confirm-Labs/pile_bigrams); needs --tokenizer and --unit",
+        },
+    )
+    tokenizer: str | None = field(
+        default=None,
+        metadata={"help": "with --import: the tokenizer the counts were made with (file or dir)"},
     )
     overwrite: bool = field(default=False, metadata={"help": "redo a complete output directory"})
     executor: str = field(
@@ -132,35 +146,6 @@ def boundary_keys(stores, row: int | None, shift: int) -> np.ndarray:
         offset += store.n_tokens
     kd = key_dtype_for(shift)
     return np.array([(p << shift) | n for p, n in pairs], dtype=kd)
-
-
-def plan_reduce_tasks(work: Path, partials: list[str], shift: int) -> list[reduce.ReduceTask]:
-    """Ranges of fine buckets of about REDUCE_RANGE_ENTRIES partial entries, one task each.
-
-    A fixed size, not a fraction of the total, so a reduce task's memory does not grow with the
-    corpus: more data means more ranges, not bigger ones. The ranges are kept in `work`, so a
-    resumed run reduces the same ranges.
-    """
-    from ar_slicing.io import read_json, write_json_atomic
-
-    ranges_path = work / "reduced" / "ranges.json"
-    if ranges_path.exists():
-        ranges = [tuple(r) for r in read_json(ranges_path)["ranges"]]
-    else:
-        sizes = sum(bucket_sizes(p) for p in partials) if partials else np.zeros(1, dtype=np.int64)
-        ranges = reduce.plan_ranges(np.asarray(sizes), reduce.REDUCE_RANGE_ENTRIES)
-        write_json_atomic(ranges_path, {"ranges": ranges})
-    return [
-        reduce.ReduceTask(
-            partials=tuple(partials),
-            b_lo=lo,
-            b_hi=hi,
-            out=str(work / "reduced" / f"r{j:05d}.parquet"),
-            shift=shift,
-            batch_entries=reduce.REDUCE_RANGE_ENTRIES,
-        )
-        for j, (lo, hi) in enumerate(ranges)
-    ]
 
 
 # ---- the stage plan ----------------------------------------------------------------------------
@@ -365,7 +350,7 @@ def _count_full(stores, work, row, shard_tokens, shift, executor, progress) -> d
     vocab_size = max(s.vocab_size for s in stores)
     tasks = plan_map_tasks(stores, work, row, shard_tokens, shift, vocab_size)
     t_map = time.time()
-    resumed = _run_map(executor, tasks, count_shard, progress)
+    resumed = run_map(executor, tasks, count_shard, progress)
     t_map = time.time() - t_map
 
     partials = [t.out for t in tasks]
@@ -375,9 +360,7 @@ def _count_full(stores, work, row, shard_tokens, shift, executor, progress) -> d
 
     t_reduce = time.time()
     reduce_tasks = plan_reduce_tasks(work, partials, shift)
-    distinct, total_pairs = _run_reduce(
-        executor, reduce_tasks, work.parent / BIGRAMS_NAME, progress
-    )
+    distinct, total_pairs = run_reduce(executor, reduce_tasks, work.parent / BIGRAMS_NAME, progress)
     return {
         "distinct": distinct,
         "total_pairs": total_pairs,
@@ -432,7 +415,7 @@ def _count_restricted(
             )
         offset += store.n_tokens
     t_map = time.time()
-    resumed = _run_map(executor, tasks, restricted.count_restricted, progress)
+    resumed = run_map(executor, tasks, restricted.count_restricted, progress)
     t_map = time.time() - t_map
 
     t_reduce = time.time()
@@ -459,28 +442,6 @@ def _count_restricted(
     }
 
 
-def _run_map(executor, tasks: list, count, progress: bool) -> int:
-    """`count` every task whose partial is not there yet. Returns how many were there."""
-    from tqdm import tqdm
-
-    todo = [t for t in tasks if not Path(t.out).is_file()]
-    total_tokens = sum(t.n_pairs for t in tasks)
-    resumed = len(tasks) - len(todo)
-    if resumed:
-        log.info("resuming: %d of %d shards already counted", resumed, len(tasks))
-    with tqdm(
-        total=total_tokens,
-        initial=total_tokens - sum(t.n_pairs for t in todo),
-        unit="tok",
-        unit_scale=True,
-        desc="count: map",
-        disable=not progress,
-    ) as bar:
-        for task, _ in executor.map_unordered(count, todo):
-            bar.update(task.n_pairs)
-    return resumed
-
-
 def _boundary_partial(work: Path, edge: np.ndarray, shift: int, vocab_size: int) -> str:
     """The partial of the pairs across stores (written once; a resumed run finds it)."""
     edge_out = work / "partials" / "boundaries.bin"
@@ -494,59 +455,45 @@ def _boundary_partial(work: Path, edge: np.ndarray, shift: int, vocab_size: int)
     return str(edge_out)
 
 
-def _run_reduce(executor, tasks: list, path: Path, progress: bool) -> tuple[int, int]:
-    """Reduce the ranges not reduced yet and join all of them into `path`, in key order, while
-    later ranges are still being reduced. Returns (distinct, total pairs)."""
-    from tqdm import tqdm
-
-    pending = [t for t in tasks if not Path(t.out).exists()]
-    finished = {t.out for t in tasks} - {t.out for t in pending}
-
-    def reduced_in_order(bar):
-        next_index = 0
-
-        def ready():
-            nonlocal next_index
-            while next_index < len(tasks) and tasks[next_index].out in finished:
-                next_index += 1
-                yield tasks[next_index - 1].out
-
-        yield from ready()
-        for task, _ in executor.map_unordered(reduce.reduce_range, pending):
-            finished.add(task.out)
-            bar.update(1)
-            yield from ready()
-        yield from ready()
-
-    with tqdm(
-        total=len(tasks),
-        initial=len(finished),
-        unit="range",
-        desc="count: reduce",
-        disable=not progress,
-    ) as bar:
-        return write_bigrams(path, reduced_in_order(bar))
-
-
 # ---- the command -------------------------------------------------------------------------------
 
 
 def validate_count(cfg: CountConfig) -> None:
-    parse_unit(cfg.unit)
     _check_shard_tokens(cfg.shard_tokens)
     if cfg.workers < 0:
         raise BadInput(f"--workers must be >= 0 (0 = all cores), got {cfg.workers}")
+    if cfg.import_parquet:
+        from pipeline.count_import import check_import
+
+        if cfg.tokens or cfg.only_bigrams_of:
+            raise BadInput(
+                "count: --import replaces counting: give no --tokens or --only-bigrams-of"
+            )
+        check_import(cfg.import_parquet, cfg.tokenizer, cfg.unit)
+        return
+    parse_unit(cfg.unit or "stream")
     if not cfg.tokens or any(not str(t).strip() for t in cfg.tokens):
         raise BadInput("count: --tokens needs one or more token store directories (not empty)")
+
+
+def _plan_settings(cfg: CountConfig) -> dict:
+    if cfg.import_parquet:
+        from pipeline.count_import import import_settings
+
+        return import_settings(cfg.unit)
+    return count_settings(cfg.unit or "stream", cfg.shard_tokens, cfg.only_bigrams_of)
 
 
 def run_count(cfg: CountConfig) -> dict:
     from ar_slicing.executor import default_workers, get_executor
 
     validate_count(cfg)
+    if cfg.import_parquet:
+        return _run_import(cfg)
+    unit = cfg.unit or "stream"
     stores = open_stores(cfg.tokens)
     evaluated = open_evaluated(cfg.only_bigrams_of, stores)
-    stage = open_count_stage(stores, cfg.out, cfg.unit, cfg.shard_tokens, cfg.overwrite, evaluated)
+    stage = open_count_stage(stores, cfg.out, unit, cfg.shard_tokens, cfg.overwrite, evaluated)
     if stage.complete:
         meta = stage.skip()
         print(f"count: {cfg.out} is complete ({meta['total_pairs']:,} pairs); --overwrite to redo")
@@ -558,7 +505,7 @@ def run_count(cfg: CountConfig) -> dict:
     meta = count_stores(
         list(cfg.tokens),
         cfg.out,
-        unit=cfg.unit,
+        unit=unit,
         workers=workers,
         shard_tokens=cfg.shard_tokens,
         overwrite=cfg.overwrite,
@@ -581,16 +528,41 @@ def run_count(cfg: CountConfig) -> dict:
     return meta
 
 
+def _run_import(cfg: CountConfig) -> dict:
+    from ar_slicing.executor import default_workers, get_executor
+    from pipeline.count_import import import_counts
+
+    executor = None
+    if cfg.executor != "local":
+        executor = get_executor(cfg.executor, cfg.workers or None, address=cfg.ray_address)
+    meta = import_counts(
+        list(cfg.import_parquet),
+        cfg.out,
+        tokenizer=cfg.tokenizer,
+        unit=cfg.unit,
+        workers=cfg.workers if cfg.workers > 0 else default_workers(),
+        overwrite=cfg.overwrite,
+        config=config_to_dict(cfg),
+        executor=executor,
+    )
+    print(
+        f"count: {meta['total_pairs']:,} pairs, {meta['distinct_bigrams']:,} distinct bigrams "
+        f"(unit {meta['unit']}) imported from {len(meta['sources'])} file(s) -> {cfg.out}"
+    )
+    return meta
+
+
 COMMAND = Command(
     CountConfig,
     run_count,
     validate=validate_count,
-    plan_settings=lambda cfg: count_settings(cfg.unit, cfg.shard_tokens, cfg.only_bigrams_of),
+    plan_settings=_plan_settings,
     summary="exact training bigram counts of token stores",
     examples="""\
   arslice count --tokens runs/pile/tokens/train --out runs/pile/counts
   arslice count --tokens runs/pile/tokens/train-00 runs/pile/tokens/train-01 --out runs/pile/counts
   arslice count --tokens runs/pile/tokens/train --only-bigrams-of runs/pile/tokens/val --out runs/pile/counts
   arslice count --tokens runs/pythia/tokens/train --unit row:2049 --workers 16 --out runs/pythia/counts
+  arslice count --import pile_bigrams/*.parquet --tokenizer EleutherAI/gpt-neox-20b --unit row:2048 --out runs/pythia/counts
   arslice count --tokens /shared/pile/tokens/train --out /shared/pile/counts --executor ray --ray-address auto""",
 )
