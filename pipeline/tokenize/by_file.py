@@ -28,7 +28,7 @@ from ar_slicing.io import atomic_path
 from ar_slicing.readers import HF_PREFIX, DirectoryReader, ReadStats, iter_documents
 from pipeline.config import reader_options
 from pipeline.tokenize.shards import (
-    cached_tokenizer,
+    cached_encoder,
     encode_texts,
     part_paths,
     part_schema,
@@ -60,6 +60,7 @@ class FileTask:
     dtype: str
     eos_id: int
     threads: int
+    encoder: str = "tokenizers"  # the backend (ar_slicing.encoders), chosen by the driver
 
     def documents(self, stats: ReadStats):
         # A directory source restricted to exactly this file keeps the split keys (paths
@@ -98,7 +99,7 @@ def encode_file(task: FileTask) -> dict:
 
     if task.threads <= 1:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    tok = cached_tokenizer(task.tokenizer_path)
+    encoder = cached_encoder(task.tokenizer_path, task.encoder)
     dtype = np.dtype(task.dtype)
     stats = ReadStats()
     columns: dict[str, list] = {"n_tokens": [], "source": [], "subset": [], "eos_in_text": []}
@@ -108,7 +109,7 @@ def encode_file(task: FileTask) -> dict:
         batches = shard_documents(task.documents(stats), task.shard_docs, task.shard_chars)
         for _, batch in batches:
             stream, lengths, eos_in_text = encode_texts(
-                tok, [d.text for d in batch], dtype, task.eos_id
+                encoder, [d.text for d in batch], dtype, task.eos_id
             )
             stream.tofile(f)
             n_tokens += stream.size
@@ -162,7 +163,15 @@ def _add_stats(total: ReadStats, part: dict) -> None:
 
 
 def encode_by_file(
-    cfg, executor, parts_dir: Path, tokenizer_path: Path, dtype, eos_id: int, stats, account
+    cfg,
+    executor,
+    parts_dir: Path,
+    tokenizer_path: Path,
+    dtype,
+    eos_id: int,
+    stats,
+    account,
+    encoder: str = "tokenizers",
 ) -> int:
     """Encode every input file of `cfg.source` into part `i` (i = its place in reading order),
     skipping files finished by an earlier run. Adds the read stats into `stats`, reports each
@@ -197,6 +206,7 @@ def encode_by_file(
                 dtype=dtype.str,
                 eos_id=eos_id,
                 threads=threads,
+                encoder=encoder,
             )
         )
     if resumed:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ar_slicing.errors import BadInput
+from ar_slicing.errors import ArSliceError, BadInput
 from ar_slicing.io import atomic_path
 from ar_slicing.store import DOCS_NAME, TOKENS_NAME, docs_schema
 
@@ -28,6 +28,7 @@ class ShardTask:
     dtype: str
     eos_id: int
     threads: int  # encoder threads inside the worker
+    encoder: str = "tokenizers"  # the backend (ar_slicing.encoders), chosen by the driver
 
 
 def part_paths(parts_dir: str | Path, index: int) -> tuple[Path, Path]:
@@ -66,16 +67,37 @@ def cached_tokenizer(path: str):
     return _TOKENIZER_CACHE[key]
 
 
-def encode_texts(tok, texts: list[str], dtype: np.dtype, eos_id: int):
+_ENCODER_CACHE: dict[tuple, object] = {}
+
+
+def cached_encoder(path: str, backend: str):
+    """The encoder `backend` ("tokenizers" | "tiktoken", see `ar_slicing.encoders`) of the
+    tokenizer at `path`, made once per process (the stage makes it before forking workers)."""
+    from ar_slicing.encoders import TokenizersEncoder, tiktoken_for
+
+    tok = cached_tokenizer(path)
+    key = (id(tok), backend)
+    if key not in _ENCODER_CACHE:
+        _ENCODER_CACHE.clear()
+        if backend == "tiktoken":
+            encoder, why = tiktoken_for(tok)
+            if encoder is None:
+                raise ArSliceError(f"--encoder tiktoken: cannot reproduce {path} ({why})")
+        else:
+            encoder = TokenizersEncoder(tok)
+        _ENCODER_CACHE[key] = encoder
+    return _ENCODER_CACHE[key]
+
+
+def encode_texts(encoder, texts: list[str], dtype: np.dtype, eos_id: int):
     """(stream: every text's ids then EOS, lengths int32, EOS ids inside each text int32)."""
-    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # no offsets: faster
-    encodings = encode(texts, add_special_tokens=False)
+    encodings = encoder.encode_batch(texts)
     eos = np.array([eos_id], dtype=dtype)
     pieces = []
     lengths = np.empty(len(encodings), dtype=np.int32)
     eos_in_text = np.empty(len(encodings), dtype=np.int32)
     for i, enc in enumerate(encodings):
-        ids = np.array(enc.ids, dtype=dtype)
+        ids = np.asarray(enc).astype(dtype)
         lengths[i] = ids.size
         eos_in_text[i] = np.count_nonzero(ids == eos_id)
         pieces.append(ids)
@@ -92,8 +114,10 @@ def encode_shard(task: ShardTask) -> dict:
     if task.threads <= 1:
         # One encoder thread per worker process: the processes already use every core.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    tok = cached_tokenizer(task.tokenizer_path)
-    stream, lengths, eos_in_text = encode_texts(tok, task.texts, np.dtype(task.dtype), task.eos_id)
+    encoder = cached_encoder(task.tokenizer_path, task.encoder)
+    stream, lengths, eos_in_text = encode_texts(
+        encoder, task.texts, np.dtype(task.dtype), task.eos_id
+    )
     tokens_path, docs_path = part_paths(task.parts_dir, task.index)
     with atomic_path(tokens_path) as tmp:
         stream.tofile(tmp)

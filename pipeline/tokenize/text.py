@@ -8,6 +8,7 @@ import shutil
 import time
 from collections.abc import Iterator
 
+from ar_slicing.encoders import select_encoder
 from ar_slicing.errors import BadInput
 from ar_slicing.io import (
     atomic_path,
@@ -21,7 +22,7 @@ from pipeline.tokenize.config import PARTS_DIR, TokenizeConfig
 from pipeline.tokenize.shards import (
     ShardTask,
     assemble_store,
-    cached_tokenizer,
+    cached_encoder,
     done_shard_counts,
     encode_shard,
     preload_pyarrow_pandas,
@@ -39,6 +40,8 @@ def encode_store(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict
     from ar_slicing.executor import default_workers, get_executor
 
     out = stage.out
+    encoder, encoder_why = select_encoder(tok, cfg.encoder)
+    log.info("encoding with %s (%s)", encoder.name, encoder_why)
     dtype = dtype_for_vocab(info["vocab_size"])
     tokenizer_json = tok.to_str(pretty=True)
     executor = get_executor(cfg.executor, cfg.workers or None, address=cfg.ray_address)
@@ -85,16 +88,25 @@ def encode_store(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict
                 dtype=dtype.str,
                 eos_id=int(info["eos_id"]),
                 threads=threads,
+                encoder=encoder.name,
             )
 
-    cached_tokenizer(str(tokenizer_path))
+    cached_encoder(str(tokenizer_path), encoder.name)
     preload_pyarrow_pandas()
     try:
         if cfg.shard_by_file:
             from pipeline.tokenize.by_file import encode_by_file
 
             totals["resumed"] = encode_by_file(
-                cfg, executor, parts_dir, tokenizer_path, dtype, int(info["eos_id"]), stats, account
+                cfg,
+                executor,
+                parts_dir,
+                tokenizer_path,
+                dtype,
+                int(info["eos_id"]),
+                stats,
+                account,
+                encoder.name,
             )
         else:
             for _task, counts in executor.map_unordered(encode_shard, tasks()):
@@ -140,6 +152,7 @@ def encode_store(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict
             "mb_per_s": stats.bytes / 1e6 / max(wall, 1e-9),
         },
         tokenizer=info,
+        encoder={"backend": encoder.name, "why": encoder_why},
         dtype=dtype.name,
         n_tokens=n_tokens,
         n_docs=n_docs,
