@@ -174,8 +174,10 @@ def _touch(x, bits, summary):
     bits[w] |= np.uint64(1) << np.uint64(x & 63)
 
 
-def _emit_compact(scratch, bits, summary, out_next, out_c8, escaped, d, e):
-    """`_emit_segment` for the compact layout: `next` and a one-byte count (255: escaped)."""
+def _walk_bitmap(bits, summary, out, d):
+    """Write the marked `next` values in increasing order to out[d:], clearing the bitmap.
+
+    Returns the index past the last one written."""
     for sw in range(16):
         s = summary[sw]
         while s != 0:
@@ -184,45 +186,42 @@ def _emit_compact(scratch, bits, summary, out_next, out_c8, escaped, d, e):
             b = bits[w]
             while b != 0:
                 lb = b & (~b + np.uint64(1))
-                x = w * 64 + _CTZ[(lb * _DEBRUIJN) >> np.uint64(58)]
-                c = scratch[x]
-                out_next[d] = x
-                if c >= 255:
-                    out_c8[d] = 255
-                    escaped[e] = c
-                    e += 1
-                else:
-                    out_c8[d] = c
-                scratch[x] = 0
-                d += 1
-                b ^= lb
-            bits[w] = 0
-            s ^= low
-        summary[sw] = 0
-    return d, e
-
-
-def _emit_segment(p, scratch, bits, summary, out_keys, out_counts, d):
-    """Write prev `p`'s nonzero scratch entries in `next` order (bitmap walk), clearing them."""
-    base = np.uint32(p) << np.uint32(16)
-    for sw in range(16):
-        s = summary[sw]
-        while s != 0:
-            low = s & (~s + np.uint64(1))
-            w = sw * 64 + _CTZ[(low * _DEBRUIJN) >> np.uint64(58)]
-            b = bits[w]
-            while b != 0:
-                lb = b & (~b + np.uint64(1))
-                x = w * 64 + _CTZ[(lb * _DEBRUIJN) >> np.uint64(58)]
-                out_keys[d] = base | np.uint32(x)
-                out_counts[d] = scratch[x]
-                scratch[x] = 0
+                out[d] = w * 64 + _CTZ[(lb * _DEBRUIJN) >> np.uint64(58)]
                 d += 1
                 b ^= lb
             bits[w] = 0
             s ^= low
         summary[sw] = 0
     return d
+
+
+def _emit_compact(scratch, bits, summary, out_next, out_c8, escaped, d, e):
+    """A segment's touched entries in `next` order as `next` and a one-byte count (255: escaped),
+    clearing them."""
+    end = _walk_bitmap(bits, summary, out_next, d)
+    for i in range(d, end):
+        x = out_next[i]
+        c = scratch[x]
+        if c >= 255:
+            out_c8[i] = 255
+            escaped[e] = c
+            e += 1
+        else:
+            out_c8[i] = c
+        scratch[x] = 0
+    return end, e
+
+
+def _emit_segment(p, scratch, bits, summary, out_keys, out_counts, d):
+    """Write prev `p`'s touched entries in `next` order as keys and counts, clearing them."""
+    end = _walk_bitmap(bits, summary, out_keys, d)
+    base = np.uint32(p) << np.uint32(16)
+    for i in range(d, end):
+        x = out_keys[i]
+        out_counts[i] = scratch[x]
+        scratch[x] = 0
+        out_keys[i] = base | x
+    return end
 
 
 # ---- the open-addressing hash table (ids of 16 bits and more) --------------------------------
@@ -274,9 +273,10 @@ def _probe_split_kernel(table_keys, table_values, home_size, shift, prev, nxt, o
 
 def _jit_all(jit) -> dict:
     """The compiled kernels, or None (numpy fallback) without numba or with ARSLICE_NO_NUMBA=1."""
-    global _emit_segment, _emit_compact, _touch, _home_slot, _bucket_by_prev
+    global _emit_segment, _emit_compact, _walk_bitmap, _touch, _home_slot, _bucket_by_prev
     _bucket_by_prev = jit(_bucket_by_prev)
     _touch = jit(_touch)
+    _walk_bitmap = jit(_walk_bitmap)
     _emit_segment = jit(_emit_segment)
     _emit_compact = jit(_emit_compact)
     _home_slot = jit(_home_slot)
