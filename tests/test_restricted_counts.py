@@ -3,6 +3,7 @@ bigrams, and tags from them byte-identical to tags from the full counts."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import tempfile
 from pathlib import Path
@@ -195,3 +196,29 @@ def test_cli_and_pipeline_config_restrict_to_the_run_store(tmp_path, capsys):
     assert cfg.only_bigrams_of == [str(val.path)] and cfg.tokens == [str(train.path)]
     meta = read_json(out / "meta.json")
     assert meta["only_bigrams_of"][0]["path"] == str(val.path.resolve())
+
+
+def test_tag_workers_share_the_table_the_stage_built_once(tmp_path, monkeypatch):
+    """The stage builds the counts' table once, before its workers fork; a worker that opened
+    the counts again (a copy of the table per worker) fails here."""
+    from ar_slicing.counts import BigramCounts
+    from pipeline.tag import TagConfig, run_tag
+
+    rng = np.random.default_rng(5)
+    train = store_at(tmp_path / "train", zipf_docs(rng, 100, 3000), vocab_size=3000)
+    val = store_at(tmp_path / "val", zipf_docs(rng, 60, 3000), vocab_size=3000)
+    count_stores([train.path], tmp_path / "c", only_bigrams_of=[val.path], progress=False)
+    real_open = BigramCounts.open.__func__
+    opened = []
+
+    def open_once(cls, path):
+        assert not opened, "the counts were opened again, by a worker"
+        opened.append(path)
+        return real_open(cls, path)
+
+    monkeypatch.setattr(BigramCounts, "open", classmethod(open_once))
+    cfg = TagConfig(
+        tokens=str(val.path), counts=str(tmp_path / "c"), out=str(tmp_path / "t"), window=64
+    )
+    meta = run_tag(dataclasses.replace(cfg, workers=2, part_tokens=1000))
+    assert meta["counts"]["parts"] > 4 and len(opened) == 1
