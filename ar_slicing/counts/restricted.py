@@ -120,31 +120,38 @@ def count_restricted(task: RestrictedTask) -> dict:
     # a group of fewer than 2**32 pairs has no count of 2**32: half the memory and disk
     acc = np.zeros(keys.size, np.uint32 if task.n_pairs < 1 << 32 else np.int64)
     dtype = np.dtype(task.dtype).newbyteorder("<")
-    mm = np.memmap(task.tokens_path, dtype=dtype, mode="r", shape=(task.n_tokens,))
     compiled = kernels() if task.shift == 16 and dtype.itemsize == 2 else None
+    offsets = key_next = nexts = None
     if compiled is not None:
         offsets = key_offsets16(keys)
         key_next = (np.asarray(keys) & np.uint32(0xFFFF)).astype(np.uint16)
         nexts = np.empty(min(task.shard_tokens, max(task.n_pairs, 1)), np.uint16)
     pairs = 0
-    for a in range(task.start, task.stop, task.shard_tokens):
-        b = min(a + task.shard_tokens, task.stop)
-        tokens = np.asarray(mm[a : b + 1])
-        if compiled is not None:
-            phase = (task.stream_offset + a) % task.row if task.row else 0
-            pairs += int(
-                compiled["count_restricted_u16"](
-                    tokens, task.row or 0, phase, nexts, offsets, key_next, acc
-                )
-            )
-            continue
-        shard = pair_keys(tokens, task.shift, task.stream_offset + a, task.row)
-        pairs += shard.size
-        acc += key_counts(keys, shard).astype(acc.dtype, copy=False)
-    del mm
+    # read, not memory-mapped: a group is many shards, and pages of a mapping it walks through
+    # stay resident (and counted against the worker) until the mapping is closed
+    with open(task.tokens_path, "rb") as f:
+        for a in range(task.start, task.stop, task.shard_tokens):
+            b = min(a + task.shard_tokens, task.stop)
+            f.seek(a * dtype.itemsize)
+            tokens = np.fromfile(f, dtype=dtype, count=b + 1 - a)
+            pairs += _count_shard(task, keys, acc, tokens, a, compiled, offsets, key_next, nexts)
     with atomic_path(task.out) as tmp:
         acc.astype(acc.dtype.newbyteorder("<"), copy=False).tofile(tmp)
     return {"pairs": pairs}
+
+
+def _count_shard(task, keys, acc, tokens, a, compiled, offsets, key_next, nexts) -> int:
+    """Add one shard's pairs (tokens[0] is stream index stream_offset + a) to `acc`."""
+    if compiled is not None:
+        phase = (task.stream_offset + a) % task.row if task.row else 0
+        return int(
+            compiled["count_restricted_u16"](
+                tokens, task.row or 0, phase, nexts, offsets, key_next, acc
+            )
+        )
+    shard = pair_keys(tokens, task.shift, task.stream_offset + a, task.row)
+    acc += key_counts(keys, shard).astype(acc.dtype, copy=False)
+    return shard.size
 
 
 def key_counts(keys: np.ndarray, pairs: np.ndarray) -> np.ndarray:
