@@ -146,9 +146,18 @@ def megatron_documents(index: MegatronIndex) -> tuple[np.ndarray, np.ndarray]:
     return offsets, lengths
 
 
+def read_chunks(path: Path, offset: int, dtype, n: int, chunk_tokens: int):
+    """`n` values of `dtype` from byte `offset` of `path`, in chunks of `chunk_tokens`. Read, not
+    memory-mapped: the pages of a mapping walked through stay resident, counted against the
+    process, until the mapping is closed (the whole file, for a multi-GB import)."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        for a in range(0, n, chunk_tokens):
+            yield np.fromfile(f, dtype=dtype, count=min(chunk_tokens, n - a))
+
+
 def iter_megatron_chunks(index: MegatronIndex, bin_path: Path, chunk_tokens: int = 1 << 24):
     """The stream's tokens (sequences in index order) in chunks of about `chunk_tokens`."""
-    data = np.memmap(bin_path, dtype=np.uint8, mode="r")
     item = index.dtype.itemsize
     sizes = index.sizes.astype(np.int64)
     contiguous = bool(
@@ -157,11 +166,9 @@ def iter_megatron_chunks(index: MegatronIndex, bin_path: Path, chunk_tokens: int
     )
     if contiguous:  # the common case: one straight read of the region the index covers
         start = int(index.pointers[0]) if index.n_sequences else 0
-        total = int(sizes.sum())
-        for a in range(0, total, chunk_tokens):
-            b = min(total, a + chunk_tokens)
-            yield np.frombuffer(data[start + a * item : start + b * item], dtype=index.dtype)
+        yield from read_chunks(bin_path, start, index.dtype, int(sizes.sum()), chunk_tokens)
         return
+    data = np.memmap(bin_path, dtype=np.uint8, mode="r")
     pending, pending_n = [], 0
     for p, n in zip(index.pointers.tolist(), sizes.tolist()):
         pending.append(np.frombuffer(data[p : p + n * item], dtype=index.dtype))

@@ -115,8 +115,7 @@ def import_store(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict
                 if src.kind == "megatron":
                     chunks = megatron.iter_megatron_chunks(how, src.path, _IMPORT_CHUNK)
                 else:
-                    data = np.memmap(src.path, dtype=how, mode="r") if n else np.zeros(0, how)
-                    chunks = (data[a : a + _IMPORT_CHUNK] for a in range(0, n, _IMPORT_CHUNK))
+                    chunks = megatron.read_chunks(src.path, 0, how, n, _IMPORT_CHUNK)
                 eos_ends, seen = [], 0
                 for chunk in chunks:
                     _check_range(chunk, vocab, src.path, seen)
