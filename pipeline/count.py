@@ -18,7 +18,10 @@ results may arrive in any order:
 
 Memory does not grow with the corpus: a map task holds one shard, a reduce task a bounded number
 of partial entries, and the driver only file names and Parquet footers. An interrupted run
-resumes from its finished shards and ranges under `--out/.work`.
+resumes from its finished shards and ranges under `--out/.work`. The tasks are planned and run
+by `ar_slicing.counts.tasks`; `--only-bigrams-of` counts only the evaluated stores' bigrams
+(`ar_slicing.counts.restricted`), and `--import` reads published counts instead
+(`pipeline.count_import`).
 """
 
 from __future__ import annotations
@@ -28,18 +31,11 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from ar_slicing.counts.keys import (
-    bucket_bounds,
-    count_keys,
-    key_dtype_for,
     key_shift_for,
     parse_unit,
 )
-from ar_slicing.counts.parquet import BIGRAMS_NAME, write_bigrams
-from ar_slicing.counts.partials import MapTask, count_shard, write_partial
-from ar_slicing.counts.tasks import plan_reduce_tasks, run_map, run_reduce
+from ar_slicing.counts.tasks import count_full, stream_pairs
 from ar_slicing.errors import BadInput
 from pipeline.config import Command, config_to_dict, ray_address_option
 
@@ -103,49 +99,6 @@ class CountConfig:
         },
     )
     ray_address: str | None = ray_address_option()
-
-
-# ---- planning the tasks ----------------------------------------------------------------------
-
-
-def plan_map_tasks(
-    stores, work: Path, row: int | None, shard_tokens: int, shift: int, vocab_size: int
-):
-    """One MapTask per shard of every store; shards overlap by one token so no pair is lost."""
-    tasks = []
-    offset = 0
-    for s, store in enumerate(stores):
-        n_pairs = max(store.n_tokens - 1, 0)
-        for k, start in enumerate(range(0, n_pairs, shard_tokens)):
-            tasks.append(
-                MapTask(
-                    tokens_path=str((store.path / "tokens.bin").resolve()),
-                    dtype=store.dtype.name,
-                    n_tokens=store.n_tokens,
-                    start=start,
-                    stop=min(start + shard_tokens, n_pairs),
-                    stream_offset=offset,
-                    row=row,
-                    shift=shift,
-                    vocab_size=vocab_size,
-                    out=str(work / "partials" / f"s{s:04d}-{k:06d}.bin"),
-                )
-            )
-        offset += store.n_tokens
-    return tasks
-
-
-def boundary_keys(stores, row: int | None, shift: int) -> np.ndarray:
-    """Keys of the pairs that span two consecutive (non-empty) stores of the concatenation."""
-    pairs, offset, last = [], 0, None
-    for store in stores:
-        if store.n_tokens:
-            if last is not None and (row is None or offset % row != 0):
-                pairs.append((last, int(store.tokens[0])))
-            last = int(store.tokens[-1])
-        offset += store.n_tokens
-    kd = key_dtype_for(shift)
-    return np.array([(p << shift) | n for p, n in pairs], dtype=kd)
 
 
 # ---- the stage plan ----------------------------------------------------------------------------
@@ -303,16 +256,16 @@ def _count(
     args = (stores, work, row, shard_tokens, shift, executor, progress)
     restriction = {}
     if evaluated:
-        from ar_slicing.counts.restricted import restriction_of
+        from ar_slicing.counts.restricted import count_restricted_stores, restriction_of
 
         restriction = {"only_bigrams_of": [restriction_of(s) for s in evaluated]}
-        done = _count_restricted(*args, evaluated=evaluated, groups=workers)
+        done = count_restricted_stores(*args, evaluated=evaluated, groups=workers)
     else:
-        done = _count_full(*args)
-    if row is None and not evaluated and done["total_pairs"] != _stream_pairs(stores, row):
+        done = count_full(*args)
+    if row is None and not evaluated and done["total_pairs"] != stream_pairs(stores, row):
         raise RuntimeError(  # the stream unit counts every pair exactly once
             f"count: {done['total_pairs']} pairs written but the stream has "
-            f"{_stream_pairs(stores, row)}"
+            f"{stream_pairs(stores, row)}"
         )
     wall = time.time() - t0
     n_tokens = sum(s.n_tokens for s in stores)
@@ -335,124 +288,6 @@ def _count(
     meta = stage.finish(meta)
     shutil.rmtree(work, ignore_errors=True)
     return meta
-
-
-def _stream_pairs(stores, row: int | None) -> int:
-    """Pairs of the concatenated stream in the unit: N - 1, less those ending a row of `row`."""
-    n = max(sum(s.n_tokens for s in stores) - 1, 0)
-    return n - (n // row if row else 0)
-
-
-def _count_full(stores, work, row, shard_tokens, shift, executor, progress) -> dict:
-    """Map every shard, reduce every `prev` range, join the parts into bigrams.parquet."""
-    import time
-
-    vocab_size = max(s.vocab_size for s in stores)
-    tasks = plan_map_tasks(stores, work, row, shard_tokens, shift, vocab_size)
-    t_map = time.time()
-    resumed = run_map(executor, tasks, count_shard, progress)
-    t_map = time.time() - t_map
-
-    partials = [t.out for t in tasks]
-    edge = boundary_keys(stores, row, shift)
-    if edge.size:
-        partials.append(_boundary_partial(work, edge, shift, vocab_size))
-
-    t_reduce = time.time()
-    reduce_tasks = plan_reduce_tasks(work, partials, shift)
-    distinct, total_pairs = run_reduce(executor, reduce_tasks, work.parent / BIGRAMS_NAME, progress)
-    return {
-        "distinct": distinct,
-        "total_pairs": total_pairs,
-        "counts": {
-            "shards": len(tasks),
-            "shards_resumed": resumed,
-            "reduce_ranges": len(reduce_tasks),
-        },
-        "times": {"map_s": t_map, "reduce_and_write_s": time.time() - t_reduce},
-    }
-
-
-def _count_restricted(
-    stores, work, row, shard_tokens, shift, executor, progress, *, evaluated, groups: int
-) -> dict:
-    """Count only the bigrams of the `evaluated` stores: their key set, then about `groups`
-    tasks of consecutive training pairs counted into dense partials over it, summed into the
-    rows. A partial's name says which pairs it counted, so a rerun with other groups (other
-    workers) never adds up partials of two groupings."""
-    import time
-
-    from ar_slicing.counts import restricted
-    from ar_slicing.counts.parquet import write_bigrams_batches
-
-    t_keys = time.time()
-    keys_path = work / "only-keys.bin"
-    if not keys_path.is_file():
-        restricted.write_keys(keys_path, restricted.key_set(evaluated, shift, shard_tokens))
-    keys = restricted.read_keys(keys_path, shift)
-    t_keys = time.time() - t_keys
-
-    total = max(sum(s.n_tokens - 1 for s in stores if s.n_tokens), 1)
-    group_pairs = max(shard_tokens, -(-total // max(groups, 1)))
-    tasks, offset = [], 0
-    for s, store in enumerate(stores):
-        for start in range(0, max(store.n_tokens - 1, 0), group_pairs):
-            stop = min(start + group_pairs, store.n_tokens - 1)
-            tasks.append(
-                restricted.RestrictedTask(
-                    tokens_path=str((store.path / "tokens.bin").resolve()),
-                    dtype=store.dtype.name,
-                    n_tokens=store.n_tokens,
-                    start=start,
-                    stop=stop,
-                    stream_offset=offset,
-                    row=row,
-                    shift=shift,
-                    shard_tokens=shard_tokens,
-                    keys=str(keys_path),
-                    out=str(work / "partials" / f"g{s:04d}-{start:012d}-{stop:012d}.bin"),
-                )
-            )
-        offset += store.n_tokens
-    t_map = time.time()
-    resumed = run_map(executor, tasks, restricted.count_restricted, progress)
-    t_map = time.time() - t_map
-
-    t_reduce = time.time()
-    extra = restricted.key_counts(keys, boundary_keys(stores, row, shift))
-    part = work / "reduced" / "r00000.parquet"
-    rows = restricted.restricted_rows(keys, [t.out for t in tasks], extra)
-    write_bigrams_batches(part, rows, shift)
-    distinct, total_pairs = write_bigrams(work.parent / BIGRAMS_NAME, [str(part)])
-    return {
-        "distinct": distinct,
-        "total_pairs": total_pairs,
-        "counts": {"groups": len(tasks), "groups_resumed": resumed},
-        "times": {
-            "key_set_s": t_keys,
-            "map_s": t_map,
-            "reduce_and_write_s": time.time() - t_reduce,
-        },
-        "meta": {
-            # every pair of the training stream in the unit, counted or not
-            "stream_pairs": _stream_pairs(stores, row),
-            "evaluated_bigrams": int(keys.size),
-            "evaluated_bigrams_unseen": int(keys.size) - distinct,
-        },
-    }
-
-
-def _boundary_partial(work: Path, edge: np.ndarray, shift: int, vocab_size: int) -> str:
-    """The partial of the pairs across stores (written once; a resumed run finds it)."""
-    edge_out = work / "partials" / "boundaries.bin"
-    if not edge_out.is_file():
-        keys, counts = count_keys(edge)
-        offsets = np.append(
-            np.searchsorted(keys, bucket_bounds(shift, vocab_size).astype(keys.dtype)),
-            keys.size,
-        )
-        write_partial(edge_out, keys, counts, offsets.astype(np.int64))
-    return str(edge_out)
 
 
 # ---- the command -------------------------------------------------------------------------------

@@ -183,6 +183,78 @@ def restricted_rows(keys: np.ndarray, partials: list[str], extra: np.ndarray):
         yield np.asarray(keys[a:b])[seen], total[seen]
 
 
+# ---- the whole restricted count ------------------------------------------------------------------
+
+
+def count_restricted_stores(
+    stores, work, row, shard_tokens, shift, executor, progress, *, evaluated, groups: int
+) -> dict:
+    """Count only the bigrams of the `evaluated` stores: their key set, then about `groups`
+    tasks of consecutive training pairs counted into dense partials over it, summed into the
+    rows. A partial's name says which pairs it counted, so a rerun with other groups (other
+    workers) never adds up partials of two groupings."""
+    import time
+
+    from ar_slicing.counts.parquet import BIGRAMS_NAME, write_bigrams, write_bigrams_batches
+    from ar_slicing.counts.tasks import boundary_keys, run_map, stream_pairs
+
+    t_keys = time.time()
+    keys_path = work / "only-keys.bin"
+    if not keys_path.is_file():
+        write_keys(keys_path, key_set(evaluated, shift, shard_tokens))
+    keys = read_keys(keys_path, shift)
+    t_keys = time.time() - t_keys
+
+    total = max(sum(s.n_tokens - 1 for s in stores if s.n_tokens), 1)
+    group_pairs = max(shard_tokens, -(-total // max(groups, 1)))
+    tasks, offset = [], 0
+    for s, store in enumerate(stores):
+        for start in range(0, max(store.n_tokens - 1, 0), group_pairs):
+            stop = min(start + group_pairs, store.n_tokens - 1)
+            tasks.append(
+                RestrictedTask(
+                    tokens_path=str((store.path / "tokens.bin").resolve()),
+                    dtype=store.dtype.name,
+                    n_tokens=store.n_tokens,
+                    start=start,
+                    stop=stop,
+                    stream_offset=offset,
+                    row=row,
+                    shift=shift,
+                    shard_tokens=shard_tokens,
+                    keys=str(keys_path),
+                    out=str(work / "partials" / f"g{s:04d}-{start:012d}-{stop:012d}.bin"),
+                )
+            )
+        offset += store.n_tokens
+    t_map = time.time()
+    resumed = run_map(executor, tasks, count_restricted, progress)
+    t_map = time.time() - t_map
+
+    t_reduce = time.time()
+    extra = key_counts(keys, boundary_keys(stores, row, shift))
+    part = work / "reduced" / "r00000.parquet"
+    rows = restricted_rows(keys, [t.out for t in tasks], extra)
+    write_bigrams_batches(part, rows, shift)
+    distinct, total_pairs = write_bigrams(work.parent / BIGRAMS_NAME, [str(part)])
+    return {
+        "distinct": distinct,
+        "total_pairs": total_pairs,
+        "counts": {"groups": len(tasks), "groups_resumed": resumed},
+        "times": {
+            "key_set_s": t_keys,
+            "map_s": t_map,
+            "reduce_and_write_s": time.time() - t_reduce,
+        },
+        "meta": {
+            # every pair of the training stream in the unit, counted or not
+            "stream_pairs": stream_pairs(stores, row),
+            "evaluated_bigrams": int(keys.size),
+            "evaluated_bigrams_unseen": int(keys.size) - distinct,
+        },
+    }
+
+
 # ---- which stores restricted counts cover --------------------------------------------------------
 
 

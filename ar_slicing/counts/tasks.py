@@ -1,4 +1,4 @@
-"""Running a count's tasks on an executor: the map step, the reduce ranges, their join."""
+"""A count's tasks, planned and run on an executor: the map shards, the reduce ranges, their join."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 
 from ar_slicing.counts import reduce
-from ar_slicing.counts.parquet import write_bigrams
-from ar_slicing.counts.partials import bucket_sizes
+from ar_slicing.counts.keys import bucket_bounds, count_keys, key_dtype_for
+from ar_slicing.counts.parquet import BIGRAMS_NAME, write_bigrams
+from ar_slicing.counts.partials import MapTask, bucket_sizes, count_shard, write_partial
 
 log = logging.getLogger(__name__)
 
@@ -100,3 +101,92 @@ def run_reduce(executor, tasks: list, path: Path, progress: bool, results=None) 
         disable=not progress,
     ) as bar:
         return write_bigrams(path, reduced_in_order(bar))
+
+
+def plan_map_tasks(
+    stores, work: Path, row: int | None, shard_tokens: int, shift: int, vocab_size: int
+):
+    """One MapTask per shard of every store; shards overlap by one token so no pair is lost."""
+    tasks = []
+    offset = 0
+    for s, store in enumerate(stores):
+        n_pairs = max(store.n_tokens - 1, 0)
+        for k, start in enumerate(range(0, n_pairs, shard_tokens)):
+            tasks.append(
+                MapTask(
+                    tokens_path=str((store.path / "tokens.bin").resolve()),
+                    dtype=store.dtype.name,
+                    n_tokens=store.n_tokens,
+                    start=start,
+                    stop=min(start + shard_tokens, n_pairs),
+                    stream_offset=offset,
+                    row=row,
+                    shift=shift,
+                    vocab_size=vocab_size,
+                    out=str(work / "partials" / f"s{s:04d}-{k:06d}.bin"),
+                )
+            )
+        offset += store.n_tokens
+    return tasks
+
+
+def boundary_keys(stores, row: int | None, shift: int) -> np.ndarray:
+    """Keys of the pairs that span two consecutive (non-empty) stores of the concatenation."""
+    pairs, offset, last = [], 0, None
+    for store in stores:
+        if store.n_tokens:
+            if last is not None and (row is None or offset % row != 0):
+                pairs.append((last, int(store.tokens[0])))
+            last = int(store.tokens[-1])
+        offset += store.n_tokens
+    kd = key_dtype_for(shift)
+    return np.array([(p << shift) | n for p, n in pairs], dtype=kd)
+
+
+def boundary_partial(work: Path, edge: np.ndarray, shift: int, vocab_size: int) -> str:
+    """The partial of the pairs across stores (written once; a resumed run finds it)."""
+    edge_out = work / "partials" / "boundaries.bin"
+    if not edge_out.is_file():
+        keys, counts = count_keys(edge)
+        offsets = np.append(
+            np.searchsorted(keys, bucket_bounds(shift, vocab_size).astype(keys.dtype)),
+            keys.size,
+        )
+        write_partial(edge_out, keys, counts, offsets.astype(np.int64))
+    return str(edge_out)
+
+
+def stream_pairs(stores, row: int | None) -> int:
+    """Pairs of the concatenated stream in the unit: N - 1, less those ending a row of `row`."""
+    n = max(sum(s.n_tokens for s in stores) - 1, 0)
+    return n - (n // row if row else 0)
+
+
+def count_full(stores, work, row, shard_tokens, shift, executor, progress) -> dict:
+    """Map every shard, reduce every `prev` range, join the parts into bigrams.parquet."""
+    import time
+
+    vocab_size = max(s.vocab_size for s in stores)
+    tasks = plan_map_tasks(stores, work, row, shard_tokens, shift, vocab_size)
+    t_map = time.time()
+    resumed = run_map(executor, tasks, count_shard, progress)
+    t_map = time.time() - t_map
+
+    partials = [t.out for t in tasks]
+    edge = boundary_keys(stores, row, shift)
+    if edge.size:
+        partials.append(boundary_partial(work, edge, shift, vocab_size))
+
+    t_reduce = time.time()
+    reduce_tasks = plan_reduce_tasks(work, partials, shift)
+    distinct, total_pairs = run_reduce(executor, reduce_tasks, work.parent / BIGRAMS_NAME, progress)
+    return {
+        "distinct": distinct,
+        "total_pairs": total_pairs,
+        "counts": {
+            "shards": len(tasks),
+            "shards_resumed": resumed,
+            "reduce_ranges": len(reduce_tasks),
+        },
+        "times": {"map_s": t_map, "reduce_and_write_s": time.time() - t_reduce},
+    }
