@@ -42,9 +42,9 @@ def write_bigrams_batches(path: str | Path, batches, shift: int) -> int:
     schema = bigrams_schema()
     mask = (1 << shift) - 1
     total = 0
-    out = Path(path)
-    tmp = out.with_name(f".{out.name}.tmp")
-    try:
+    from ar_slicing.io import atomic_path
+
+    with atomic_path(path) as tmp:
         # an open file, not a path: pyarrow would read "row:5/..." as a URI scheme
         with (
             open(tmp, "wb") as sink,
@@ -76,10 +76,6 @@ def write_bigrams_batches(path: str | Path, batches, shift: int) -> int:
                     writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=schema))
                     total += int(c.sum())
             writer.add_key_value_metadata({PART_PAIRS_KEY: str(total)})
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    tmp.rename(out)
     return total
 
 

@@ -174,17 +174,13 @@ _PREVS16 = 1 << 16
 
 
 def _write_atomic(out: str | Path, arrays) -> None:
-    """Write arrays one after another under a temporary name, renamed when complete."""
-    out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            for part in arrays:
-                f.write(memoryview(np.ascontiguousarray(part)).cast("B"))
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk must not keep holding the torn file's space
-        raise
-    tmp.rename(out)
+    """Write arrays one after another through the project's one atomic write (a full disk
+    leaves no torn file holding its space)."""
+    from ar_slicing.io import atomic_path
+
+    with atomic_path(out) as tmp, open(tmp, "wb") as f:
+        for part in arrays:
+            f.write(memoryview(np.ascontiguousarray(part)).cast("B"))
 
 
 def write_partial(
