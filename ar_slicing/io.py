@@ -61,6 +61,33 @@ def sweep_temporaries(directory: str | os.PathLike) -> int:
     return removed
 
 
+_FILE_MODE: int | None = None
+
+
+def file_mode() -> int:
+    """The mode a plain `open(path, "w")` gives a new file (0o666 less the umask): what every
+    output gets, whichever library wrote it (safetensors writes 0o600)."""
+    global _FILE_MODE
+    if _FILE_MODE is None:
+        umask = None
+        with contextlib.suppress(OSError, ValueError):  # Linux: read it without changing it
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith("Umask:"):
+                    umask = int(line.split()[1], 8)
+        if umask is None:
+            umask = os.umask(0o022)
+            os.umask(umask)
+        _FILE_MODE = 0o666 & ~umask
+    return _FILE_MODE
+
+
+def _settle(tmp: Path) -> None:
+    """Flush a finished temporary file to disk and give it the outputs' common mode."""
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.chmod(tmp, file_mode())
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path to write to; rename it onto `path` only if the block succeeds.
@@ -74,8 +101,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     try:
         yield tmp
         if tmp.exists():
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
+            _settle(tmp)
         os.replace(tmp, path)
     finally:
         if tmp.exists():
@@ -97,8 +123,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp
         for f in tmp.rglob("*"):
             if f.is_file():
-                with open(f, "rb+") as fh:
-                    os.fsync(fh.fileno())
+                _settle(f)
         if path.exists():
             if old.exists():
                 shutil.rmtree(old)
@@ -132,7 +157,16 @@ def read_json(path: str | os.PathLike) -> dict:
             f"{path}: not found (was the stage that writes it run to completion?)"
         ) from None
     except json.JSONDecodeError as e:
-        raise BadInput(f"{path}: not valid JSON ({e}); delete it and rerun the stage") from None
+        raise BadInput(
+            f"{path}: not valid JSON ({json_error(e)}); delete it and rerun the stage"
+        ) from None
+
+
+def json_error(e: json.JSONDecodeError, line: bool = True) -> str:
+    """`Expecting value at line 3, column 7` (json's own text for some errors already ends in
+    "at", as in "Unterminated string starting at")."""
+    msg = e.msg.removesuffix(" at")
+    return f"{msg} at line {e.lineno}, column {e.colno}" if line else f"{msg} at column {e.colno}"
 
 
 def to_jsonable(obj: Any) -> Any:

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ar_slicing.errors import ArSliceError, BadInput
+from ar_slicing.io import json_error
 
 log = logging.getLogger(__name__)
 
@@ -357,7 +358,7 @@ class JsonlReader:
                 try:
                     record = json.loads(text_line)
                 except json.JSONDecodeError as e:
-                    bad(where, f"not valid JSON ({e.msg} at column {e.colno})")
+                    bad(where, f"not valid JSON ({json_error(e, line=False)})")
                     continue
                 if not isinstance(record, dict):
                     bad(where, f"expected a JSON object, got {type(record).__name__}")

@@ -40,6 +40,40 @@ def test_atomic_path_replaces_the_old_file_only_on_success(tmp_path):
     assert target.read_bytes() == b"new"
 
 
+def test_atomic_writes_give_every_file_the_mode_open_gives(tmp_path, monkeypatch):
+    """A library that creates its file 0600 (safetensors does) still leaves a 0644 output
+    under umask 022, through atomic_path and atomic_dir alike."""
+    import os
+
+    from ar_slicing import io
+
+    monkeypatch.setattr(io, "_FILE_MODE", None)  # read the umask set here
+    old = os.umask(0o022)
+    try:
+        (tmp_path / "plain.txt").write_text("x")
+        with atomic_path(tmp_path / "one.bin") as tmp:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o600))
+        with io.atomic_dir(tmp_path / "dir") as d:
+            os.close(os.open(d / "weights.bin", os.O_WRONLY | os.O_CREAT, 0o600))
+    finally:
+        os.umask(old)
+    files = ("plain.txt", "one.bin", "dir/weights.bin")
+    assert {(tmp_path / f).stat().st_mode & 0o777 for f in files} == {0o644}
+
+
+def test_malformed_json_names_the_file_line_and_column(tmp_path):
+    from ar_slicing.io import read_json
+
+    path = tmp_path / "meta.json"
+    path.write_text('{\n  "stage": "tag",\n  "name": "unterminated')
+    with pytest.raises(BadInput) as e:
+        read_json(path)
+    assert str(e.value) == (
+        f"{path}: not valid JSON (Unterminated string starting at line 3, column 11); "
+        "delete it and rerun the stage"
+    )
+
+
 def test_stable_meta_drops_only_timings():
     a = build_meta("x", config={"k": 1}, inputs={"i": 2}, counts={"n": 3}, wall_time_s=1.0)
     b = build_meta("x", config={"k": 1}, inputs={"i": 2}, counts={"n": 3}, wall_time_s=9.0)

@@ -89,7 +89,9 @@ def test_malformed_json_line_names_file_and_line(tmp_path):
     )
     path = write(tmp_path / "bad.jsonl", lines)
     with pytest.raises(
-        BadInput, match=r"bad\.jsonl:3 \(byte \d+\): not valid JSON.*--on-bad-record skip"
+        BadInput,
+        match=r"bad\.jsonl:3 \(byte \d+\): not valid JSON \(Invalid control character at "
+        r"column 23\); .*--on-bad-record skip",
     ):
         read_all([path])
     docs, stats = read_all([path], on_bad_record="skip")

@@ -170,6 +170,10 @@ def test_training_learns_and_the_checkpoint_reproduces_the_validation_loss(store
         "tokenizer.json",
     ]
     assert read_json(out / "meta.json") == meta
+    # safetensors creates its file 0600; every output gets the mode the others have
+    assert {(out / n).stat().st_mode for n in ("model.safetensors", "config.json")} == {
+        (out / "meta.json").stat().st_mode
+    }
     vocab = stores[0].vocab_size
     # from a uniform guess (ln V) to clearly better on held-out text, and still improving
     assert meta["history"][0]["val_loss"] < math.log(vocab) - 0.5
