@@ -89,6 +89,7 @@ class RunInputs:
     # smallest such N: every view is restricted to those windows so all models are compared on
     # the same tokens. None when every model covers every window.
     scored_windows: int | None = None
+    partial_models: dict[str, int] = field(default_factory=dict)  # name -> windows it scored
 
     @property
     def layout(self) -> RunInputs:
@@ -157,6 +158,7 @@ def find_run(run_dir: str | os.PathLike) -> RunInputs:
             check_losses_belong(d, meta, layout)
             if meta.get("partial"):
                 n = int(meta.get("windows_evaluated", 0))
+                layout.partial_models[d.name] = n
                 layout.scored_windows = (
                     n if layout.scored_windows is None else min(n, layout.scored_windows)
                 )
@@ -164,7 +166,8 @@ def find_run(run_dir: str | os.PathLike) -> RunInputs:
         log.warning("losses/%s skipped: %s", name, why)
     if layout.scored_windows is not None:
         log.warning(
-            "some losses are partial: the results cover windows 0..%d only",
+            "partial losses (%s): the results cover windows 0..%d only",
+            ", ".join(f"{k}: {n} windows" for k, n in sorted(layout.partial_models.items())),
             layout.scored_windows - 1,
         )
     if not layout.models:

@@ -2,37 +2,30 @@
 
 Each `queries/<name>.sql` is plain DuckDB SQL over the views of `results.duckdb` (see
 `ar_slicing/results.py`), with values bound as `$name` parameters, so the same file runs
-unchanged from Python::
+unchanged from Python (`ar_slicing.open_run(RUN).query(NAME, **params)`, or DuckDB itself)::
 
     con = duckdb.connect("runs/pile/results.duckdb", read_only=True)
     con.execute(open("queries/gap_vs_reference.sql").read(), {"reference": "attention"}).fetchall()
 
-A query's leading `--` comment says what it answers; a comment line `-- $name  help (default: X)`
-documents a parameter and its default. `$reference` defaults to the run's reference model (the
-attention model when there is one), as in `arslice report`.
+Loading and running the files is `ar_slicing.sql`'s; this module parses `--param NAME=VALUE`
+flags and prints the result as a table, CSV or JSON.
 """
 
 from __future__ import annotations
 
 import csv
-import importlib
 import io
 import json
 import math
-import re
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ar_slicing.errors import ArSliceError
+from ar_slicing.sql import available_queries, load_query, run_named_query
 from pipeline.config import Command
 
-# queries/ is a package of its own (its .sql files are package data), editable install or wheel.
-QUERIES_DIR = Path(importlib.import_module("queries").__file__).resolve().parent
 FORMATS = ("table", "csv", "json")
-_PARAM_DOC = re.compile(r"^--\s*\$(\w+)\s+(.*?)\s*$")
-_DEFAULT = re.compile(r"\(default:\s*([^)]*)\)")
 
 
 @dataclass(frozen=True)
@@ -56,59 +49,6 @@ class QueryConfig:
     )
 
 
-@dataclass
-class SqlQuery:
-    """One file of queries/: its SQL, one-line summary and documented parameters."""
-
-    name: str
-    path: Path
-    sql: str
-    summary: str
-    params: dict[str, str]  # name -> help line
-    defaults: dict[str, str]  # name -> default value as written in the help line
-
-    @property
-    def required(self) -> set[str]:
-        """The `$names` the SQL binds (what DuckDB itself reports for the statement)."""
-        import duckdb
-
-        con = duckdb.connect()
-        try:
-            names: set[str] = set()
-            for stmt in con.extract_statements(self.sql):
-                names |= set(stmt.named_parameters)
-            return names
-        finally:
-            con.close()
-
-
-def available_queries() -> list[str]:
-    return sorted(p.stem for p in QUERIES_DIR.glob("*.sql"))
-
-
-def load_query(name: str) -> SqlQuery:
-    path = QUERIES_DIR / f"{name}.sql"
-    if not re.fullmatch(r"[A-Za-z0-9_\-]+", name) or not path.is_file():
-        raise ArSliceError(
-            f"no query {name!r} in {QUERIES_DIR}; available: {', '.join(available_queries())}"
-        )
-    sql = path.read_text()
-    summary_lines, params, defaults = [], {}, {}
-    for line in sql.splitlines():
-        if not line.startswith("--"):
-            break
-        m = _PARAM_DOC.match(line)
-        if m:
-            params[m.group(1)] = m.group(2)
-            d = _DEFAULT.search(m.group(2))
-            if d:
-                defaults[m.group(1)] = d.group(1).strip()
-        elif not params:
-            summary_lines.append(line.lstrip("-").strip())
-    summary = " ".join(summary_lines).split(". ")[0].rstrip(".")
-    return SqlQuery(name, path, sql, summary, params, defaults)
-
-
 def parse_params(items: list[str]) -> dict[str, str]:
     """`["k=v", ...]` -> {k: v}; values stay strings (each query casts its parameters itself)."""
     out = {}
@@ -120,61 +60,6 @@ def parse_params(items: list[str]) -> dict[str, str]:
             )
         out[key.strip()] = value
     return out
-
-
-def resolve_params(query: SqlQuery, given: dict[str, Any], con) -> dict[str, Any]:
-    """Exactly the parameters `query` binds: given ones, else documented defaults.
-
-    `$reference` defaults to the run's reference model and must name a model of the run.
-    """
-    required = query.required
-    unknown = sorted(set(given) - required)
-    if unknown:
-        raise ArSliceError(
-            f"query {query.name} has no parameter {', '.join(unknown)}; "
-            f"its parameters: {', '.join(sorted(required)) or 'none'}"
-        )
-    params: dict[str, Any] = {}
-    for name in sorted(required):
-        if name in given:
-            params[name] = given[name]
-        elif name == "reference":
-            row = con.execute(
-                "SELECT value FROM run_info WHERE key = 'default_reference'"
-            ).fetchone()
-            params[name] = row[0]
-        elif name in query.defaults:
-            params[name] = query.defaults[name]
-        else:
-            raise ArSliceError(
-                f"query {query.name} needs --param {name}=VALUE ({query.params.get(name, '')})"
-            )
-    if "reference" in params:
-        models = [r[0] for r in con.execute("SELECT model FROM models ORDER BY model").fetchall()]
-        if params["reference"] not in models:
-            raise ArSliceError(
-                f"reference {params['reference']!r} is not a model of this run; models: {', '.join(models)}"
-            )
-    return params
-
-
-def execute(con, query: SqlQuery, params: dict[str, Any]) -> tuple[list[str], list[tuple]]:
-    """Run `query` with bound `params`; (column names, rows)."""
-    import duckdb
-
-    try:
-        cur = con.execute(query.sql, params)
-    except duckdb.Error as e:
-        raise ArSliceError(f"query {query.path}: {e}") from None
-    columns = [d[0] for d in cur.description]
-    return columns, cur.fetchall()
-
-
-def run_named_query(
-    con, name: str, given: dict[str, Any] | None = None
-) -> tuple[list[str], list[tuple]]:
-    query = load_query(name)
-    return execute(con, query, resolve_params(query, dict(given or {}), con))
 
 
 # ---- output ------------------------------------------------------------------------------------
@@ -239,11 +124,10 @@ def run_query(cfg: QueryConfig) -> dict:
 
     if cfg.format not in FORMATTERS:
         raise ArSliceError(f"--format {cfg.format!r}: choose one of {', '.join(FORMATS)}")
-    query = load_query(cfg.name)
+    query, params = load_query(cfg.name), parse_params(cfg.param)
     con = open_results(cfg.run)
     try:
-        params = resolve_params(query, parse_params(cfg.param), con)
-        columns, rows = execute(con, query, params)
+        columns, rows = run_named_query(con, query, params)
     finally:
         con.close()
     text = FORMATTERS[cfg.format](columns, rows)

@@ -497,16 +497,21 @@ def test_incomplete_losses_are_skipped(tiny_run):
     assert "hyena" in layout.skipped_losses
 
 
-def test_partial_losses_restrict_every_view_to_common_windows(tiny_run):
-    """A model evaluated on window 0 only (`eval --max-windows 1`): all models compared on window 0."""
+def make_partial(run: Path, model: str, windows: int) -> None:
+    """Make `model`'s losses those of `arslice eval --max-windows WINDOWS`."""
     from ar_slicing.io import read_json, write_json_atomic
 
-    shard = tiny_run / "losses" / "hyena" / "losses-00000.parquet"
+    shard = run / "losses" / model / "losses-00000.parquet"
     t = pq.read_table(shard)
-    pq.write_table(t.filter(pa.compute.equal(t["window_id"], 0)), shard)
+    pq.write_table(t.filter(pa.compute.less(t["window_id"], windows)), shard)
     meta_path = shard.parent / "meta.json"
     meta = read_json(meta_path)
-    write_json_atomic(meta_path, {**meta, "partial": True, "windows_evaluated": 1})
+    write_json_atomic(meta_path, {**meta, "partial": True, "windows_evaluated": windows})
+
+
+def test_partial_losses_restrict_every_view_to_common_windows(tiny_run):
+    """A model evaluated on window 0 only (`eval --max-windows 1`): all models compared on window 0."""
+    make_partial(tiny_run, "hyena", 1)
     got = {r["model"]: r for r in run_sql(tiny_run, "gap_vs_reference", {"reference": "attention"})}
     assert got["hyena"]["n_tokens"] == 8
     # window 0: AR gap +2 (pos 5, 8), other gap -0.5 (pos 2, 4): share 2 / 1.5
@@ -588,7 +593,8 @@ def test_cli_query_errors_are_clear(tiny_run, capsys, argv, message):
 
 
 def test_query_module_helpers():
-    from pipeline.query import load_query, parse_params
+    from ar_slicing.sql import load_query
+    from pipeline.query import parse_params
 
     q = load_query("examples")
     assert q.required == {"reference", "limit"}

@@ -131,7 +131,7 @@ def test_sql_max_train_count_keeps_only_rarer_bigrams(gain_run):
     assert {r["bucket"] for r in mine[1:]} == set(by_bucket) <= {0, 1, 2}
     # the documented default, as `arslice query recall_gain` resolves it, is "no limit"
     from ar_slicing.results import open_results
-    from pipeline.query import run_named_query
+    from ar_slicing.sql import run_named_query
 
     con = open_results(run)
     try:

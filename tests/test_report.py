@@ -232,7 +232,9 @@ def test_report_files_tables_and_html(text_run, capsys):
         "report.html",
         "frequency_curve.png",
         "slice_bars.png",
+        "recall_gain.png",
         "table1.csv",
+        "recall_gain.csv",
         "slice_perplexity.csv",
         "gap_vs_reference.csv",
         "frequency_curve.csv",
@@ -243,7 +245,7 @@ def test_report_files_tables_and_html(text_run, capsys):
     for name in names:
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     assert (run / "results.duckdb").is_file()
-    for name in ("frequency_curve.png", "slice_bars.png"):
+    for name in ("frequency_curve.png", "slice_bars.png", "recall_gain.png"):
         img = mpimg.imread(out / name)
         assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
         assert img[..., :3].std() > 0.01  # not a blank canvas
@@ -268,6 +270,15 @@ def test_report_files_tables_and_html(text_run, capsys):
             assert float(r["ar_share"]) == pytest.approx(share, rel=1e-8)
             assert float(r["ar_share_lo"]) <= float(r["ar_share"]) <= float(r["ar_share_hi"])
     assert t1["hyena"]["architecture"] == "hyena" and t1["attention"]["ar_share"] == ""
+    # the recall gain column: the naive per-bucket definition, inside its own interval
+    from test_recall_gain import naive_recall_gain
+
+    for model, nll in losses.items():
+        gain, _ = naive_recall_gain(rows, nll)
+        r = t1[model]
+        assert float(r["recall_gain"]) == pytest.approx(gain, rel=1e-8)
+        assert float(r["recall_gain_lo"]) <= gain <= float(r["recall_gain_hi"])
+    assert "in-context recall gain (nats): attention " in printed
     # the SQL gap table agrees with the Python metrics
     gap = {r["model"]: r for r in read_csv(out / "gap_vs_reference.csv")}
     assert float(gap["hyena"]["ar_share_of_gap"]) == pytest.approx(
@@ -287,7 +298,7 @@ def test_report_files_tables_and_html(text_run, capsys):
     text = "".join(facts.text)
     for model in MODELS:
         assert model in text
-    assert len(facts.imgs) == 2 and all(s.startswith("data:image/png;base64,") for s in facts.imgs)
+    assert len(facts.imgs) == 3 and all(s.startswith("data:image/png;base64,") for s in facts.imgs)
     assert facts.external == []
     assert len(facts.passages) == 3
     for w, spans in zip(facts.passages, facts.spans):
@@ -421,3 +432,26 @@ def test_report_of_a_single_model(tiny_run, capsys):  # noqa: F811
     facts = HtmlFacts()
     facts.feed((tiny_run / "report" / "report.html").read_text())
     assert facts.passages == [0, 1]  # window 0 has 2 AR hits, window 1 has 1
+
+
+def test_report_names_models_left_out_or_on_fewer_windows(tiny_run, capsys):  # noqa: F811
+    """An interrupted evaluation is left out and a partial one restricts every number: the
+    console and report.md both name the models concerned."""
+    from test_queries import make_partial
+
+    from ar_slicing.io import read_json, write_json_atomic
+    from pipeline.report import ReportConfig, run_report
+
+    make_partial(tiny_run, "hyena", 1)
+    meta_path = tiny_run / "losses" / QUOTED / "meta.json"
+    plan = {"stage": "eval", "settings": {}, "inputs": {}}
+    write_json_atomic(meta_path.with_name(".plan.json"), plan)
+    meta_path.unlink()  # interrupted: its finished chunks stay, meta.json is never written
+    assert read_json(meta_path.with_name(".plan.json")) == plan
+    meta = run_report(ReportConfig(run=str(tiny_run), bootstrap=0))
+    printed = capsys.readouterr().out
+    md = (tiny_run / "report" / "report.md").read_text()
+    for text in (printed, md):
+        assert "hyena (1 window)" in text and "windows 0..0" in text
+        assert f"losses/{QUOTED} is left out: incomplete (no meta.json)" in text
+    assert meta["counts"]["models"] == 2 and meta["skipped"] == {f"losses/{QUOTED}": 1}

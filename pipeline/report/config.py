@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 REPORT_DIR = "report"
-QUERY_TABLES = ("slice_perplexity", "gap_vs_reference", "frequency_curve", "by_subset", "examples")
+QUERY_TABLES = (
+    "slice_perplexity",
+    "gap_vs_reference",
+    "frequency_curve",
+    "recall_gain",
+    "by_subset",
+    "examples",
+)
 SLICE_LABELS = {"all": "all tokens", "ar": "AR hits", "other": "other tokens"}
 
 

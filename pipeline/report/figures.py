@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 
 from pipeline.report.config import SLICE_LABELS
 
@@ -16,46 +17,113 @@ def _pyplot():
     return plt
 
 
+# Figure 1's panels per row: readable side by side up to three, then four to a row.
+def _grid(n: int) -> tuple[int, int]:
+    cols = max(1, min(n, 3 if n <= 6 else 4))
+    return math.ceil(n / cols), cols
+
+
+def bucket_x(bucket: int) -> float:
+    """Where a training-count bucket sits on Figure 1's log axis: the geometric middle of its
+    decade (bucket k >= 1 holds counts 10^(k-1) .. 10^k - 1), and count 0 one decade below 1."""
+    return 10 ** (bucket - 0.5)
+
+
 def frequency_curve_png(columns: list[str], rows: list[tuple], reference: str) -> bytes:
-    """Figure 1: mean NLL (log ppl) per training-count bucket; solid repeats, dashed non-repeats."""
+    """Figure 1: mean NLL (log ppl) per training-count decade bucket, one panel per model with
+    shared axes; solid repeats, dashed non-repeats, the reference's two curves grey in the others."""
     plt = _pyplot()
     recs = [dict(zip(columns, r)) for r in rows]
-    buckets = sorted({r["bucket"] for r in recs})
-    labels = {r["bucket"]: r["bucket_label"] for r in recs}
-    x_of = {b: i for i, b in enumerate(buckets)}
+    buckets = sorted({r["bucket"] for r in recs}) or [0]
     models = sorted({r["model"] for r in recs}, key=lambda m: (m != reference, m))
-    fig, ax = plt.subplots(figsize=(10, 4.8), dpi=110)
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, model in enumerate(models):
-        for repeat, style in ((True, "-"), (False, "--")):
-            pts = sorted(
-                (x_of[r["bucket"]], r["mean_nll"])
-                for r in recs
-                if r["model"] == model and r["is_repeat"] == repeat
-            )
-            if not pts:
-                continue
-            ax.plot(
-                [p[0] for p in pts],
-                [p[1] for p in pts],
-                style,
-                marker="o" if repeat else "s",
-                color=colours[i % len(colours)],
-                label=f"{model} — {'repeats' if repeat else 'non-repeats'}",
-            )
-    ax.set_xticks(range(len(buckets)))
-    ax.set_xticklabels([labels[b] for b in buckets], rotation=30, ha="right")
-    ax.set_xlabel("training count of the bigram")
-    ax.set_ylabel("log perplexity (mean NLL, nats)")
-    ax.set_title("Loss vs training frequency: in-context repeats vs other tokens")
-    ax.grid(alpha=0.3)
-    ax.legend(
-        fontsize=7,
-        loc="upper left",
-        bbox_to_anchor=(1.01, 1.0),
-        title="solid: repeats",
-        title_fontsize=7,
+    curves = {
+        (model, repeat): sorted(
+            (bucket_x(r["bucket"]), r["mean_nll"])
+            for r in recs
+            if r["model"] == model and r["is_repeat"] == repeat
+        )
+        for model in models
+        for repeat in (True, False)
+    }
+    n_rows, n_cols = _grid(len(models))
+    fig, axes = plt.subplots(
+        n_rows,
+        n_cols,
+        figsize=(4.2 * n_cols, 3.0 * n_rows + 0.9),
+        dpi=110,
+        sharex=True,
+        sharey=True,
+        squeeze=False,
+        layout="constrained",
     )
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = ((True, "-", "o", "repeats"), (False, "--", "s", "non-repeats"))
+    for i, model in enumerate(models):
+        ax = axes.flat[i]
+        if model != reference:
+            for repeat, style, marker, _ in styles:
+                pts = curves[(reference, repeat)]
+                if pts:
+                    ax.plot(*zip(*pts), style, marker=marker, ms=3, color="0.7", lw=1.2)
+        for repeat, style, marker, _ in styles:
+            pts = curves[(model, repeat)]
+            if pts:
+                ax.plot(*zip(*pts), style, marker=marker, ms=4, color=colours[i % len(colours)])
+        ax.set_title(model + (" (reference)" if model == reference else ""), fontsize=10)
+        ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(models) :]:
+        ax.set_visible(False)
+    # ticks at the decade edges (count 0 gets the decade below 1), a point inside each decade
+    edges = [0] + list(range(1, max(buckets) + 1))
+    ticks = [10.0 ** (b - 1) for b in edges]
+    tick_labels = ["0", "1", "10"] + [f"$10^{{{k}}}$" for k in range(2, max(buckets))]
+    shown_below = [len(models) - 1 - k for k in range(n_cols)]  # each column's lowest panel
+    for i, ax in enumerate(axes.flat[: len(models)]):
+        ax.set_xticks(ticks, tick_labels[: len(ticks)], fontsize=8)
+        ax.minorticks_off()
+        if i in shown_below:
+            ax.xaxis.set_tick_params(labelbottom=True)
+            ax.set_xlabel("training count of the bigram (decades)", fontsize=9)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("mean NLL (nats)")
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], ls=s, marker=m, color="k", label=lab) for _, s, m, lab in styles]
+    handles.append(Line2D([], [], color="0.7", label=f"{reference} (reference)"))
+    fig.suptitle("Loss vs training frequency: in-context repeats vs other tokens", fontsize=11)
+    fig.legend(handles=handles, loc="outside lower center", ncol=3, fontsize=8, frameon=False)
+    return _png(fig)
+
+
+def recall_gain_png(t1) -> bytes:
+    """The in-context recall gain per model (`ar_slicing.table1.Table1`), with its interval."""
+    import numpy as np
+
+    plt = _pyplot()
+    recs = t1.records()
+    names = [r["model"] for r in recs]
+    gain = np.array([r["recall_gain"] for r in recs])
+    fig, ax = plt.subplots(figsize=(6, 0.45 * len(recs) + 1.3), dpi=110)
+    kwargs = {}
+    if t1.n_bootstrap:
+        lo = np.array([r["recall_gain_lo"] for r in recs])
+        hi = np.array([r["recall_gain_hi"] for r in recs])
+        kwargs = {
+            "xerr": np.nan_to_num(np.vstack([gain - lo, hi - gain]).clip(min=0)),
+            "capsize": 3,
+        }
+    y = np.arange(len(recs))[::-1]
+    colours = ["0.55" if m == t1.reference else "C0" for m in names]
+    ax.barh(y, np.nan_to_num(gain), color=colours, **kwargs)
+    ax.set_yticks(y)
+    ax.set_yticklabels(names, fontsize=8)
+    ax.axvline(0, color="k", lw=0.8)
+    ax.set_xlabel("recall gain (nats): non-repeats minus repeats of equal training count")
+    ax.set_title(
+        "In-context recall gain" + (" (95% intervals)" if t1.n_bootstrap else ""), fontsize=10
+    )
+    ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     return _png(fig)
 

@@ -47,7 +47,7 @@ class Passage:
 
 def choose_windows(con, reference: str, n: int) -> list[tuple[int, str]]:
     """(window_id, why) of the windows to show: where models lose most to the reference on AR hits."""
-    from pipeline.query import run_named_query
+    from ar_slicing.sql import run_named_query
 
     if n <= 0:
         return []

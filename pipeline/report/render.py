@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import base64
 import html
+import re
 
 from pipeline.report.passages import passage_html
-from pipeline.report.tables import Table1, html_table, markdown_table, query_rows_as_text
+from pipeline.report.tables import Table1Text, html_table, markdown_table, query_rows_as_text
 
 HTML_STYLE = """
-body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1200px;color:#222;padding:0 1em}
+body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1500px;color:#222;padding:0 1em}
+.scroll{overflow-x:auto}
 table{border-collapse:collapse;margin:1em 0;font-size:13px}
-th,td{border:1px solid #ccc;padding:3px 7px;text-align:right}
+th,td{border:1px solid #ccc;padding:3px 6px;text-align:right;white-space:nowrap}
+td .ci{color:#666;font-size:11px}
+code{font-family:ui-monospace,monospace;font-size:90%;background:#f3f3f3;padding:0 .2em}
 th:first-child,td:first-child{text-align:left}
 th{background:#f3f3f3}
 img{max-width:100%;border:1px solid #eee}
@@ -50,11 +54,7 @@ def _intro(context: dict) -> list[str]:
         f"{context['n_ar_hits']:,} AR hits ({100 * context['n_ar_hits'] / max(context['n_tokens'], 1):.2f}%), "
         f"training-count threshold {info.get('threshold')}. Reference: **{context['reference']}**.",
     ]
-    if info.get("scored_windows") not in (None, "None"):
-        lines.append(
-            f"Some models were evaluated on part of the windows only: every number covers windows "
-            f"0..{int(info['scored_windows']) - 1}, which all models scored."
-        )
+    lines += context["coverage"]
     if context["n_bootstrap"]:
         lines.append(
             f"Brackets: 95% bootstrap intervals from {context['n_bootstrap']} resamples of windows "
@@ -63,45 +63,63 @@ def _intro(context: dict) -> list[str]:
     lines.append(
         "Δ log-ppl = mean NLL of the model minus the reference's on the slice (nats); AR share of gap = "
         "Σ over AR hits of (NLL model − NLL reference) / the same sum over all tokens (may exceed 100% "
-        "or be negative)."
+        "or be negative). Recall gain = within each training-count bucket, mean NLL of the "
+        "non-repeats minus that of the repeats, averaged over buckets weighted by their repeats "
+        "(nats; positive: a bigram already in the context is predicted better than an equally "
+        "frequent one that is not; no reference needed)."
     )
     return lines
 
 
-def render_markdown(context: dict, t1: Table1, tables: dict) -> str:
+QUERY_TITLES = {
+    "gap_vs_reference": "Gap to the reference",
+    "recall_gain": "In-context recall gain by training-count bucket",
+    "by_subset": "Per subset",
+    "frequency_curve": "Frequency curve",
+    "examples": "Windows where models lose most on AR hits",
+}
+FIGURE_TITLES = {
+    "frequency_curve.png": "frequency curve",
+    "slice_bars.png": "slice bars",
+    "recall_gain.png": "recall gain",
+}
+
+
+def inline_html(text: str) -> str:
+    """One line of the report's Markdown as HTML: `code` and **bold**, everything escaped."""
+    out = html.escape(text, quote=False)
+    out = re.sub(r"`([^`]+)`", r"<code>\1</code>", out)
+    return re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", out)
+
+
+def render_markdown(context: dict, t1: Table1Text, tables: dict) -> str:
     parts = ["# AR slicing report", "", *(line + "\n" for line in _intro(context))]
     parts += ["## Table 1: perplexity per slice", "", markdown_table(t1.header, t1.rows), ""]
-    parts += ["![frequency curve](frequency_curve.png)", "", "![slice bars](slice_bars.png)", ""]
-    titles = {
-        "gap_vs_reference": "Gap to the reference (`queries/gap_vs_reference.sql`)",
-        "by_subset": "Per subset (`queries/by_subset.sql`)",
-        "frequency_curve": "Frequency curve (`queries/frequency_curve.sql`)",
-        "examples": "Windows where models lose most on AR hits (`queries/examples.sql`)",
-    }
-    for name, title in titles.items():
+    parts += [f"![{alt}]({name})\n" for name, alt in FIGURE_TITLES.items()]
+    for name, title in QUERY_TITLES.items():
         cols, rows = tables[name]
-        parts += [f"## {title}", "", markdown_table(cols, query_rows_as_text(cols, rows)), ""]
+        table = markdown_table(cols, query_rows_as_text(cols, rows))
+        parts += [f"## {title} (`queries/{name}.sql`)", "", table, ""]
     parts.append(
         "Every table is also in this directory as CSV; `arslice query NAME --run RUN` reruns any query."
     )
     return "\n".join(parts) + "\n"
 
 
-def render_html(context, t1, tables, freq_png, bars_png, passages, order, vmax) -> str:
+def render_html(context, t1, tables, figures, passages, order, vmax) -> str:
     reference = context["reference"]
     body = ["<h1>AR slicing report</h1>"]
-    body += [f"<p>{html.escape(line).replace('**', '')}</p>" for line in _intro(context)]
-    body += ["<h2>Table 1: perplexity per slice</h2>", html_table(t1.header, t1.rows, "table1")]
-    body += ["<h2>Figures</h2>", _img(freq_png, "frequency curve"), _img(bars_png, "slice bars")]
-    for name, title in (
-        ("gap_vs_reference", "Gap to the reference"),
-        ("by_subset", "Per subset"),
-        ("frequency_curve", "Frequency curve"),
-        ("examples", "Windows where models lose most on AR hits"),
-    ):
+    body += [f"<p>{inline_html(line)}</p>" for line in _intro(context)]
+    body += [
+        "<h2>Table 1: perplexity per slice</h2>",
+        _scroll(html_table(t1.header, t1.rows, "table1")),
+    ]
+    body += ["<h2>Figures</h2>"]
+    body += [_img(figures[name], alt) for name, alt in FIGURE_TITLES.items()]
+    for name, title in QUERY_TITLES.items():
         cols, rows = tables[name]
         body += [f"<h2>{html.escape(title)} <small>(queries/{name}.sql)</small></h2>"]
-        body += [html_table(cols, query_rows_as_text(cols, rows), name)]
+        body += [_scroll(html_table(cols, query_rows_as_text(cols, rows), name))]
     body += [
         "<h2>Passages</h2>",
         f"<p>Validation windows token by token. <b style='border-bottom:3px solid #1f4fd8'>Underlined</b>: "
@@ -115,3 +133,8 @@ def render_html(context, t1, tables, freq_png, bars_png, passages, order, vmax) 
         f"<style>{HTML_STYLE}</style><script>{HTML_SCRIPT}</script></head>"
         f'<body data-vmax="{vmax:g}">' + "\n".join(body) + "</body></html>\n"
     )
+
+
+def _scroll(table: str) -> str:
+    """A wide table scrolls inside its own box instead of widening the page."""
+    return f'<div class="scroll">{table}</div>'

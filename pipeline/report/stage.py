@@ -7,17 +7,13 @@ import math
 import time
 
 from ar_slicing.errors import ArSliceError
-from ar_slicing.io import (
-    atomic_path,
-    build_meta,
-    write_bytes_atomic,
-)
+from ar_slicing.io import build_meta, write_bytes_atomic
 from pipeline.config import Command, config_to_dict
 from pipeline.report.config import QUERY_TABLES, ReportConfig
-from pipeline.report.figures import frequency_curve_png, slice_bars_png
+from pipeline.report.figures import frequency_curve_png, recall_gain_png, slice_bars_png
 from pipeline.report.passages import choose_windows, load_passages
 from pipeline.report.render import render_html, render_markdown
-from pipeline.report.tables import table1, write_csv
+from pipeline.report.tables import table1_text, write_csv
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +42,7 @@ def run_report(cfg: ReportConfig) -> dict:
 
     from ar_slicing.plan import StagePlan, identity, open_stage
     from ar_slicing.results import ensure_results, run_info
+    from ar_slicing.table1 import models_table, resolve_reference
 
     t0 = time.time()
     validate_report(cfg)
@@ -55,15 +52,8 @@ def run_report(cfg: ReportConfig) -> dict:
     con = duckdb.connect(str(layout.results_path), read_only=True)
     try:
         info = run_info(con)
-        cur = con.execute("SELECT * FROM models ORDER BY model")
-        columns = [d[0] for d in cur.description]
-        models_meta = {r[0]: dict(zip(columns, r)) for r in cur.fetchall()}
-        models = list(models_meta)
-        reference = cfg.reference or info["default_reference"]
-        if reference not in models_meta:
-            raise ArSliceError(
-                f"--reference {reference!r} is not a model of {layout.run_dir}; models: {', '.join(models)}"
-            )
+        models_meta = models_table(con)
+        reference = resolve_reference(con, cfg.reference, list(models_meta), str(layout.run_dir))
         plan = StagePlan(
             "report",
             settings=report_settings(cfg, reference),
@@ -80,39 +70,42 @@ def run_report(cfg: ReportConfig) -> dict:
             print(out / "report.html")
             return stage.skip()
         with stage.running():
-            return _write_report(stage, cfg, con, layout, info, models_meta, reference, t0)
+            return _write_report(stage, cfg, con, layout, info, reference, t0)
     finally:
         con.close()
 
 
-def _write_report(stage, cfg, con, layout, info, models_meta, reference, t0) -> dict:
-    from ar_slicing.metrics import slice_report, window_sums
-    from pipeline.query import format_table, load_query, run_named_query
+def _write_report(stage, cfg, con, layout, info, reference, t0) -> dict:
+    from ar_slicing.sql import load_query, run_named_query
+    from ar_slicing.table1 import compute_table1
 
     out = stage.out
-    models = list(models_meta)
     tables: dict[str, tuple[list[str], list[tuple]]] = {}
     for name in QUERY_TABLES:
+        query = load_query(name)
         params = {"reference": reference, "limit": "10"}
-        needed = load_query(name).required
-        tables[name] = run_named_query(con, name, {k: v for k, v in params.items() if k in needed})
+        tables[name] = run_named_query(
+            con, query, {k: params[k] for k in query.required & set(params)}
+        )
         write_csv(out / f"{name}.csv", *tables[name])
 
-    sums = window_sums(con, models)
-    report = slice_report(sums, reference, n_bootstrap=cfg.bootstrap, seed=cfg.seed)
-    t1 = table1(report, models_meta)
-    write_csv(out / "table1.csv", t1.csv_columns, t1.csv_rows)
-    order = [reference] + [m for m in models if m != reference]
+    t1 = compute_table1(con, reference, n_bootstrap=cfg.bootstrap, seed=cfg.seed)
+    text = table1_text(t1)
+    write_csv(out / "table1.csv", text.csv_columns, text.csv_rows)
 
-    freq_png = frequency_curve_png(*tables["frequency_curve"], reference)
-    bars_png = slice_bars_png(report, order)
-    write_bytes_atomic(out / "frequency_curve.png", freq_png)
-    write_bytes_atomic(out / "slice_bars.png", bars_png)
+    figures = {
+        "frequency_curve.png": frequency_curve_png(*tables["frequency_curve"], reference),
+        "slice_bars.png": slice_bars_png(t1.slices, t1.order),
+        "recall_gain.png": recall_gain_png(t1),
+    }
+    for name, png in figures.items():
+        write_bytes_atomic(out / name, png)
 
-    passages = load_passages(con, layout, choose_windows(con, reference, cfg.passages), order)
+    passages = load_passages(con, layout, choose_windows(con, reference, cfg.passages), t1.order)
 
     shown = sorted(x for p in passages for v in p.nll.values() for x in v if not math.isnan(x))
     vmax = max(1.0, math.ceil(shown[int(0.98 * (len(shown) - 1))])) if shown else 10.0
+    report = t1.slices
     context = {
         "run": str(layout.run_dir),
         "reference": reference,
@@ -122,13 +115,14 @@ def _write_report(stage, cfg, con, layout, info, models_meta, reference, t0) -> 
         "n_bootstrap": report.n_bootstrap,
         "seed": cfg.seed,
         "info": info,
+        "coverage": coverage_notes(layout),
     }
-    with atomic_path(out / "report.md") as tmp:
-        tmp.write_text(render_markdown(context, t1, tables))
-    with atomic_path(out / "report.html") as tmp:
-        tmp.write_text(render_html(context, t1, tables, freq_png, bars_png, passages, order, vmax))
+    write_bytes_atomic(out / "report.md", render_markdown(context, text, tables).encode())
+    page = render_html(context, text, tables, figures, passages, t1.order, vmax)
+    write_bytes_atomic(out / "report.html", page.encode())
 
     wall = time.time() - t0
+    models = list(t1.models_meta)
     meta = build_meta(
         "report",
         config=config_to_dict(cfg),
@@ -147,20 +141,64 @@ def _write_report(stage, cfg, con, layout, info, models_meta, reference, t0) -> 
         scored_windows=layout.scored_windows,
     )
     meta = stage.finish(meta)
-    # the short summary: perplexities with intervals, and the AR share (report.md has every column)
-    keep = [0, 2, 3, 4, 5, 7, 9]
-    print(format_table([t1.header[i] for i in keep], [tuple(r[i] for i in keep) for r in t1.rows]))
-    print(
-        f"\n{report.n_tokens:,} tokens in {report.n_windows:,} windows, "
-        f"{100 * report.n_ar_hits / max(report.n_tokens, 1):.2f}% AR hits; reference {reference}"
+    print(console_summary(text, t1, context, cfg))
+    print(out / "report.html")
+    return meta
+
+
+def coverage_notes(layout) -> list[str]:
+    """One sentence per model left out (an unfinished evaluation) and one naming the models
+    that scored fewer windows than the others, when any did."""
+    notes = [
+        f"losses/{name} is left out: {why}; rerun its `arslice eval` to include it."
+        for name, why in layout.skipped_losses.items()
+    ]
+    if layout.scored_windows is not None:
+        partial = ", ".join(
+            f"{name} ({n} window{'' if n == 1 else 's'})"
+            for name, n in sorted(layout.partial_models.items())
+        )
+        notes.append(
+            f"Evaluated on part of the windows only: {partial}. Every number covers windows "
+            f"0..{layout.scored_windows - 1}, which all models scored."
+        )
+    return notes
+
+
+# The console's short Table 1 (report.md has every column).
+CONSOLE_COLUMNS = (
+    "model",
+    "parameters",
+    "ppl all",
+    "ppl AR hits",
+    "ppl other",
+    "Δ log-ppl AR",
+    "AR share of gap",
+)
+
+
+def console_summary(text, t1, context, cfg) -> str:
+    """Table 1's main columns, the recall gain line, the token counts and what was left out."""
+    from pipeline.query import format_table
+
+    cols = [text.column(h) for h in CONSOLE_COLUMNS]
+    lines = [format_table(list(CONSOLE_COLUMNS), list(zip(*cols))), ""]
+    gains = text.column("recall gain (nats)")
+    lines.append(
+        "in-context recall gain (nats): " + "; ".join(f"{m} {g}" for m, g in zip(t1.order, gains))
+    )
+    n_tokens = max(context["n_tokens"], 1)
+    lines.append(
+        f"{context['n_tokens']:,} tokens in {context['n_windows']:,} windows, "
+        f"{100 * context['n_ar_hits'] / n_tokens:.2f}% AR hits; reference {t1.reference}"
         + (
             f"; {cfg.bootstrap} bootstrap resamples of windows (seed {cfg.seed})"
             if cfg.bootstrap
             else ""
         )
     )
-    print(out / "report.html")
-    return meta
+    lines += [f"note: {n}" for n in context["coverage"]]
+    return "\n".join(lines)
 
 
 COMMAND = Command(

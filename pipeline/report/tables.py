@@ -6,6 +6,7 @@ import csv
 import html
 import io
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,10 +83,19 @@ def _looks_numeric(cell: str) -> bool:
 
 def html_table(header: list[str], rows: list[list[str]], cls: str = "") -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows
-    )
+    body = "".join("<tr>" + "".join(f"<td>{_cell_html(c)}</td>" for c in r) + "</tr>" for r in rows)
     return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+_WITH_INTERVAL = re.compile(r"(\S+) (\[[^\]]*\])")
+
+
+def _cell_html(cell: str) -> str:
+    """A cell; an interval after its value (`fmt_ci`) goes in a smaller grey span."""
+    m = _WITH_INTERVAL.fullmatch(cell)
+    if m is None:
+        return html.escape(cell)
+    return f'{html.escape(m.group(1))} <span class="ci">{html.escape(m.group(2))}</span>'
 
 
 def query_rows_as_text(columns: list[str], rows: list[tuple]) -> list[list[str]]:
@@ -99,65 +109,55 @@ def query_rows_as_text(columns: list[str], rows: list[tuple]) -> list[list[str]]
 
 # ---- Table 1 -----------------------------------------------------------------------------------
 
+# Table 1's columns as shown: (header, statistic, digits, as a percentage); None: a model field.
+TABLE1_COLUMNS = (
+    ("model", None, 0, False),
+    ("architecture", None, 0, False),
+    ("parameters", None, 0, False),
+    ("ppl all", "ppl_all", 2, False),
+    ("ppl AR hits", "ppl_ar", 2, False),
+    ("ppl other", "ppl_other", 2, False),
+    ("Δ log-ppl all", "delta_all", 3, False),
+    ("Δ log-ppl AR", "delta_ar", 3, False),
+    ("Δ log-ppl other", "delta_other", 3, False),
+    ("AR share of gap", "ar_share", 1, True),
+    ("recall gain (nats)", "recall_gain", 3, False),
+)
+# Statistics relative to the reference: the reference's own row shows 0 (Δ) or — (its share).
+_RELATIVE = {"delta_all": "0", "delta_ar": "0", "delta_other": "0", "ar_share": "—"}
+
 
 @dataclass
-class Table1:
+class Table1Text:
     header: list[str]
     rows: list[list[str]]
     csv_columns: list[str]
     csv_rows: list[tuple]
 
+    def column(self, header: str) -> list[str]:
+        i = self.header.index(header)
+        return [r[i] for r in self.rows]
 
-def table1(report, models_meta: dict[str, dict]) -> Table1:
-    """Table-1-style rows: reference first, then the other models by name."""
-    rows_by_model = {r["model"]: r for r in report.rows()}
-    order = [report.reference] + [m for m in report.models if m != report.reference]
-    has_ci = report.n_bootstrap > 0
-    stats = ["ppl_all", "ppl_ar", "ppl_other", "delta_all", "delta_ar", "delta_other", "ar_share"]
-    header = [
-        "model",
-        "architecture",
-        "parameters",
-        "ppl all",
-        "ppl AR hits",
-        "ppl other",
-        "Δ log-ppl all",
-        "Δ log-ppl AR",
-        "Δ log-ppl other",
-        "AR share of gap",
-    ]
-    rows, csv_rows = [], []
-    for model in order:
-        r = rows_by_model[model]
-        meta = models_meta.get(model, {})
 
-        def cell(key, digits=2, pct=False, r=r):
-            return fmt_ci(r[key], r.get(f"{key}_lo"), r.get(f"{key}_hi"), digits, pct)
-
-        is_ref = model == report.reference
-        rows.append(
-            [
-                model + (" (reference)" if is_ref else ""),
-                str(meta.get("architecture") or ""),
-                fmt_params(meta.get("n_params")),
-                cell("ppl_all"),
-                cell("ppl_ar"),
-                cell("ppl_other"),
-                "0" if is_ref else cell("delta_all", 3),
-                "0" if is_ref else cell("delta_ar", 3),
-                "0" if is_ref else cell("delta_other", 3),
-                "—" if is_ref else cell("ar_share", 1, pct=True),
-            ]
-        )
-        values: list[Any] = [model, meta.get("architecture"), meta.get("n_params")]
-        for key in stats:
-            values.append(r[key])
-            if has_ci:
-                values += [r[f"{key}_lo"], r[f"{key}_hi"]]
-        csv_rows.append(tuple(values))
-    csv_columns = ["model", "architecture", "n_params"]
-    for key in stats:
-        csv_columns.append(key)
-        if has_ci:
-            csv_columns += [f"{key}_lo", f"{key}_hi"]
-    return Table1(header, rows, csv_columns, csv_rows)
+def table1_text(t1) -> Table1Text:
+    """Table 1 (`ar_slicing.table1.Table1`) as text cells, and its CSV columns and rows."""
+    rows = []
+    for rec in t1.records():
+        is_ref = rec["model"] == t1.reference
+        meta = t1.models_meta.get(rec["model"], {})
+        cells = [
+            rec["model"] + (" (reference)" if is_ref else ""),
+            str(meta.get("architecture") or ""),
+            fmt_params(meta.get("n_params")),
+        ]
+        for _, key, digits, pct in TABLE1_COLUMNS[3:]:
+            if is_ref and key in _RELATIVE:
+                cells.append(_RELATIVE[key])
+            else:
+                cells.append(
+                    fmt_ci(rec[key], rec.get(f"{key}_lo"), rec.get(f"{key}_hi"), digits, pct)
+                )
+        rows.append(cells)
+    header = [h for h, *_ in TABLE1_COLUMNS]
+    csv_rows = [tuple(rec[c] for c in t1.columns) for rec in t1.records()]
+    return Table1Text(header, rows, t1.columns, csv_rows)

@@ -1,0 +1,159 @@
+"""The Python API over one run, for a notebook: `open_run(RUN)` and the tables of a `Run` as
+polars frames, the same numbers `arslice report` and `arslice query` print.
+
+    >>> from ar_slicing import open_run                     # doctest: +SKIP
+    >>> run = open_run("runs/demo")
+    >>> run.models, run.window, run.threshold
+    >>> run.table1()                                        # Table 1, intervals included
+    >>> run.query("gap_vs_reference", reference="rwkv")     # any queries/*.sql
+    >>> run.sql("SELECT model, avg(nll) FROM token_losses WHERE is_ar_hit GROUP BY model")
+    >>> run.token_losses().filter(pl.col("is_repeat")).collect()   # lazy, straight from Parquet
+
+Nothing is printed; a problem with the run raises `ar_slicing.errors.ArSliceError` with the
+message the CLI would print. `open_run` brings the run's `results.duckdb` up to date once (as `arslice query`
+does) and the `Run` reads that state: open the run again after evaluating another model.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from ar_slicing.layout import LOSS_PART_GLOB
+from ar_slicing.results import RunInputs
+from ar_slicing.tags import TAG_COLUMNS
+
+# token_losses' columns, in the order of the results.duckdb view of that name
+TOKEN_LOSS_COLUMNS = ("model", *TAG_COLUMNS, "nll")
+
+
+def open_run(run_dir: str | os.PathLike) -> Run:
+    """The run in `run_dir` (its tags and every complete `losses/<model>/`)."""
+    from ar_slicing.results import ensure_results
+
+    inputs, _ = ensure_results(run_dir)
+    return Run(inputs)
+
+
+class Run:
+    """One run's results: `table1()`, `query(name)`, `sql(text)`, `token_losses()`."""
+
+    def __init__(self, inputs: RunInputs):
+        self.inputs = inputs
+
+    def __repr__(self) -> str:
+        return f"Run({str(self.path)!r}, models={list(self.models)})"
+
+    @property
+    def path(self) -> Path:
+        return self.inputs.run_dir
+
+    def _connect(self):
+        import duckdb
+
+        return duckdb.connect(str(self.inputs.results_path), read_only=True)
+
+    @cached_property
+    def _info(self) -> dict[str, str | None]:
+        from ar_slicing.results import run_info
+
+        con = self._connect()
+        try:
+            return run_info(con)
+        finally:
+            con.close()
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The evaluated models (losses folder names), in name order."""
+        return tuple(sorted(self.inputs.models))
+
+    @property
+    def reference(self) -> str:
+        """The default reference: the model whose architecture or name says attention."""
+        return self._info["default_reference"]
+
+    @property
+    def window(self) -> int:
+        return int(self._info["window"])
+
+    @property
+    def threshold(self) -> int:
+        return int(self._info["threshold"])
+
+    def sql(self, text: str, **params: Any):
+        """A polars DataFrame of the SQL `text` over results.duckdb (views `tags`, `losses`,
+        `token_losses`, `windows`, `counts`, tables `models`, `run_info`); `$name` in the
+        text is bound to `params[name]`, never formatted in."""
+        from ar_slicing.sql import frame
+
+        con = self._connect()
+        try:
+            return frame(con, text, params)
+        finally:
+            con.close()
+
+    def query(self, name: str, **params: Any):
+        """A polars DataFrame of `queries/<name>.sql`, its parameters' documented defaults (and
+        the run's reference) filled in, as `arslice query NAME --param k=v` does."""
+        from ar_slicing.sql import bind_named, frame
+
+        con = self._connect()
+        try:
+            query, bound = bind_named(con, name, params)
+            return frame(con, query.sql, bound, where=f"query {query.path}")
+        finally:
+            con.close()
+
+    def table1(self, reference: str | None = None, bootstrap: int = 1000, seed: int = 0):
+        """Table 1 as a polars DataFrame, one row per model (the reference first): `ppl_all`,
+        `ppl_ar`, `ppl_other`, `delta_*`, `ar_share`, `recall_gain`, each with `_lo`/`_hi`
+        95% bootstrap bounds. The numbers of `arslice report`'s table1.csv for the same
+        `--reference`, `--bootstrap` and `--seed` (these defaults are the report's)."""
+        import polars as pl
+
+        from ar_slicing.table1 import compute_table1
+
+        con = self._connect()
+        try:
+            t1 = compute_table1(con, reference, n_bootstrap=bootstrap, seed=seed)
+        finally:
+            con.close()
+        # (a statistic without a value, such as the reference's own AR share, is null)
+        rows = [[_none_if_nan(r[c]) for c in t1.columns] for r in t1.records()]
+        return pl.DataFrame(rows, schema=_table1_schema(t1.columns), orient="row")
+
+    def token_losses(self):
+        """A polars LazyFrame of every scored token joined with every model's loss (the
+        `token_losses` view), scanned from the run's Parquet: nothing is read until `.collect()`,
+        and a filter or a column choice reads only what it needs."""
+        import polars as pl
+
+        tags = pl.scan_parquet([str(p) for p in self.inputs.tag_shards])
+        losses = pl.concat(
+            [
+                pl.scan_parquet([str(p) for p in sorted(d.glob(LOSS_PART_GLOB))]).select(
+                    pl.lit(name).alias("model"), "window_id", "pos", "nll"
+                )
+                for name, d in sorted(self.inputs.models.items())
+            ]
+        )
+        if self.inputs.scored_windows is not None:
+            # the windows every model scored, as results.duckdb's views have them
+            tags = tags.filter(pl.col("window_id") < self.inputs.scored_windows)
+            losses = losses.filter(pl.col("window_id") < self.inputs.scored_windows)
+        return tags.join(losses, on=["window_id", "pos"], how="inner").select(TOKEN_LOSS_COLUMNS)
+
+
+def _none_if_nan(v: Any) -> Any:
+    return None if isinstance(v, float) and math.isnan(v) else v
+
+
+def _table1_schema(columns: list[str]) -> dict:
+    import polars as pl
+
+    types = {"model": pl.String, "architecture": pl.String, "n_params": pl.Int64}
+    return {c: types.get(c, pl.Float64) for c in columns}

@@ -1,0 +1,116 @@
+"""Table 1 of a run as numbers: per model, perplexity on all tokens / AR hits / other tokens, the
+gap to the reference per slice, the AR share of the gap and the in-context recall gain, each with
+its 95% bootstrap interval over windows.
+
+`arslice report` formats it (report.md, report.html, table1.csv) and `ar_slicing.api.Run.table1`
+returns it as a polars DataFrame; both come from `compute_table1`, so they agree by construction.
+Every column is bootstrapped from the same resampled windows (one seed; `ar_slicing.metrics`),
+so the intervals of Δ, the AR share and the recall gain are paired.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ar_slicing.errors import ArSliceError
+from ar_slicing.metrics import (
+    RecallGainReport,
+    SliceReport,
+    recall_gain_report,
+    slice_report,
+    window_sums,
+)
+
+# The statistics of Table 1, in column order (each with `_lo`/`_hi` when bootstrapped).
+STATISTICS = (
+    "ppl_all",
+    "ppl_ar",
+    "ppl_other",
+    "delta_all",
+    "delta_ar",
+    "delta_other",
+    "ar_share",
+    "recall_gain",
+)
+MODEL_FIELDS = ("model", "architecture", "n_params")
+
+
+@dataclass
+class Table1:
+    """Table 1's numbers: the reference first, then the other models by name."""
+
+    reference: str
+    order: list[str]
+    models_meta: dict[str, dict]  # model -> its row of the `models` table
+    slices: SliceReport
+    recall: RecallGainReport
+
+    @property
+    def n_bootstrap(self) -> int:
+        return self.slices.n_bootstrap
+
+    @property
+    def columns(self) -> list[str]:
+        out = list(MODEL_FIELDS)
+        for key in STATISTICS:
+            out.append(key)
+            if self.n_bootstrap:
+                out += [f"{key}_lo", f"{key}_hi"]
+        return out
+
+    def records(self) -> list[dict[str, Any]]:
+        """One dict per model, in `order`, keyed by `columns` (NaN where a statistic has no
+        value, e.g. the reference's own AR share)."""
+        slices = {r["model"]: r for r in self.slices.rows()}
+        recall = {r["model"]: r for r in self.recall.rows()}
+        out = []
+        for model in self.order:
+            meta = self.models_meta.get(model, {})
+            values = {**slices[model], **recall[model]}
+            rec: dict[str, Any] = {
+                "model": model,
+                "architecture": meta.get("architecture"),
+                "n_params": meta.get("n_params"),
+            }
+            for key in self.columns[len(MODEL_FIELDS) :]:
+                rec[key] = values[key]
+            out.append(rec)
+        return out
+
+
+def models_table(con) -> dict[str, dict]:
+    """The `models` table of a results.duckdb connection: model -> row (by model name)."""
+    cur = con.execute("SELECT * FROM models ORDER BY model")
+    columns = [d[0] for d in cur.description]
+    return {r[0]: dict(zip(columns, r)) for r in cur.fetchall()}
+
+
+def resolve_reference(con, reference: str | None, models: list[str], where: str) -> str:
+    """`reference`, or the run's default one; refused unless it names a model of the run."""
+    if reference is None:
+        reference = con.execute(
+            "SELECT value FROM run_info WHERE key = 'default_reference'"
+        ).fetchone()[0]
+    if reference not in models:
+        raise ArSliceError(
+            f"reference {reference!r} is not a model of {where}; models: {', '.join(models)}"
+        )
+    return reference
+
+
+def compute_table1(
+    con, reference: str | None = None, n_bootstrap: int = 1000, seed: int = 0
+) -> Table1:
+    """Table 1 of the run behind the results.duckdb connection `con` (`reference` None: the
+    run's default, its attention model); `n_bootstrap` resamples of windows, 0 for none."""
+    if n_bootstrap < 0:
+        raise ArSliceError(f"bootstrap {n_bootstrap}: must be 0 (no intervals) or more")
+    meta = models_table(con)
+    models = list(meta)
+    run_dir = con.execute("SELECT value FROM run_info WHERE key = 'run_dir'").fetchone()[0]
+    reference = resolve_reference(con, reference, models, run_dir)
+    slices = slice_report(window_sums(con, models), reference, n_bootstrap=n_bootstrap, seed=seed)
+    recall = recall_gain_report(con, models, n_bootstrap=n_bootstrap, seed=seed)
+    order = [reference] + [m for m in models if m != reference]
+    return Table1(reference, order, meta, slices, recall)
