@@ -15,7 +15,7 @@ RUN := $(shell sed -n 's/^run_dir *= *"\([^"]*\)".*/\1/p' $(CONFIG) 2>/dev/null)
 RUNFLAGS := $(if $(OVERWRITE),--redo-changed,)
 STAGE = $(ARSLICE) run --config $(CONFIG) $(RUNFLAGS) --stage
 
-.PHONY: FORCE install test test-slow test-demo test-gpu lint format bench bench-scale bench-gpu all tokenizer tokenize counts tags train eval report verify readme-demo clean-run
+.PHONY: FORCE install install-browser test test-slow test-demo test-gpu lint format bench bench-scale bench-gpu all tokenizer tokenize counts tags train eval report verify readme-demo clean-run
 
 install:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ install:
 	# torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[dev,ray]"
+
+# Debian's chromium, for the test that opens report.html in a headless browser (skipped without it).
+install-browser:
+	command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
 test:
 	$(PY) -m pytest -m "not slow and not gpu" -q

@@ -13,8 +13,10 @@ HTML_STYLE = """
 body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1500px;color:#222;padding:0 1em}
 .scroll{overflow-x:auto}
 table{border-collapse:collapse;margin:1em 0;font-size:13px}
-th,td{border:1px solid #ccc;padding:3px 6px;text-align:right;white-space:nowrap}
-td .ci{color:#666;font-size:11px}
+th,td{border:1px solid #ccc;padding:3px 5px;text-align:right}
+td{white-space:nowrap}
+td .ci{color:#666;font-size:10.5px}
+table.table1{font-size:12px}
 code{font-family:ui-monospace,monospace;font-size:90%;background:#f3f3f3;padding:0 .2em}
 th:first-child,td:first-child{text-align:left}
 th{background:#f3f3f3}
@@ -58,7 +60,7 @@ def _intro(context: dict) -> list[str]:
     if context["n_bootstrap"]:
         lines.append(
             f"Brackets: 95% bootstrap intervals from {context['n_bootstrap']} resamples of windows "
-            f"(seed {context['seed']}; the same resamples for every model, so Δ and the AR share are paired)."
+            f"(seed {context['seed']}; the same resamples for every model, so Δ, the AR share and the recall gain are paired)."
         )
     lines.append(
         "Δ log-ppl = mean NLL of the model minus the reference's on the slice (nats); AR share of gap = "
