@@ -535,8 +535,12 @@ class HFDatasetReader:
                 return load_dataset(
                     builder, data_files={self.split: str(path)}, split=self.split, streaming=True
                 )
+            from ar_slicing import hub
+
+            if hub.is_hub_name(self.name):
+                hub.require([(f"dataset {self.spec}", self.name, "dataset")])
             return load_dataset(self.name, self.config, split=self.split, streaming=True)
-        except BadInput:
+        except ArSliceError:
             raise
         except Exception as e:
             raise BadInput(

@@ -46,10 +46,14 @@ def load_tokenizer(spec: str | Path):
 
 
 def _from_transformers(name: str):
+    from ar_slicing import hub
+
+    if hub.is_hub_name(name):
+        hub.require([(f"tokenizer {name!r}", name, "model")])
     try:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(name, use_fast=True)
+        tok = AutoTokenizer.from_pretrained(name, use_fast=True, **hub.files_only())
     except Exception as e:
         raise ArSliceError(
             f"tokenizer {name!r}: could not load it as a local directory or hub name ({e}). "

@@ -419,12 +419,14 @@ def resolve_files(target: str, spec: str) -> tuple[Path, Path]:
 
 
 def _download(repo_id: str, spec: str) -> Path:
+    from ar_slicing import hub
+
+    hub.require([(spec, repo_id, "model")])
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(
-            snapshot_download(repo_id, allow_patterns=[CONFIG_NAME, *WEIGHT_NAMES, "*.json"])
-        )
+        patterns = [CONFIG_NAME, *WEIGHT_NAMES, "*.json"]
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, **hub.files_only()))
     except Exception as e:
         raise ArSliceError(
             f"{spec}: could not fetch {repo_id} from the hub ({type(e).__name__}: {e}); pass a "

@@ -266,6 +266,10 @@ def _load_hf(spec: str, target: str, device, dtype, fast_path: bool) -> LoadedMo
         raise ArSliceError(
             f"{spec}: {path / 'config.json'} not found (not a transformers model directory)"
         )
+    if not looks_local:
+        from ar_slicing import hub
+
+        hub.require([(spec, target, "model")])
     raw = read_config_json(target, looks_local)
     if is_mamba_ssm_config(raw):
         model = load_mamba_ssm(target, raw, spec, looks_local, as_transformers=not fast_path)
@@ -324,10 +328,12 @@ def _load_transformers(spec: str, target: str, dtype):
     """transformers' AutoModelForCausalLM for `target`, and its model_type."""
     import torch
 
+    from ar_slicing import hub
+
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        config = AutoConfig.from_pretrained(target)
+        config = AutoConfig.from_pretrained(target, **hub.files_only())
     except Exception as e:
         raise ArSliceError(
             f"{spec}: could not read a transformers config ({type(e).__name__}: {e}). Pass a local "
@@ -340,7 +346,9 @@ def _load_transformers(spec: str, target: str, dtype):
                 "scoring of such models is not supported"
             )
     try:
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype or torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            target, dtype=dtype or torch.float32, **hub.files_only()
+        )
     except Exception as e:
         raise ArSliceError(
             f"{spec}: could not load the weights ({type(e).__name__}: {e})"

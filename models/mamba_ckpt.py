@@ -120,7 +120,9 @@ def _find_file(target: str, local: bool, names) -> str | None:
         try:
             from huggingface_hub import hf_hub_download
 
-            return hf_hub_download(target, name)
+            from ar_slicing import hub
+
+            return hf_hub_download(target, name, **hub.files_only())
         except Exception as e:  # not in the repo, or the hub unreachable: try the next name
             log.debug("hf:%s: no %s (%s)", target, name, e)
     return None

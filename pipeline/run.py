@@ -435,7 +435,37 @@ class Pipeline:
         trained = {str(Path(c.out)) for c in all_configs.get("train", {}).values()}
         for name, cfg in all_configs.get("eval", {}).items():
             _check_external_spec(cfg.model, trained, f"{self.config_path} [eval.models.{name}]")
+        from ar_slicing import hub
+
+        hub.require(self.hub_names(all_configs))
         return all_configs
+
+    @staticmethod
+    def hub_names(all_configs) -> list[tuple[str, str, str]]:
+        """What the configs name on the hub (tokenizers, models, datasets), as `hub.require`
+        takes them: so an unreachable hub stops the run before anything is written."""
+        from ar_slicing import hub
+        from ar_slicing.readers import HF_PREFIX, parse_hf_spec
+        from models.loaders import parse_spec
+
+        names = []
+        for cfg in all_configs.get("tokenizer", {}).values():
+            if isinstance(cfg, PretrainedTokenizer) and hub.is_hub_name(cfg.pretrained):
+                what = f"tokenizer {cfg.pretrained!r} ([tokenizer] pretrained)"
+                names.append((what, cfg.pretrained, "model"))
+        for part, cfg in all_configs.get("tokenize", {}).items():
+            if cfg.tokenizer and hub.is_hub_name(cfg.tokenizer):
+                names.append(
+                    (f"tokenizer {cfg.tokenizer!r} ([tokenize.{part}])", cfg.tokenizer, "model")
+                )
+            for source in cfg.source:
+                if source.startswith(HF_PREFIX) and hub.is_hub_name(parse_hf_spec(source)[0]):
+                    names.append((f"dataset {source} ([tokenize.{part}])", source, "dataset"))
+        for name, cfg in all_configs.get("eval", {}).items():
+            prefix, target = parse_spec(cfg.model)
+            if prefix in ("hf", "based") and hub.is_hub_name(target):
+                names.append((f"model {cfg.model} ([eval.models.{name}])", target, "model"))
+        return names
 
     def conflicts(self, stages, all_configs) -> list[str]:
         """For each chosen stage whose complete output was made with other settings than the

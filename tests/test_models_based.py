@@ -307,5 +307,7 @@ def test_missing_files_mamba_configs_and_unreachable_hubs_are_refused(tmp_path, 
         load_model(f"based:{mamba}")  # read as a Mamba, whose keys these are not
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    with pytest.raises(ArSliceError, match="could not fetch hazyresearch/based-360m"):
+    with pytest.raises(
+        ArSliceError, match="hub is not reachable .*: based:hazyresearch/based-360m"
+    ):
         load_model("based:hazyresearch/based-360m")

@@ -1,0 +1,123 @@
+"""The Hugging Face hub, when there is none: decide once whether it answers, and otherwise fail
+in seconds with one message saying how to use a local directory instead.
+
+Without this, every `from_pretrained` of a hub name on a machine without network retries for
+half a minute and prints each warning twice before its own error. Here the hub is taken as
+unreachable when `HF_HUB_OFFLINE` is set, or when one request to its endpoint (`HF_ENDPOINT`,
+default https://huggingface.co, through the environment's proxy) gets no HTTP answer within
+`PROBE_TIMEOUT_S`; the answer is kept for the process. A hub name already in the local cache
+(`HF_HOME`, `HF_HUB_CACHE`) still loads offline: `files_only()` tells `from_pretrained` to read
+the cache only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+from ar_slicing.errors import ArSliceError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ENDPOINT = "https://huggingface.co"
+PROBE_TIMEOUT_S = 5.0
+_TRUE = {"1", "on", "yes", "true"}
+_probed: dict[tuple[str | None, str], str | None] = {}
+
+
+def endpoint() -> str:
+    return os.environ.get("HF_ENDPOINT", "").rstrip("/") or DEFAULT_ENDPOINT
+
+
+def unreachable() -> str | None:
+    """Why the hub cannot be used now (None: it answered). Decided once per process for each
+    setting of HF_HUB_OFFLINE and HF_ENDPOINT."""
+    offline = os.environ.get("HF_HUB_OFFLINE")
+    key = (offline, endpoint())
+    if key not in _probed:
+        if (offline or "").strip().lower() in _TRUE:
+            _probed[key] = f"HF_HUB_OFFLINE={offline}"
+        else:
+            _probed[key] = _probe(endpoint())
+            if _probed[key]:
+                log.debug("the hub is not reachable: %s", _probed[key])
+    return _probed[key]
+
+
+def _probe(url: str) -> str | None:
+    """None when `url` gives any HTTP answer within PROBE_TIMEOUT_S, else what happened. (The
+    request runs in a thread so a name lookup that hangs cannot hold the caller longer.)"""
+    import urllib.error
+    import urllib.request
+
+    outcome: list[str | None] = []
+
+    def request() -> None:
+        try:
+            urllib.request.urlopen(
+                urllib.request.Request(url, method="HEAD"), timeout=PROBE_TIMEOUT_S
+            )
+            outcome.append(None)
+        except urllib.error.HTTPError:
+            outcome.append(None)  # an answer, even an error status: the hub is there
+        except (OSError, ValueError) as e:
+            reason = getattr(e, "reason", e)
+            outcome.append(f"{url} did not answer: {reason}")
+
+    thread = threading.Thread(target=request, daemon=True)
+    thread.start()
+    thread.join(PROBE_TIMEOUT_S + 1)
+    return outcome[0] if outcome else f"{url} did not answer within {PROBE_TIMEOUT_S:g} s"
+
+
+def is_hub_name(target: str) -> bool:
+    """True for a name only the hub (or its cache) can resolve: not an existing path, and not
+    written as one (./x, /x, ~/x, x.json)."""
+    target = str(target)
+    if target.startswith((".", "/", "~")) or target.endswith(".json"):
+        return False
+    return not Path(target).expanduser().exists()
+
+
+def is_cached(repo_id: str, repo_type: str = "model") -> bool:
+    """True when a snapshot of `repo_id` is in the local hub cache."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        snapshot_download(repo_id, repo_type=repo_type, local_files_only=True)
+        return True
+    except Exception:  # not cached, or not a valid repo id
+        return False
+
+
+def files_only() -> dict:
+    """`from_pretrained` keyword arguments: read the local cache only when the hub is unreachable
+    (no retries), nothing otherwise."""
+    return {"local_files_only": True} if unreachable() else {}
+
+
+def require(names: Iterable[tuple[str, str, str]]) -> None:
+    """Refuse, in one message, the hub names that cannot be loaded now: the hub is unreachable
+    and they are not cached. `names` holds (what, name, repo_type) triples, e.g.
+    ("model hf:gpt2 ([eval.models.gpt2])", "gpt2", "model"); a dataset ("dataset") is refused
+    whenever the hub is unreachable, as streaming reads the hub itself."""
+    names = list(names)
+    if not names:
+        return
+    why = unreachable()
+    if why is None:
+        return
+    missing = [what for what, name, kind in names if kind == "dataset" or not is_cached(name, kind)]
+    if not missing:
+        return
+    raise ArSliceError(
+        f"the Hugging Face hub is not reachable ({why}) and not in the local cache: "
+        + "; ".join(missing)
+        + ". Use a local copy instead: on a machine with network, `hf download NAME --local-dir "
+        "DIR` (or save_pretrained), then name DIR in its place (hf:DIR, based:DIR, "
+        '`pretrained = "DIR"`, --tokenizer DIR); for an hf:// dataset, download its files and '
+        "pass them as sources"
+    )

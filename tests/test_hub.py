@@ -1,0 +1,255 @@
+"""Hub names with no hub: one check, a failure in seconds with one message naming a local
+directory instead, nothing written; a name already in the local cache still loads.
+
+"No network" is simulated honestly: `HF_HUB_OFFLINE=1`, or `HF_ENDPOINT` pointing at a local
+port nothing listens on (the connection is refused at once), with an empty `HF_HOME` so nothing
+is cached. Timings include the interpreter start and imports of a real `arslice` process.
+"""
+
+from __future__ import annotations
+
+import http.server
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from test_queries import tiny_run  # noqa: F401  (a fixture)
+
+from ar_slicing import hub
+from ar_slicing.errors import ArSliceError
+
+REPO = Path(__file__).resolve().parent.parent
+UNROUTABLE = "http://127.0.0.1:9"  # the discard port: nothing listens, connections are refused
+MESSAGE = "the Hugging Face hub is not reachable"
+LIMIT_S = 10.0
+
+
+def offline_env(tmp_path: Path, **extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_HOME=str(tmp_path / "hf-home"), PYTHONPATH=str(REPO), **extra)
+    return env
+
+
+def arslice(
+    args: list[str], env: dict, cwd: Path = REPO
+) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return out, time.monotonic() - t0
+
+
+def assert_one_clear_failure(out: subprocess.CompletedProcess, seconds: float, *names: str):
+    assert out.returncode == 2, out.stderr
+    assert seconds < LIMIT_S, seconds
+    assert out.stderr.count(MESSAGE) == 1, out.stderr
+    assert "--local-dir DIR" in out.stderr and "Traceback" not in out.stderr
+    for name in names:
+        assert name in out.stderr, (name, out.stderr)
+
+
+# ---- deciding whether the hub is there ------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_probe(monkeypatch):
+    monkeypatch.setattr(hub, "_probed", {})
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    return monkeypatch
+
+
+def test_offline_by_setting(fresh_probe):
+    fresh_probe.setenv("HF_HUB_OFFLINE", "1")
+    assert hub.unreachable() == "HF_HUB_OFFLINE=1"
+    assert hub.files_only() == {"local_files_only": True}
+
+
+def test_a_refused_connection_is_offline_at_once(fresh_probe):
+    fresh_probe.setenv("HF_ENDPOINT", UNROUTABLE)
+    t0 = time.monotonic()
+    why = hub.unreachable()
+    assert why.startswith(f"{UNROUTABLE} did not answer") and "refused" in why.lower()
+    assert time.monotonic() - t0 < 2
+    t0 = time.monotonic()
+    assert hub.unreachable() == why and time.monotonic() - t0 < 0.01  # decided once
+
+
+def test_an_endpoint_that_answers_is_online(fresh_probe):
+    """Any HTTP answer counts, an error status included (a local server answering 404)."""
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        fresh_probe.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+        assert hub.unreachable() is None
+        assert hub.files_only() == {}
+        hub.require([("model hf:x/y", "x/y", "model")])  # the hub is there: nothing refused
+    finally:
+        server.shutdown()
+
+
+def test_require_names_every_missing_name_in_one_message(fresh_probe, tmp_path):
+    fresh_probe.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ArSliceError) as e:
+        hub.require(
+            [
+                ("tokenizer 'gpt2' ([tokenizer] pretrained)", "gpt2", "model"),
+                (
+                    "dataset hf://monology/pile-uncopyrighted",
+                    "monology/pile-uncopyrighted",
+                    "dataset",
+                ),
+            ]
+        )
+    text = str(e.value)
+    assert text.startswith(f"{MESSAGE} (HF_HUB_OFFLINE=1)")
+    assert "tokenizer 'gpt2'" in text and "hf://monology/pile-uncopyrighted" in text
+    assert "\n" not in text
+
+
+def test_local_paths_are_not_hub_names(tmp_path):
+    (tmp_path / "gpt2").mkdir()
+    assert hub.is_hub_name("gpt2") and hub.is_hub_name("EleutherAI/pythia-160m")
+    assert not hub.is_hub_name(str(tmp_path / "gpt2"))
+    assert not hub.is_hub_name("./gpt2") and not hub.is_hub_name("runs/x/tokenizer.json")
+
+
+# ---- each command that takes a hub name ------------------------------------------------------------
+
+
+def test_eval_of_a_hub_model_fails_in_seconds(tiny_run, tmp_path):  # noqa: F811
+    out, seconds = arslice(
+        ["eval", "--model", "hf:EleutherAI/pythia-70m", "--tags", str(tiny_run / "tags"),
+         "--out", str(tmp_path / "losses")],
+        offline_env(tmp_path, HF_ENDPOINT=UNROUTABLE),
+    )  # fmt: skip
+    assert_one_clear_failure(out, seconds, "hf:EleutherAI/pythia-70m", "Connection refused")
+    assert not (tmp_path / "losses").exists()
+
+
+def test_tokenize_with_a_hub_tokenizer_or_dataset_fails_in_seconds(
+    tmp_path, monkeypatch, capsys, bpe_tokenizer_path
+):
+    from pipeline.cli import main
+
+    monkeypatch.setattr(hub, "_probed", {})
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    text = tmp_path / "a.txt"
+    text.write_text("hello world\n")
+    dataset = "hf://monology/pile-uncopyrighted@validation"
+    for argv, name in (
+        (["--source", str(text), "--tokenizer", "gpt2"], "tokenizer 'gpt2'"),
+        (["--source", dataset, "--tokenizer", str(bpe_tokenizer_path)], f"dataset {dataset}"),
+    ):
+        t0 = time.monotonic()
+        assert main(["tokenize", *argv, "--out", str(tmp_path / "store")]) == 2
+        assert time.monotonic() - t0 < LIMIT_S
+        err = capsys.readouterr().err
+        assert err.count(MESSAGE) == 1 and name in err and "Traceback" not in err, err
+    assert not (tmp_path / "store").exists()
+
+
+def test_tokenize_reads_a_hub_dataset_only_with_a_hub(tmp_path, monkeypatch, capsys):
+    from ar_slicing.readers import ReadStats, iter_documents
+
+    monkeypatch.setattr(hub, "_probed", {})
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ArSliceError, match="dataset hf://monology/pile-uncopyrighted@validation"):
+        list(iter_documents(["hf://monology/pile-uncopyrighted@validation"], stats=ReadStats()))
+
+
+def test_make_all_on_the_pile_config_offline_fails_in_seconds_and_writes_nothing(tmp_path):
+    """pipeline/configs/pile-gpt2.toml with its /data paths pointed at local files: every
+    hub name in it (the GPT-2 tokenizer, two hf: models) is named at once, before any stage."""
+    import zstandard
+
+    data = tmp_path / "data"
+    (data / "pile" / "train").mkdir(parents=True)
+    record = b'{"text": "def f():\\n    return 1\\n", "meta": {"pile_set_name": "Github"}}\n'
+    for name in ("pile/train/00.jsonl.zst", "pile/val.jsonl.zst"):
+        (data / name).write_bytes(zstandard.ZstdCompressor().compress(record))
+    (data / "ckpt" / "hyena-153m").mkdir(parents=True)
+    (data / "ckpt" / "hyena-153m" / "model.pt").write_bytes(b"a checkpoint file")
+    text = (REPO / "pipeline" / "configs" / "pile-gpt2.toml").read_text()
+    assert "/data/" in text and 'run_dir = "runs/pile-gpt2"' in text
+    config = tmp_path / "pile-gpt2.toml"
+    run_dir = tmp_path / "runs" / "pile-gpt2"
+    config.write_text(
+        text.replace("/data/", f"{data}/").replace('"runs/pile-gpt2"', f'"{run_dir}"')
+    )
+    for env in (
+        offline_env(tmp_path, HF_ENDPOINT=UNROUTABLE),
+        offline_env(tmp_path, HF_HUB_OFFLINE="1"),
+    ):
+        t0 = time.monotonic()
+        out = subprocess.run(
+            ["make", "all", f"CONFIG={config}", f"ARSLICE={sys.executable} -m pipeline.cli"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        seconds = time.monotonic() - t0
+        assert out.returncode != 0
+        assert seconds < LIMIT_S, seconds
+        assert out.stderr.count(MESSAGE) == 1, out.stderr
+        for name in ("tokenizer 'gpt2'", "hf:EleutherAI/gpt-neo-125m", "model hf:gpt2"):
+            assert name in out.stderr, (name, out.stderr)
+        assert not (run_dir / "config.toml").exists()
+        assert not run_dir.exists()  # nothing written: the check comes before every stage
+
+
+def test_a_model_in_the_local_cache_still_loads_offline(tmp_path, bpe_tokenizer):
+    """A hub id already in the cache: no hub needed, and no retries (read from the cache)."""
+    import transformers
+
+    cache = tmp_path / "hf-home" / "hub"
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = cache / "models--tiny--gpt" / "snapshots" / revision
+    cfg = transformers.GPT2Config(vocab_size=1024, n_positions=64, n_embd=32, n_layer=1, n_head=2)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(snapshot)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=bpe_tokenizer).save_pretrained(snapshot)
+    (cache / "models--tiny--gpt" / "refs").mkdir()
+    (cache / "models--tiny--gpt" / "refs" / "main").write_text(revision)
+    script = (
+        "from models.loaders import load_model\n"
+        "m = load_model('hf:tiny/gpt')\n"
+        "print(m.architecture, m.n_params, m.tokenizer_fingerprint is not None)\n"
+    )
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        env=offline_env(tmp_path, HF_ENDPOINT=UNROUTABLE),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [
+        "gpt2",
+        str(sum(p.numel() for p in transformers.GPT2LMHeadModel(cfg).parameters())),
+        "True",
+    ]
+    assert time.monotonic() - t0 < 25  # no half minute of retries ...
+    assert "Retrying" not in out.stderr  # ... nor their warnings
