@@ -76,7 +76,7 @@ def is_disk_full(err: OSError) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline.config import config_from_namespace, print_config
+    from pipeline.config import printing_summaries
 
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -95,6 +95,15 @@ def main(argv: list[str] | None = None) -> int:
         level=getattr(logging, ns.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    with printing_summaries():
+        return _run(name, command, ns)
+
+
+def _run(name: str, command, ns) -> int:
+    """Run the parsed command; an ArSliceError, an interrupt or a full disk become one line on
+    stderr and an exit status."""
+    from pipeline.config import config_from_namespace, print_config
+
     try:
         cfg = config_from_namespace(command.config_cls, ns)
         if ns.dry_run:

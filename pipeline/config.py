@@ -18,8 +18,10 @@ carry `choices`, `flag` (a different flag name), `positional: True` and, on list
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import logging
 import sys
 import typing
 from collections.abc import Callable, Mapping
@@ -48,6 +50,41 @@ class Command:
     validate: Callable[[Any], None] | None = None
     plan_settings: Callable[[Any], dict] | None = None
     dry_run: Callable[[Any], None] | None = None  # instead of printing the config (`arslice run`)
+
+
+# ---- the short summaries a person reads -------------------------------------------------------
+
+SUMMARY_LOGGER = "arslice.summary"
+
+
+def say(text: str) -> None:
+    """A command's short summary for the person at the terminal (what it did or skipped, where
+    the output went). `arslice` prints it to stdout, as it is (`printing_summaries`); called
+    from Python, a stage says nothing (a notebook shows it only with logging at INFO)."""
+    logging.getLogger(SUMMARY_LOGGER).info(text)
+
+
+class _Stdout(logging.Handler):
+    """The message alone, to whatever sys.stdout is at the time (pytest's capture included)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        sys.stdout.write(record.getMessage() + "\n")
+        sys.stdout.flush()
+
+
+@contextlib.contextmanager
+def printing_summaries():
+    """Inside, `say` prints to stdout: what `arslice` runs every command in."""
+    logger = logging.getLogger(SUMMARY_LOGGER)
+    handler, saved = _Stdout(), (logger.level, logger.propagate)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # (not again through the root logger's timestamped format)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.level, logger.propagate = saved
 
 
 def _field_type(cls: type, f: dataclasses.Field) -> Any:

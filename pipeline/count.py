@@ -37,7 +37,7 @@ from ar_slicing.counts.keys import (
 )
 from ar_slicing.counts.tasks import count_full, stream_pairs
 from ar_slicing.errors import BadInput
-from pipeline.config import Command, config_to_dict, ray_address_option
+from pipeline.config import Command, config_to_dict, ray_address_option, say
 
 log = logging.getLogger(__name__)
 
@@ -331,7 +331,7 @@ def run_count(cfg: CountConfig) -> dict:
     stage = open_count_stage(stores, cfg.out, unit, cfg.shard_tokens, cfg.overwrite, evaluated)
     if stage.complete:
         meta = stage.skip()
-        print(f"count: {cfg.out} is complete ({meta['total_pairs']:,} pairs); --overwrite to redo")
+        say(f"count: {cfg.out} is complete ({meta['total_pairs']:,} pairs); --overwrite to redo")
         return meta
     executor = None
     if cfg.executor != "local":
@@ -355,7 +355,7 @@ def run_count(cfg: CountConfig) -> dict:
         if meta.get("only_bigrams_of")
         else ""
     )
-    print(
+    say(
         f"count: {meta['total_pairs']:,} pairs, {meta['distinct_bigrams']:,} distinct bigrams "
         f"(unit {meta['unit']}) from {len(meta['sources'])} store(s){only} -> {cfg.out}"
         + (f" ({meta['wall_time_s']:.1f} s, {rate / 1e6:.1f} M tokens/s)" if rate else "")

@@ -60,7 +60,7 @@ from typing import Any
 from ar_slicing.errors import ArSliceError, BadInput
 from ar_slicing.io import atomic_path, build_meta, is_complete, read_json, write_bytes_atomic
 from ar_slicing.layout import STORE_PARTS, RunLayout
-from pipeline.config import Command, config_from_mapping, config_to_dict, print_config
+from pipeline.config import Command, config_from_mapping, config_to_dict, print_config, say
 from pipeline.pipeline_file import (  # noqa: F401  (re-exported: the config-file helpers)
     dumps_toml,
     load_pipeline_config,
@@ -552,7 +552,7 @@ def copy_pretrained_tokenizer(cfg: PretrainedTokenizer, overwrite: bool = False)
     out = Path(cfg.out)
     stage = open_stage(out, plan, overwrite=overwrite, single_file=True)
     if stage.complete:
-        print(f"tokenizer: {out} is complete; pass --overwrite to copy it again")
+        say(f"tokenizer: {out} is complete; pass --overwrite to copy it again")
         stage.skip()
         return {"tokenizer": str(out), "skipped": True}
     with stage.running():
@@ -563,7 +563,7 @@ def copy_pretrained_tokenizer(cfg: PretrainedTokenizer, overwrite: bool = False)
                 "tokenizer", config=cfg, inputs=plan.inputs, counts={}, wall_time_s=0, **info
             )
         )
-    print(f"tokenizer: copied {cfg.pretrained} ({info['vocab_size']} tokens) to {out}")
+    say(f"tokenizer: copied {cfg.pretrained} ({info['vocab_size']} tokens) to {out}")
     return {"tokenizer": str(out), **info}
 
 
@@ -601,7 +601,7 @@ def run_pipeline(cfg: RunConfig) -> dict:
     timings = {}
     results = {}
     for k, stage in enumerate(chosen, 1):
-        print(f"[{k}/{len(chosen)}] {stage}", flush=True)
+        say(f"[{k}/{len(chosen)}] {stage}")
         t0 = time.time()
         if cfg.redo_changed:
             with redoing_changed():
@@ -609,10 +609,10 @@ def run_pipeline(cfg: RunConfig) -> dict:
         else:
             results[stage] = pipeline.run_stage(stage)
         timings[stage] = round(time.time() - t0, 1)
-        print(f"== {stage} done in {timings[stage]:.1f} s")
+        say(f"== {stage} done in {timings[stage]:.1f} s")
     if "report" in chosen:
         html = pipeline.layout.report / "report.html"
-        print(f"report: {html.resolve() if html.exists() else html}")
+        say(f"report: {html.resolve() if html.exists() else html}")
     return {"run_dir": str(pipeline.run_dir), "wall_time_s": timings, "results": results}
 
 

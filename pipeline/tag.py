@@ -22,7 +22,7 @@ import numpy as np
 from ar_slicing.errors import ArSliceError
 from ar_slicing.io import read_json
 from ar_slicing.layout import META_NAME, TAG_PART
-from pipeline.config import Command
+from pipeline.config import Command, say
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +288,7 @@ def _run_tag(cfg: TagConfig) -> dict:
     stage = open_stage(out, plan, overwrite=cfg.overwrite)
     if stage.complete:
         meta = stage.skip()
-        print(f"tag: {out} is complete ({meta['counts']['tokens']:,} tokens); --overwrite to redo")
+        say(f"tag: {out} is complete ({meta['counts']['tokens']:,} tokens); --overwrite to redo")
         return meta
     warnings = []
     if _counted_sources(counts_meta, store):
@@ -411,7 +411,7 @@ def _tag_into(stage, cfg: TagConfig, store, counts_meta: dict, warnings: list[st
     meta = stage.finish(meta)
     _print_summary(out, summary, by_subset, cfg, wall)
     for line in warnings:
-        print(f"tag: warning: {line}")
+        say(f"tag: warning: {line}")
     return meta
 
 
@@ -423,7 +423,7 @@ def _print_summary(
     out: Path, summary: dict, by_subset: list[dict], cfg: TagConfig, wall: float
 ) -> None:
     n = summary["tokens"]
-    print(
+    say(
         f"tag: {n:,} tokens in windows of {cfg.window}: {_pct(summary['repeats'], n)} repeats, "
         f"{_pct(summary['ar_hits'], n)} AR hits (train count <= {cfg.threshold}; the paper found "
         f"6.4% on the Pile) -> {out} ({wall:.1f} s)"
@@ -431,7 +431,7 @@ def _print_summary(
     if len(by_subset) > 1:
         width = max(len(str(s["subset"])) for s in by_subset)
         for s in by_subset:
-            print(
+            say(
                 f"  {str(s['subset']).ljust(width)}  {s['tokens']:>14,} tokens  "
                 f"{_pct(s['repeats'], s['tokens']):>7} repeats  {_pct(s['ar_hits'], s['tokens']):>7} AR hits"
             )

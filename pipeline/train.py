@@ -43,7 +43,7 @@ from ar_slicing.io import (
 )
 from ar_slicing.store import TOKENIZER_NAME, TokenStore
 from ar_slicing.tokenizer import require_same_fingerprint
-from pipeline.config import Command, config_to_dict
+from pipeline.config import Command, config_to_dict, say
 
 log = logging.getLogger(__name__)
 
@@ -360,7 +360,7 @@ def train(cfg: TrainConfig) -> dict:
     out = Path(cfg.out)
     stage = open_stage(out, plan, overwrite=cfg.overwrite)
     if stage.complete:
-        print(f"train {cfg.arch}: {out} is complete, skipped (use --overwrite to retrain)")
+        say(f"train {cfg.arch}: {out} is complete, skipped (use --overwrite to retrain)")
         return stage.skip()
     with stage.running(keep_if=lambda out: (out / STATE_DIR).exists()):
         return _train(stage, cfg, device, dtype, t0)
@@ -545,7 +545,7 @@ def _train(stage, cfg: TrainConfig, device: str, dtype: str, t0: float) -> dict:
     if state_dir.exists():
         shutil.rmtree(state_dir)
     val_text = "n/a" if last_val is None else f"{last_val:.3f}"
-    print(
+    say(
         f"train {cfg.arch}: {n_params / 1e6:.2f}M params, {meta['tokens_seen']:,} tokens "
         f"({meta['epochs']:.2f} epochs), train loss {train_loss_ema:.3f}, val loss {val_text}, "
         f"{wall:.0f} s -> {out}"

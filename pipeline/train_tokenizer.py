@@ -22,6 +22,7 @@ from pipeline.config import (
     glob_option,
     on_bad_record_option,
     read_documents,
+    say,
     text_field_option,
 )
 
@@ -118,7 +119,7 @@ def run_train_tokenizer(cfg: TrainTokenizerConfig) -> dict:
     stage = open_stage(out, plan, overwrite=cfg.overwrite, single_file=True)
     if stage.complete:
         stage.skip()
-        print(f"train-tokenizer: {out} is complete; pass --overwrite to retrain it")
+        say(f"train-tokenizer: {out} is complete; pass --overwrite to retrain it")
         return {"out": str(out), "skipped": True}
     with stage.running():
         return _train(stage, cfg)
@@ -165,7 +166,7 @@ def _train(stage, cfg: TrainTokenizerConfig) -> dict:
             eos_id=summary["eos_id"],
         )
     )
-    print(
+    say(
         f"train-tokenizer: vocabulary {summary['vocab_size']} from {stats.documents:,} docs "
         f"({stats.bytes / 1e6:.1f} MB) -> {out} (fingerprint {summary['fingerprint'][:12]}) "
         f"in {summary['wall_time_s']:.1f}s"

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ar_slicing.errors import ArSliceError
-from pipeline.config import Command
+from pipeline.config import Command, say
 
 log = logging.getLogger(__name__)
 
@@ -58,15 +58,15 @@ class Checks:
 
     def ok(self, what: str) -> None:
         self.passed += 1
-        print(f"  ok    {what}")
+        say(f"  ok    {what}")
 
     def fail(self, what: str) -> None:
         self.failures.append(what)
-        print(f"  FAIL  {what}")
+        say(f"  FAIL  {what}")
 
     def note(self, what: str) -> None:
         self.notes.append(what)
-        print(f"  note  {what}")
+        say(f"  note  {what}")
 
     def check(self, condition: bool, what: str, why: str = "") -> bool:
         if condition:
@@ -449,14 +449,14 @@ def verify_run(cfg: VerifyConfig) -> dict:
     checks = Checks()
     fingerprints: dict[str, str | None] = {}
 
-    print(f"verify {run}")
+    say(f"verify {run}")
     if (run / "tokenizer.json").is_file():  # the run's own tokenizer, when the run trained one
         from ar_slicing.tokenizer import fingerprint, load_tokenizer
 
         fingerprints[f"tokenizer {run / 'tokenizer.json'}"] = fingerprint(
             load_tokenizer(run / "tokenizer.json")
         )
-    print("token stores")
+    say("token stores")
     store_metas: dict[str, dict] = {}
     for d in _complete_dirs(run / "tokens", checks, "token store"):
         meta = verify_store(d, checks, cfg.scan_tokens)
@@ -468,7 +468,7 @@ def verify_run(cfg: VerifyConfig) -> dict:
     counts_dir = run / "counts"
     counts_ok = is_complete(counts_dir)
     if counts_ok:
-        print("counts")
+        say("counts")
         meta = verify_counts(counts_dir, checks)
         fingerprints[f"counts {counts_dir}"] = meta.get("fingerprint")
     elif counts_dir.exists():
@@ -478,7 +478,7 @@ def verify_run(cfg: VerifyConfig) -> dict:
     windows = None
     tags_meta = None
     if is_complete(tags_dir):
-        print("tags")
+        say("tags")
         tags_meta, windows = verify_tags(
             tags_dir,
             val_meta,
@@ -495,7 +495,7 @@ def verify_run(cfg: VerifyConfig) -> dict:
 
     model_dirs = _complete_dirs(run / "models", checks, "model")
     if model_dirs:
-        print("models")
+        say("models")
     for d in model_dirs:
         meta = read_json(d / "meta.json")
         fingerprints[f"model {d}"] = meta.get("fingerprint")
@@ -506,7 +506,7 @@ def verify_run(cfg: VerifyConfig) -> dict:
 
     loss_dirs = _complete_dirs(run / "losses", checks, "losses")
     if loss_dirs:
-        print("losses")
+        say("losses")
     for d in loss_dirs:
         meta = read_json(d / "meta.json")
         fingerprints[f"losses {d}"] = meta.get("fingerprint")
@@ -525,7 +525,7 @@ def verify_run(cfg: VerifyConfig) -> dict:
             continue
         verify_losses(d, windows, int(tags_meta["window"]), checks)
 
-    print("tokenizer")
+    say("tokenizer")
     distinct = {fp for fp in fingerprints.values()}
     if len(distinct) <= 1:
         checks.check(
@@ -537,7 +537,7 @@ def verify_run(cfg: VerifyConfig) -> dict:
         listing = "; ".join(f"{what}: {str(fp)[:12]}…" for what, fp in fingerprints.items())
         checks.fail(f"tokenizer fingerprints differ: {listing}")
 
-    print(
+    say(
         f"verify: {checks.passed} check(s) passed, {len(checks.failures)} failed"
         + (f", {len(checks.notes)} note(s)" if checks.notes else "")
     )

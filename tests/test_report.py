@@ -23,6 +23,7 @@ from ar_slicing.metrics import (
     point_estimates,
     slice_report,
 )
+from pipeline.config import printing_summaries
 
 # ---- metrics ------------------------------------------------------------------------------------
 
@@ -359,7 +360,8 @@ def test_report_skips_when_up_to_date_and_reruns_identically(text_run, capsys):
     first = {p.name: p.read_bytes() for p in out.iterdir() if p.name != "meta.json"}
     mtime = (out / "report.html").stat().st_mtime_ns
     capsys.readouterr()
-    run_report(ReportConfig(run=str(run), bootstrap=50))
+    with printing_summaries():
+        run_report(ReportConfig(run=str(run), bootstrap=50))
     assert "up to date" in capsys.readouterr().out
     assert (out / "report.html").stat().st_mtime_ns == mtime
     run_report(ReportConfig(run=str(run), bootstrap=50, overwrite=True))
@@ -378,6 +380,7 @@ def test_report_reference_choice_with_a_quoted_name(tiny_run, capsys):  # noqa: 
     from pipeline.report import ReportConfig, run_report
 
     meta = run_report(ReportConfig(run=str(tiny_run), reference=QUOTED, bootstrap=0))
+    assert capsys.readouterr() == ("", "")  # called from Python, a stage prints nothing
     assert meta["reference"] == QUOTED
     t1 = {r["model"]: r for r in read_csv(tiny_run / "report" / "table1.csv")}
     assert list(t1)[0] == QUOTED
@@ -448,7 +451,8 @@ def test_report_names_models_left_out_or_on_fewer_windows(tiny_run, capsys):  # 
     write_json_atomic(meta_path.with_name(".plan.json"), plan)
     meta_path.unlink()  # interrupted: its finished chunks stay, meta.json is never written
     assert read_json(meta_path.with_name(".plan.json")) == plan
-    meta = run_report(ReportConfig(run=str(tiny_run), bootstrap=0))
+    with printing_summaries():
+        meta = run_report(ReportConfig(run=str(tiny_run), bootstrap=0))
     printed = capsys.readouterr().out
     md = (tiny_run / "report" / "report.md").read_text()
     for text in (printed, md):

@@ -12,6 +12,7 @@ import pytest
 from reliability import build_run, cli, tiny_run  # noqa: F401  (a fixture)
 
 from ar_slicing.errors import ArSliceError
+from pipeline.config import printing_summaries
 from pipeline.verify import VerifyConfig, verify_run
 
 
@@ -35,7 +36,8 @@ def rewrite(path, fn):
 
 
 def test_a_complete_run_passes(tiny_run, capsys):  # noqa: F811
-    summary = verify_run(VerifyConfig(run=str(tiny_run["run"])))
+    with printing_summaries():
+        summary = verify_run(VerifyConfig(run=str(tiny_run["run"])))
     out = capsys.readouterr().out
     assert summary["failed"] == 0 and "FAIL" not in out
     for what in ("counts sum to total_pairs", "cover every target exactly once",

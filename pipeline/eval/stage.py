@@ -10,7 +10,7 @@ from pathlib import Path
 from ar_slicing.errors import ArSliceError
 from ar_slicing.io import build_meta
 from models.precision import resolve_device, resolve_dtype, resolve_on_cluster
-from pipeline.config import Command
+from pipeline.config import Command, say
 from pipeline.eval.checks import check_model_fits
 from pipeline.eval.config import EvalConfig
 from pipeline.eval.forward import resolve_batch_size
@@ -134,7 +134,7 @@ def run_eval(cfg: EvalConfig) -> dict:
         meta = stage.meta
         if not (meta.get("partial") and n_windows > int(meta.get("windows_evaluated", 0))):
             stage.skip()
-            print(f"eval {name}: {out} is already complete ({meta.get('tokens')} tokens); skipped")
+            say(f"eval {name}: {out} is already complete ({meta.get('tokens')} tokens); skipped")
             return {
                 "out": str(out),
                 "name": meta.get("name"),
@@ -280,7 +280,7 @@ def _evaluate(
     )
     stage.finish(meta)
     rate = f"{tokens_per_s:,.0f} tokens/s" if todo else "all chunks reused"
-    print(
+    say(
         f"eval {name}: {total_rows:,} losses over {n_windows:,} windows"
         f"{' (partial)' if partial else ''} -> {out} ({rate}, {wall:.1f} s)"
     )

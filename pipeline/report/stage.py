@@ -8,7 +8,7 @@ import time
 
 from ar_slicing.errors import ArSliceError
 from ar_slicing.io import build_meta, write_bytes_atomic
-from pipeline.config import Command, config_to_dict
+from pipeline.config import Command, config_to_dict, say
 from pipeline.report.config import QUERY_TABLES, ReportConfig
 from pipeline.report.figures import frequency_curve_png, recall_gain_png, slice_bars_png
 from pipeline.report.passages import choose_windows, load_passages
@@ -66,8 +66,8 @@ def run_report(cfg: ReportConfig) -> dict:
         # a report keeps no work of its own: new or redone inputs rebuild it
         stage = open_stage(out, plan, overwrite=cfg.overwrite, follow_inputs=True)
         if stage.complete:
-            print(f"report: {out} is complete and up to date; --overwrite to redo")
-            print(out / "report.html")
+            say(f"report: {out} is complete and up to date; --overwrite to redo")
+            say(str(out / "report.html"))
             return stage.skip()
         with stage.running():
             return _write_report(stage, cfg, con, layout, info, reference, t0)
@@ -141,8 +141,8 @@ def _write_report(stage, cfg, con, layout, info, reference, t0) -> dict:
         scored_windows=layout.scored_windows,
     )
     meta = stage.finish(meta)
-    print(console_summary(text, t1, context, cfg))
-    print(out / "report.html")
+    say(console_summary(text, t1, context, cfg))
+    say(str(out / "report.html"))
     return meta
 
 

@@ -13,7 +13,7 @@ import numpy as np
 from ar_slicing.errors import ArSliceError, BadInput
 from ar_slicing.io import atomic_path, build_meta
 from ar_slicing.store import DOCS_NAME, TOKENIZER_NAME, TOKENS_NAME, docs_schema, dtype_for_vocab
-from pipeline.config import config_to_dict
+from pipeline.config import config_to_dict, say
 from pipeline.tokenize.config import _DOCS_BATCH, _IMPORT_CHUNK, TokenizeConfig
 from pipeline.tokenize.shards import load_tokenizer_info, source_identity
 
@@ -169,7 +169,7 @@ def import_store(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict
         "wall_time_s": wall,
         "tokens_per_s": stream_pos / max(wall, 1e-9),
     }
-    print(
+    say(
         f"tokenize: imported {summary['n_tokens']:,} tokens in {summary['n_docs']:,} docs "
         f"({dtype.name}, stream kept as is) -> {out} in {wall:.1f}s"
     )

@@ -6,7 +6,7 @@ import time
 
 from ar_slicing.errors import ArSliceError
 from ar_slicing.readers import check_sources, check_split_options, is_pretokenized
-from pipeline.config import Command
+from pipeline.config import Command, say
 from pipeline.tokenize.config import PARTS_DIR, PARTS_FORMAT, PLAN_KEYS, TokenizeConfig
 from pipeline.tokenize.imports import import_store, import_tokenizer_info
 from pipeline.tokenize.shards import load_tokenizer_info, source_identity
@@ -75,7 +75,7 @@ def run_tokenize(cfg: TokenizeConfig) -> dict:
     stage = open_stage(cfg.out, plan, overwrite=cfg.overwrite)
     if stage.complete:
         stage.skip()
-        print(f"tokenize: {cfg.out} is already complete; pass --overwrite to redo it")
+        say(f"tokenize: {cfg.out} is already complete; pass --overwrite to redo it")
         return {"out": str(cfg.out), "skipped": True}
     if importing:
         with stage.running():

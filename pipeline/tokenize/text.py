@@ -17,7 +17,7 @@ from ar_slicing.io import (
 )
 from ar_slicing.readers import ReadStats
 from ar_slicing.store import TOKENIZER_NAME, dtype_for_vocab
-from pipeline.config import config_to_dict, read_documents
+from pipeline.config import config_to_dict, read_documents, say
 from pipeline.tokenize.config import PARTS_DIR, TokenizeConfig
 from pipeline.tokenize.shards import (
     ShardTask,
@@ -185,7 +185,7 @@ def _print_summary(s: dict) -> None:
     skipped = ", ".join(
         f"{s[k]} {k.replace('_', ' ')}" for k in ("bad_records", "empty") if s.get(k)
     )
-    print(
+    say(
         f"tokenize: {s['n_docs']:,} docs, {s['n_tokens']:,} tokens ({s['dtype']}) -> {s['out']} "
         f"in {s['wall_time_s']:.1f}s ({s['tokens_per_s']:,.0f} tokens/s)"
         + (f"; skipped {skipped}" if skipped else "")
