@@ -154,11 +154,11 @@ def run_eval(cfg: EvalConfig) -> dict:
         model_config=cfg.model_config,
     )
     if loaded.settings:
-        print(f"eval {name}: {describe_settings(loaded.settings)}")
+        say(f"eval {name}: {describe_settings(loaded.settings)}")
     prefix = prefix_source = None
     if cfg.windowing == "rolling":
         prefix, prefix_source = rolling_prefix(cfg, loaded, tags.store)
-        print(f"eval {name}: each document read after token {prefix} ({prefix_source})")
+        say(f"eval {name}: each document read after token {prefix} ({prefix_source})")
     check_model_fits(loaded, tags, n_windows, cfg, prefix)
     batch_size = resolve_batch_size(cfg.batch_size, device, tags.window)
     with stage.running():
