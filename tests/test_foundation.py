@@ -191,3 +191,30 @@ def test_a_store_of_no_documents_is_empty_not_an_error(make_store):
     store = make_store([], vocab_size=10)
     assert store.n_tokens == 0 and store.n_docs == 0
     assert store.tokens.tolist() == [] and store.doc_offsets.tolist() == []
+
+
+def test_only_the_cli_prints():
+    """Stages say their summaries (`pipeline.config.say`) so that from Python nothing is
+    printed; `print` is left to the CLI itself and the --dry-run output it asks for."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    allowed = {("pipeline/cli.py", None), ("pipeline/config.py", "print_config")}
+    allowed.add(("pipeline/run.py", "dry_run"))
+    found = []
+    for package in ("ar_slicing", "models", "pipeline"):
+        for path in sorted((root / package).rglob("*.py")):
+            rel = str(path.relative_to(root))
+            tree = ast.parse(path.read_text())
+            for func in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]:
+                for node in ast.walk(func):
+                    if (
+                        isinstance(node, ast.Call)
+                        and isinstance(node.func, ast.Name)
+                        and node.func.id == "print"
+                        and (rel, None) not in allowed
+                        and (rel, func.name) not in allowed
+                    ):
+                        found.append(f"{rel}:{node.lineno} in {func.name}")
+    assert sorted(set(found)) == []
