@@ -23,6 +23,7 @@ from ar_slicing.io import read_json
 from ar_slicing.rolling import lm_eval_rolling_windows, rolling_windows, window_tokens
 from ar_slicing.store import write_token_store
 from ar_slicing.tokenizer import describe
+from pipeline.config import printing_summaries
 from pipeline.count import CountConfig, run_count
 from pipeline.eval import (
     BatchRunner,
@@ -520,7 +521,8 @@ def test_safari_settings_are_printed_and_recorded_and_model_config_is_part_of_th
     )
     corpus = {"tags": tags}
     spec, yaml_config = f"safari:{fixture / 'model.pt'}", fixture / "configs" / "hyena-tiny.yaml"
-    run_eval(config(corpus, spec, tmp_path / "given", model_config=str(yaml_config)))
+    with printing_summaries():  # (what arslice wraps a command in)
+        run_eval(config(corpus, spec, tmp_path / "given", model_config=str(yaml_config)))
     assert "model settings" in capsys.readouterr().out
     meta = read_json(tmp_path / "given" / "meta.json")
     assert meta["loader_settings"]["modulate"] is False
