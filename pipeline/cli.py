@@ -17,10 +17,10 @@ from ar_slicing.errors import ArSliceError
 from pipeline.stages import BY_COMMAND, COMMANDS
 
 EPILOG = """examples:
-  arslice tokenize --source val.jsonl.zst --tokenizer gpt2 --out runs/pile/tokens/val
+  arslice tokenize --source val.jsonl.zst --tokenizer gpt2 --out runs/pile/tokens/val  # needs the hub
   arslice count --tokens runs/pile/tokens/train --out runs/pile/counts
   arslice tag --tokens runs/pile/tokens/val --counts runs/pile/counts --out runs/pile/tags
-  arslice eval --model hf:EleutherAI/pythia-160m --tags runs/pile/tags --out runs/pile/losses/pythia-160m
+  arslice eval --model hf:EleutherAI/pythia-160m --tags runs/pile/tags --out runs/pile/losses/pythia-160m  # needs the hub
   arslice report --run runs/pile
   arslice query slice_perplexity --run runs/pile
 

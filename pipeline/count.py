@@ -398,6 +398,6 @@ COMMAND = Command(
   arslice count --tokens runs/pile/tokens/train-00 runs/pile/tokens/train-01 --out runs/pile/counts
   arslice count --tokens runs/pile/tokens/train --only-bigrams-of runs/pile/tokens/val --out runs/pile/counts
   arslice count --tokens runs/pythia/tokens/train --unit row:2049 --workers 16 --out runs/pythia/counts
-  arslice count --import pile_bigrams/*.parquet --tokenizer EleutherAI/gpt-neox-20b --unit row:2048 --out runs/pythia/counts
-  arslice count --tokens /shared/pile/tokens/train --out /shared/pile/counts --executor ray --ray-address auto""",
+  arslice count --import pile_bigrams/*.parquet --tokenizer EleutherAI/gpt-neox-20b --unit row:2048 --out runs/pythia/counts  # needs the hub
+  arslice count --tokens /shared/pile/tokens/train --out /shared/pile/counts --executor ray --ray-address auto  # needs a Ray cluster""",
 )

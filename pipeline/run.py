@@ -643,5 +643,5 @@ COMMAND = Command(
   arslice run --config pipeline/configs/demo.toml --stage train eval
   arslice run --config pipeline/configs/demo.toml --dry-run       # check every stage, print the configs
   arslice run --config pipeline/configs/demo.toml --redo-changed  # redo what the config changed
-  arslice run --config pipeline/configs/pile-gpt2.toml --stage report --overwrite""",
+  arslice run --config pipeline/configs/pile-gpt2.toml --stage report --overwrite  # needs the Pile""",
 )

@@ -181,7 +181,8 @@ COMMAND = Command(
     plan_settings=train_tokenizer_settings,
     summary="train a byte-level BPE tokenizer on text sources",
     examples="""
-  arslice train-tokenizer --source /usr/lib/python3.11 --glob '**/*.py' --split-fraction 0.1 \\
-      --split-part train --vocab-size 4096 --out runs/demo/tokenizer.json
+  STDLIB=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
+  arslice train-tokenizer --source "$STDLIB" --glob '*.py' --split-fraction 0.1 \\
+      --split-part train --vocab-size 2048 --out runs/demo/tokenizer.json
   arslice train-tokenizer --source train.jsonl.zst --vocab-size 50257 --max-docs 100000 --out tokenizer.json""",
 )

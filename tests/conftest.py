@@ -43,14 +43,13 @@ def stdlib_files(n: int, min_bytes: int = 2_000, max_bytes: int = 60_000) -> lis
     return files[:n]
 
 
-@pytest.fixture(scope="session")
-def stdlib_texts() -> list[str]:
+def read_stdlib_texts() -> list[str]:
     return [p.read_text(encoding="utf-8", errors="replace") for p in stdlib_files(40)]
 
 
-@pytest.fixture(scope="session")
-def bpe_tokenizer_path(tmp_path_factory, stdlib_texts) -> Path:
-    """A byte-level BPE tokenizer (vocabulary 1024) trained here by `tokenizers` on stdlib text."""
+def train_bpe_tokenizer(texts: list[str], path: Path) -> Path:
+    """A byte-level BPE tokenizer (vocabulary 1024, EOS id 0) trained by `tokenizers` on
+    `texts`, saved to `path`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -62,10 +61,22 @@ def bpe_tokenizer_path(tmp_path_factory, stdlib_texts) -> Path:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(stdlib_texts, trainer=trainer)
-    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    tok.train_from_iterator(texts, trainer=trainer)
     tok.save(str(path))
     return path
+
+
+@pytest.fixture(scope="session")
+def stdlib_texts() -> list[str]:
+    return read_stdlib_texts()
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer_path(tmp_path_factory, stdlib_texts) -> Path:
+    """A byte-level BPE tokenizer (vocabulary 1024) trained here by `tokenizers` on stdlib text."""
+    return train_bpe_tokenizer(
+        stdlib_texts, tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    )
 
 
 @pytest.fixture(scope="session")

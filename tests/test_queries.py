@@ -241,8 +241,15 @@ def tiny_losses(rows):
 
 
 @pytest.fixture
-def tiny_run(tmp_path, bpe_tokenizer, bpe_tokenizer_path):
-    run = tmp_path / "run"
+def tiny_run(tmp_path, bpe_tokenizer_path):
+    return build_tiny_run(tmp_path / "run", bpe_tokenizer_path)
+
+
+def build_tiny_run(run: Path, tokenizer_path: Path) -> Path:
+    """The tiny run (module docstring) in `run`, with the tokenizer at `tokenizer_path`."""
+    from tokenizers import Tokenizer
+
+    bpe_tokenizer = Tokenizer.from_file(str(tokenizer_path))
     assert bpe_tokenizer.token_to_id("<|endoftext|>") == 0
     rows, _ = naive_tags(  # the tags only, to derive the losses from
         [5, 6, 7, 8, 5, 6, 9, 5, 6, 0, 7, 8, 7, 8, 3, 0],
@@ -259,7 +266,7 @@ def tiny_run(tmp_path, bpe_tokenizer, bpe_tokenizer_path):
         8,
         tiny_losses(rows),
         bpe_tokenizer,
-        tokenizer_json=bpe_tokenizer_path.read_text(),
+        tokenizer_json=tokenizer_path.read_text(),
         architectures={"attention": "attention", "hyena": "hyena", QUOTED: "rwkv"},
     )
     return run

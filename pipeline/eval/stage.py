@@ -294,10 +294,10 @@ COMMAND = Command(
     plan_settings=eval_settings,
     summary="per-token losses of one model over the tagged windows",
     examples="""\
-  arslice eval --model hf:EleutherAI/pythia-160m --tags runs/pile/tags --out runs/pile/losses/pythia-160m
+  arslice eval --model hf:EleutherAI/pythia-160m --tags runs/pile/tags --out runs/pile/losses/pythia-160m  # needs the hub
   arslice eval --model native:runs/demo/models/attention --tags runs/demo/tags --out runs/demo/losses/attention
-  arslice eval --model hf:RWKV/rwkv-4-169m-pile --tags runs/pile/tags --out runs/pile/losses/rwkv --dtype fp32
-  arslice eval --model hf:./pythia-70m --tags runs/pile/tags --out /tmp/smoke --max-windows 8 --device cpu
-  arslice eval --model hf:EleutherAI/pythia-160m --tags runs/pile/tags --out runs/pile/losses/pythia-rolling --windowing rolling
-  arslice eval --model safari:hyena-small-150b-tok.ckpt --model-config safari/configs/evals/hyena_small_150b.yaml --tags runs/pile/tags --out runs/pile/losses/hyena""",
+  arslice eval --model hf:RWKV/rwkv-4-169m-pile --tags runs/pile/tags --out runs/pile/losses/rwkv --dtype fp32  # needs the hub
+  arslice eval --model hf:./pythia-70m --tags runs/pile/tags --out smoke --max-windows 8 --device cpu
+  arslice eval --model hf:EleutherAI/pythia-160m --tags runs/pile/tags --out runs/pile/losses/pythia-rolling --windowing rolling  # needs the hub
+  arslice eval --model safari:hyena-small-150b-tok.ckpt --model-config safari/configs/evals/hyena_small_150b.yaml --tags runs/pile/tags --out runs/pile/losses/hyena  # needs a published checkpoint""",
 )

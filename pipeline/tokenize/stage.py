@@ -92,13 +92,14 @@ COMMAND = Command(
     plan_settings=tokenize_settings,
     summary="text sources or pre-tokenized data -> token store",
     examples="""
-  arslice tokenize --source val.jsonl.zst --tokenizer gpt2 --out runs/pile/tokens/val
+  arslice tokenize --source val.jsonl.zst --tokenizer gpt2 --out runs/pile/tokens/val  # needs the hub
   arslice tokenize --source 00.jsonl.zst 01.jsonl.zst --tokenizer tokenizer.json --out runs/pile/tokens/train --workers 16
-  arslice tokenize --source /shared/pile/train --glob '*.jsonl.zst' --tokenizer gpt2 --out /shared/pile/tokens/train --executor ray --ray-address auto --shard-by-file
-  arslice tokenize --source /usr/lib/python3.11 --glob '**/*.py' --split-fraction 0.1 --split-part val \\
+  arslice tokenize --source /shared/pile/train --glob '*.jsonl.zst' --tokenizer gpt2 --out /shared/pile/tokens/train --executor ray --ray-address auto --shard-by-file  # needs a Ray cluster
+  STDLIB=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
+  arslice tokenize --source "$STDLIB" --glob '*.py' --split-fraction 0.1 --split-part val \\
       --tokenizer runs/demo/tokenizer.json --out runs/demo/tokens/val
   arslice tokenize --source data.parquet --text-field content --on-bad-record skip --tokenizer t.json --out store
-  arslice tokenize --source hf://monology/pile-uncopyrighted@validation --tokenizer gpt2 --out val --max-docs 10000
-  arslice tokenize --source pile_0.87_deduped_text_document.bin --tokenizer EleutherAI/pythia-160m --out pythia
+  arslice tokenize --source hf://monology/pile-uncopyrighted@validation --tokenizer gpt2 --out val --max-docs 10000  # needs the hub
+  arslice tokenize --source pythia/document.bin --vocab-size 50304 --eos-id 0 --out runs/pythia/tokens/train
   arslice tokenize --source train.bin --source-format raw-uint16 --vocab-size 50257 --eos-id 50256 --out store""",
 )
