@@ -380,7 +380,7 @@ def _run_import(cfg: CountConfig) -> dict:
         config=config_to_dict(cfg),
         executor=executor,
     )
-    print(
+    say(
         f"count: {meta['total_pairs']:,} pairs, {meta['distinct_bigrams']:,} distinct bigrams "
         f"(unit {meta['unit']}) imported from {len(meta['sources'])} file(s) -> {cfg.out}"
     )
