@@ -34,6 +34,12 @@ def tmp_path_for(path: str | os.PathLike) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}{TMP_SUFFIX}")
 
 
+def aside_path_for(path: str | os.PathLike) -> Path:
+    """Where `atomic_dir` moves the directory it replaces, until the new one is in place."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.old{TMP_SUFFIX}")
+
+
 def sweep_temporaries(directory: str | os.PathLike) -> int:
     """Remove the temporaries (files and directories) that killed runs left anywhere under
     `directory`; returns how many. Called by a stage before it writes into its output."""
@@ -115,7 +121,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_path_for(path)
-    old = path.with_name(f".{path.name}.old{TMP_SUFFIX}")
+    old = aside_path_for(path)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()

@@ -9,9 +9,10 @@ input, recorded with the output and checked on every rerun. One rule for every s
     their inputs differ; their own settings follow the rule above.
 
 While a stage runs, its plan is in `OUT/.plan.json`; when it ends, `meta.json` (written last)
-carries it under `"plan"`. An input's identity is the digest of its `meta.json` without the
-fields that differ between identical runs (timings, timestamps), so an input redone with other
-settings, or from other inputs, is a different input.
+carries it under `"plan"`. An input's identity is the digest of its plan (or, for an output made
+before plans existed, of its meta.json's stable fields), so an input redone with other
+settings, or from other inputs, is a different input, and one redone under the same plan is
+the same.
 
     plan = StagePlan("tag", settings={"window": 2048, ...}, inputs={"counts": identity(counts)})
     stage = open_stage(out, plan, overwrite=cfg.overwrite)
@@ -82,8 +83,13 @@ def digest(obj: Any) -> str:
 
 
 def identity(stage_dir: str | os.PathLike) -> str:
-    """The identity of a complete stage output: the digest of its meta.json's stable fields."""
-    return digest(stable_meta(read_json(Path(stage_dir) / META_NAME)))
+    """The identity of a complete stage output: the digest of the plan it was made with (its
+    settings and its inputs' identities decide its bytes, so two outputs of one plan are one
+    input to the next stage, whatever the worker count, the host or the time); for an output
+    that recorded no plan, the digest of its meta.json's stable fields."""
+    meta = read_json(Path(stage_dir) / META_NAME)
+    plan = meta.get("plan")
+    return digest(plan if isinstance(plan, Mapping) and plan else stable_meta(meta))
 
 
 def file_identity(path: str | os.PathLike) -> dict:

@@ -284,28 +284,32 @@ def test_a_second_kill_during_the_resumed_run(world, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("left", ["old-only", "old-beside-state", "tmp-and-old"])
 def test_train_resumes_from_a_state_rotation_cut_short(world, tmp_path, left):
-    """A kill inside save_state's rotation (.train-state -> .old, .tmp -> .train-state, remove
-    .old) leaves one of these layouts; the rerun must resume and finish with the same weights."""
+    """A kill inside save_state's rotation (`ar_slicing.io.atomic_dir`: the new state is written
+    beside, the old one moved aside, the new one renamed in, the old one removed) leaves one of
+    these layouts; the rerun must resume from a whole state and finish with the same weights."""
     import shutil
+
+    from ar_slicing.io import aside_path_for, tmp_path_for
 
     stage, ref = world["stages"]["train"], world["reference"]("train")
     out = tmp_path / "out"
     killed, stderr = kill_when([*stage.argv, "--out", out], lambda: stage.progress(out) >= 6)
     assert killed, stderr
     state = out / ".train-state"
-    old, tmp = state.with_name(".train-state.old"), state.with_name(".train-state.tmp")
+    old, tmp = aside_path_for(state), tmp_path_for(state)
     for leftover in (tmp, old):  # whatever the kill itself left: the layouts below are the test
         shutil.rmtree(leftover, ignore_errors=True)
-    if left == "old-only":  # killed between the two renames, before .tmp was complete
+    if left == "old-only":  # killed between the two renames, before the new state was whole
         state.rename(old)
-    elif left == "old-beside-state":  # killed while removing .old
+    elif left == "old-beside-state":  # killed while removing the old state
         shutil.copytree(state, old)
         (old / "state.json").unlink()
-    else:  # killed between the two renames, .tmp complete
-        shutil.copytree(state, old)
-        state.rename(tmp)
-    step = json.loads(((tmp if left == "tmp-and-old" else old if left == "old-only" else state)
-                       / "state.json").read_text())["step"]  # fmt: skip
+    else:  # killed between the two renames, the new state whole: the old one is taken back
+        shutil.copytree(state, tmp)
+        state.rename(old)
+    step = json.loads(((state if left == "old-beside-state" else old) / "state.json").read_text())[
+        "step"
+    ]
     assert cli(*stage.argv, "--out", out) == 0
     assert_same_outputs(out, ref)
     assert not old.exists() and not tmp.exists()
