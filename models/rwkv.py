@@ -15,6 +15,9 @@ The WKV of channel d at time t, with w = exp(time_decay) > 0 and u = time_first:
 
     wkv_t = (sum_{i<t} e^{k_i - (t-1-i) w} v_i + e^{u + k_t} v_t)
           / (sum_{i<t} e^{k_i - (t-1-i) w}     + e^{u + k_t})
+
+(Longer than the other mixer files on purpose: one file per mixer, and the WKV's inference
+forms, its exact fallback and the recurrence they are checked against belong together.)
 """
 
 from __future__ import annotations

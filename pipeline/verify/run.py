@@ -1,0 +1,143 @@
+"""`arslice verify` over a run directory: every stage's checks, and one fingerprint everywhere."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ar_slicing.errors import ArSliceError
+from pipeline.config import Command, say
+from pipeline.verify.checks import Checks, VerifyConfig
+from pipeline.verify.stores import verify_counts, verify_store
+from pipeline.verify.tags import verify_losses, verify_tags
+
+
+def _complete_dirs(root: Path, checks: Checks, what: str) -> list[Path]:
+    from ar_slicing.io import is_complete
+
+    found = []
+    for d in sorted(root.iterdir()) if root.is_dir() else []:
+        if not d.is_dir():
+            continue
+        if is_complete(d):
+            found.append(d)
+        else:
+            checks.note(f"{d}: incomplete {what} (no meta.json), not checked")
+    return found
+
+
+def verify_run(cfg: VerifyConfig) -> dict:
+    from ar_slicing.io import is_complete, read_json
+
+    run = Path(cfg.run)
+    if not run.is_dir():
+        raise ArSliceError(f"run directory {run}: no such directory")
+    checks = Checks()
+    fingerprints: dict[str, str | None] = {}
+
+    say(f"verify {run}")
+    if (run / "tokenizer.json").is_file():  # the run's own tokenizer, when the run trained one
+        from ar_slicing.tokenizer import fingerprint, load_tokenizer
+
+        fingerprints[f"tokenizer {run / 'tokenizer.json'}"] = fingerprint(
+            load_tokenizer(run / "tokenizer.json")
+        )
+    say("token stores")
+    store_metas: dict[str, dict] = {}
+    for d in _complete_dirs(run / "tokens", checks, "token store"):
+        meta = verify_store(d, checks, cfg.scan_tokens)
+        store_metas[d.name] = meta
+        fingerprints[f"token store {d}"] = meta.get("tokenizer", {}).get("fingerprint")
+    val_dir = run / "tokens" / "val"
+    val_meta = store_metas.get("val")
+
+    counts_dir = run / "counts"
+    counts_ok = is_complete(counts_dir)
+    if counts_ok:
+        say("counts")
+        meta = verify_counts(counts_dir, checks)
+        fingerprints[f"counts {counts_dir}"] = meta.get("fingerprint")
+    elif counts_dir.exists():
+        checks.note(f"{counts_dir}: incomplete (no meta.json), not checked")
+
+    tags_dir = run / "tags"
+    windows = None
+    tags_meta = None
+    if is_complete(tags_dir):
+        say("tags")
+        tags_meta, windows = verify_tags(
+            tags_dir,
+            val_meta,
+            val_dir if val_meta is not None else None,
+            counts_dir if counts_ok else None,
+            checks,
+            cfg.scan_tokens,
+        )
+        fingerprints[f"tags {tags_dir}"] = tags_meta.get("fingerprint")
+        if val_meta is None:
+            checks.note(f"{val_dir}: no complete validation store; tags checked on their own")
+    elif tags_dir.exists():
+        checks.note(f"{tags_dir}: incomplete (no meta.json), not checked")
+
+    model_dirs = _complete_dirs(run / "models", checks, "model")
+    if model_dirs:
+        say("models")
+    for d in model_dirs:
+        meta = read_json(d / "meta.json")
+        fingerprints[f"model {d}"] = meta.get("fingerprint")
+        checks.check(
+            (d / "model.safetensors").is_file() and (d / "config.json").is_file(),
+            f"{d}: config.json and model.safetensors present",
+        )
+
+    loss_dirs = _complete_dirs(run / "losses", checks, "losses")
+    if loss_dirs:
+        say("losses")
+    for d in loss_dirs:
+        meta = read_json(d / "meta.json")
+        fingerprints[f"losses {d}"] = meta.get("fingerprint")
+        model_fp = meta.get("model_tokenizer_fingerprint")
+        if model_fp and model_fp != meta.get("fingerprint"):
+            what = f"{d}: the model's own tokenizer {model_fp[:12]}… is not the tags' one"
+            if meta.get("skip_tokenizer_check"):
+                checks.note(what + " (evaluated with --skip-tokenizer-check)")
+            else:
+                checks.fail(what)
+        if windows is None or tags_meta is None:
+            checks.fail(f"{d}: losses but no valid tags to check them against")
+            continue
+        if int(meta.get("window", tags_meta["window"])) != int(tags_meta["window"]):
+            checks.fail(f"{d}: window {meta.get('window')} but the tags use {tags_meta['window']}")
+            continue
+        verify_losses(d, windows, int(tags_meta["window"]), checks)
+
+    say("tokenizer")
+    distinct = {fp for fp in fingerprints.values()}
+    if len(distinct) <= 1:
+        checks.check(
+            None not in distinct,
+            f"one tokenizer fingerprint across {len(fingerprints)} artefact(s)",
+            "no fingerprint recorded",
+        )
+    else:
+        listing = "; ".join(f"{what}: {str(fp)[:12]}…" for what, fp in fingerprints.items())
+        checks.fail(f"tokenizer fingerprints differ: {listing}")
+
+    say(
+        f"verify: {checks.passed} check(s) passed, {len(checks.failures)} failed"
+        + (f", {len(checks.notes)} note(s)" if checks.notes else "")
+    )
+    if checks.failures:
+        raise ArSliceError(
+            f"{run}: {len(checks.failures)} check(s) failed:\n  " + "\n  ".join(checks.failures)
+        )
+    return {"passed": checks.passed, "failed": 0, "notes": checks.notes}
+
+
+COMMAND = Command(
+    VerifyConfig,
+    verify_run,
+    summary="check a run's invariants",
+    examples="""\
+  arslice verify --run runs/demo
+  arslice verify --run runs/pile --no-scan-tokens   # sizes, tables and losses; no token scan""",
+)

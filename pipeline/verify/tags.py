@@ -1,0 +1,246 @@
+"""Checks of the tags (the repeat definition recomputed from the stream) and of the losses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.verify.checks import BATCH_ROWS, Checks
+
+
+def _covering_keys(batches, n_targets: np.ndarray, window: int):
+    """Validate that (window_id, pos) batches are strictly increasing and inside their windows.
+
+    Strictly increasing (hence unique) keys, each a valid target, numbering as many as there are
+    targets: together they are every target exactly once. Returns (rows, problem or None).
+    """
+    rows, last = 0, -1
+    for wid, pos in batches:
+        wid = wid.astype(np.int64)
+        pos = pos.astype(np.int64)
+        if wid.size == 0:
+            continue
+        if wid.min() < 0 or wid.max() >= n_targets.size:
+            return rows, f"window_id outside 0..{n_targets.size - 1}"
+        bad = np.flatnonzero((pos < 1) | (pos > n_targets[wid]))
+        if bad.size:
+            i = bad[0]
+            return rows, f"window {wid[i]} has pos {pos[i]} outside 1..{n_targets[wid[i]]}"
+        key = wid * (window + 1) + pos
+        if key[0] <= last or np.any(key[1:] <= key[:-1]):
+            return rows, "rows not strictly increasing in (window_id, pos): duplicated or unsorted"
+        last = int(key[-1])
+        rows += wid.size
+    return rows, None
+
+
+def expected_prev_pos(
+    tokens: np.ndarray,
+    starts: np.ndarray,
+    n_targets: np.ndarray,
+    w0: int,
+    w1: int,
+    doc_offsets: np.ndarray | None = None,
+) -> list[np.ndarray]:
+    """DESIGN.md's repeat definition, computed from the stream alone (not from the tagger's
+    tables): for each window w0..w1-1, per target position 1..n, the latest earlier position of
+    its window with the same bigram (0: none). With `doc_offsets` (reset_at_doc_boundary) only
+    earlier targets of the same document count."""
+    n = n_targets[w0:w1].astype(np.int64)
+    if n.sum() == 0:
+        return [np.zeros(0, np.int64) for _ in n]
+    win = np.repeat(np.arange(w0, w1, dtype=np.int64), n)
+    first = np.repeat(np.cumsum(n) - n, n)
+    pos = np.arange(int(n.sum()), dtype=np.int64) - first + 1
+    i = starts[win] + pos
+    key = (tokens[i - 1].astype(np.int64) << 32) | tokens[i].astype(np.int64)
+    group = (
+        np.searchsorted(doc_offsets, i, side="right")
+        if doc_offsets is not None
+        else np.zeros_like(i)
+    )
+    order = np.lexsort((pos, key, group, win))
+    same = (
+        (win[order][1:] == win[order][:-1])
+        & (group[order][1:] == group[order][:-1])
+        & (key[order][1:] == key[order][:-1])
+    )
+    latest = np.zeros(len(pos), np.int64)
+    latest[order[1:][same]] = pos[order[:-1][same]]
+    return np.split(latest, np.cumsum(n)[:-1])
+
+
+def verify_tags(
+    path: Path,
+    val_meta: dict | None,
+    val_dir: Path | None,
+    counts_dir: Path | None,
+    checks: Checks,
+    scan_tokens: bool,
+) -> tuple[dict, dict | None]:
+    """Check the tag directory; returns (its meta, its window table or None)."""
+    import pyarrow.parquet as pq
+    from tqdm import tqdm
+
+    from ar_slicing.io import read_json
+    from ar_slicing.windows import WINDOWS_NAME, read_window_table, window_table
+
+    meta = read_json(path / "meta.json")
+    window = int(meta["window"])
+    try:
+        windows = read_window_table(path / WINDOWS_NAME)
+    except Exception as e:
+        checks.fail(f"{path / WINDOWS_NAME}: unreadable ({e})")
+        return meta, None
+    if val_meta is not None:
+        n_tokens = int(val_meta["n_tokens"])
+        want = window_table(n_tokens, window)
+        same = all(np.array_equal(np.asarray(windows[k]), want[k]) for k in want)
+        checks.check(
+            same,
+            f"{path / WINDOWS_NAME}: the windows of a {n_tokens:,}-token stream, L={window}",
+            "not the window table of the run's validation store (tags from another run?)",
+        )
+        if not same:
+            return meta, None
+    starts = np.asarray(windows["start"], dtype=np.int64)
+    n_targets = np.asarray(windows["n_targets"], dtype=np.int64)
+    parts = sorted(path.glob("tags-*.parquet"))
+    listed = meta.get("parts")
+    if listed is not None:
+        checks.check(
+            [p.name for p in parts] == list(listed),
+            f"{path}: the {len(listed)} tag parts meta.json lists",
+            f"found {[p.name for p in parts]}",
+        )
+
+    tokens = counts = None
+    if scan_tokens and val_dir is not None and val_meta is not None:
+        dtype = np.dtype(val_meta["dtype"]).newbyteorder("<")
+        tokens = np.memmap(val_dir / "tokens.bin", dtype=dtype, mode="r")
+    if scan_tokens and counts_dir is not None:
+        from ar_slicing.counts import BigramCounts
+
+        counts = BigramCounts.open(counts_dir)
+    threshold = int(meta["threshold"])
+    mismatches: dict[str, int] = {
+        "token": 0,
+        "prev": 0,
+        "train_count": 0,
+        "is_ar_hit": 0,
+        "prev_pos": 0,
+        "is_repeat and prev_pos (the latest earlier occurrence, from the stream)": 0,
+    }
+    doc_offsets = None
+    if tokens is not None and meta.get("reset_at_doc_boundary"):
+        doc_offsets = pq.read_table(val_dir / "docs.parquet", columns=["offset"])
+        doc_offsets = doc_offsets.column("offset").to_numpy().astype(np.int64)
+    columns = ["window_id", "pos", "token", "prev", "train_count", "is_repeat", "is_ar_hit"]
+    columns.append("prev_pos")
+
+    def batches():
+        for part in tqdm(parts, desc="verify tags", unit="part", leave=False):
+            for b in pq.ParquetFile(part).iter_batches(batch_size=BATCH_ROWS, columns=columns):
+                wid = b.column(0).to_numpy()
+                pos = b.column(1).to_numpy()
+                yield wid, pos
+                token = b.column(2).to_numpy().astype(np.int64)
+                prev = b.column(3).to_numpy().astype(np.int64)
+                train_count = b.column(4).to_numpy()
+                rep = b.column(5).to_numpy(zero_copy_only=False)
+                hit = b.column(6).to_numpy(zero_copy_only=False)
+                mismatches["is_ar_hit"] += int(np.sum(hit != (rep & (train_count <= threshold))))
+                # A repeat names an earlier position of the same window holding the same bigram;
+                # a non-repeat names none.
+                has_prev = ~b.column(7).is_null().to_numpy(zero_copy_only=False)
+                prev_pos = b.column(7).fill_null(0).to_numpy().astype(np.int64)
+                mismatches["prev_pos"] += int(np.sum(has_prev != rep))
+                mismatches["prev_pos"] += int(
+                    np.sum(has_prev & ((prev_pos < 1) | (prev_pos >= pos)))
+                )
+                if tokens is not None:
+                    i = starts[wid] + pos  # stream index of each target; keys were checked
+                    mismatches["token"] += int(np.sum(tokens[i] != token))
+                    mismatches["prev"] += int(np.sum(tokens[i - 1] != prev))
+                    sel = has_prev & (prev_pos >= 1) & (prev_pos < pos)
+                    j = (starts[wid] + prev_pos)[sel]
+                    mismatches["prev_pos"] += int(
+                        np.sum((tokens[j] != token[sel]) | (tokens[j - 1] != prev[sel]))
+                    )
+                    # every repeat found, none invented, and prev_pos the latest occurrence
+                    lo, hi = int(wid.min()), int(wid.max()) + 1
+                    want = expected_prev_pos(tokens, starts, n_targets, lo, hi, doc_offsets)
+                    in_range = (wid >= lo) & (pos >= 1) & (pos <= n_targets[wid])
+                    flat = np.concatenate(want) if want else np.zeros(0, np.int64)
+                    offsets = np.concatenate([[0], np.cumsum(n_targets[lo:hi])])
+                    idx = offsets[wid[in_range] - lo] + pos[in_range] - 1
+                    got = np.where(has_prev, prev_pos, 0)[in_range]
+                    key = "is_repeat and prev_pos (the latest earlier occurrence, from the stream)"
+                    mismatches[key] += int(np.sum(flat[idx] != got))
+                if counts is not None:
+                    mismatches["train_count"] += int(
+                        np.sum(counts.lookup(prev, token) != train_count)
+                    )
+
+    try:
+        rows, problem = _covering_keys(batches(), n_targets, window)
+    except IndexError as e:
+        rows, problem = 0, f"a key points outside the validation stream ({e})"
+    expected = int(n_targets.sum())
+    if problem is None and rows != expected:
+        problem = f"{rows:,} rows for {expected:,} targets"
+    checks.check(
+        problem is None, f"{path}: tag rows cover every target exactly once ({expected:,})", problem
+    )
+    if problem is None:
+        for name, n in mismatches.items():
+            if name in ("token", "prev") and tokens is None:
+                continue
+            if name == "train_count" and counts is None:
+                continue
+            checks.check(n == 0, f"{path}: {name} of every row as defined", f"{n:,} rows differ")
+    return meta, windows
+
+
+def verify_losses(path: Path, windows: dict, window: int, checks: Checks) -> dict:
+    import pyarrow.parquet as pq
+
+    from ar_slicing.io import read_json
+
+    meta = read_json(path / "meta.json")
+    n_targets = np.asarray(windows["n_targets"], dtype=np.int64)
+    evaluated = int(meta.get("windows_evaluated", n_targets.size))
+    scored = n_targets[:evaluated]
+    parts = sorted(path.glob("losses-*.parquet"))
+    nonfinite = 0
+    first_bad = None
+
+    def batches():
+        nonlocal nonfinite, first_bad
+        for part in parts:
+            table = pq.read_table(part, columns=["window_id", "pos", "nll"])
+            wid = table.column("window_id").to_numpy()
+            pos = table.column("pos").to_numpy()
+            nll = table.column("nll").to_numpy()
+            bad = np.flatnonzero(~np.isfinite(nll))
+            if bad.size and first_bad is None:
+                first_bad = f"{part.name}: window {wid[bad[0]]} pos {pos[bad[0]]} nll {nll[bad[0]]}"
+            nonfinite += bad.size
+            order = np.lexsort((pos, wid))  # row order inside a part is the writer's choice
+            yield wid[order], pos[order]
+
+    rows, problem = _covering_keys(batches(), scored, window)
+    expected = int(scored.sum())
+    if problem is None and rows != expected:
+        problem = f"{rows:,} loss rows for {expected:,} tag rows"
+    scope = f" of {evaluated} window(s)" if evaluated < n_targets.size else ""
+    checks.check(problem is None, f"{path}: one loss row per tag row{scope}", problem)
+    checks.check(
+        nonfinite == 0,
+        f"{path}: every nll finite",
+        f"{nonfinite:,} NaN or infinite values, first at {first_bad}",
+    )
+    if evaluated < n_targets.size:
+        checks.note(f"{path}: partial, {evaluated} of {n_targets.size} windows evaluated")
+    return meta
