@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,6 +20,7 @@ from ar_slicing.io import read_json
 from ar_slicing.rolling import lm_eval_rolling_windows, rolling_windows, window_tokens
 from ar_slicing.store import write_token_store
 from ar_slicing.tokenizer import describe
+from pipeline.cli import main as cli_main
 from pipeline.config import printing_summaries
 from pipeline.count import CountConfig, run_count
 from pipeline.eval import (
@@ -449,28 +447,35 @@ def test_resume_with_other_settings_is_refused(corpus, models_dir, tmp_path):
 
 @pytest.mark.slow
 def test_killed_process_resumes(corpus, models_dir, tmp_path):
-    """Kill `arslice eval` once its first chunk is on disk; rerunning finishes the same files."""
+    """SIGKILL `arslice eval` once its first chunk is on disk; rerunning finishes the same files.
+
+    The tags are cut into windows of 4 tokens, one window per chunk, so the run writes dozens of
+    chunks: the kill always lands mid-run, and a run that finished first fails the test."""
+    from reliability import kill_when
+
+    tags = tmp_path / "tags-4"
+    run_tag(
+        TagConfig(
+            tokens=str(corpus["store"].path),
+            counts=str(corpus["root"] / "counts"),
+            out=str(tags),
+            window=4,
+            workers=1,
+        )
+    )
     spec = models_dir["neox"]
-    args = ["--model", spec, "--tags", str(corpus["tags"]), "--device", "cpu", "--batch-size", "1"]
-    args += ["--chunk-windows", "1"]
+    args = ["--model", spec, "--tags", tags, "--device", "cpu", "--batch-size", "1"]
+    args += ["--chunk-windows", "1", "--dtype", "fp32"]
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    arslice = [sys.executable, "-m", "pipeline.cli", "eval"]
-    subprocess.run([*arslice, *args, "--out", str(whole)], check=True, capture_output=True)
-    proc = subprocess.Popen([*arslice, *args, "--out", str(killed)], stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            if list(killed.glob("losses-*.parquet")):
-                break
-            time.sleep(0.01)
-    finally:
-        proc.kill()  # SIGKILL: no cleanup code runs
-        proc.wait()
-    if (killed / "meta.json").exists():
-        pytest.skip("the run finished before it could be killed")
+    assert cli_main(["eval", *map(str, args), "--out", str(whole)]) == 0
     n_chunks = len(list(whole.glob("losses-*.parquet")))
+    assert n_chunks >= 50
+    was_killed, stderr = kill_when(
+        ["eval", *args, "--out", killed], lambda: any(killed.glob("losses-*.parquet"))
+    )
+    assert was_killed and not (killed / "meta.json").exists(), stderr
     assert 1 <= len(list(killed.glob("losses-*.parquet"))) < n_chunks
-    subprocess.run([*arslice, *args, "--out", str(killed)], check=True, capture_output=True)
+    assert cli_main(["eval", *map(str, args), "--out", str(killed)]) == 0
     assert read_json(killed / "meta.json")["counts"]["chunks_reused"] >= 1
     for p in sorted(whole.glob("losses-*.parquet")):
         assert pq.read_table(p).equals(pq.read_table(killed / p.name))
