@@ -20,6 +20,7 @@ tables hold each stage's own config fields (the same names as its command-line f
 
     [train]                     # train fields shared by every model ...
     steps = 600
+    side_by_side = 2            # (a pipeline key) train two models at once, one process each
     [train.models.attention]    # ... one table per model, keyed by its name
     arch = "attention"
 
@@ -72,6 +73,8 @@ from pipeline.stages import PIPELINE, PIPELINE_STAGES
 log = logging.getLogger(__name__)
 
 STAGES = PIPELINE_STAGES
+# `[train] side_by_side = N`: a key of the pipeline, not of the train stage (see run_train).
+SIDE_BY_SIDE_KEY = "side_by_side"
 
 
 @dataclass(frozen=True)
@@ -285,6 +288,7 @@ class Pipeline:
         if not table:
             return {}
         common, models = _split_subtables(table, "models")
+        common.pop(SIDE_BY_SIDE_KEY, None)
         if not models:
             raise BadInput(
                 f"{self.config_path} [train]: no models; add a [train.models.<name>] table"
@@ -300,14 +304,26 @@ class Pipeline:
             configs[name] = self._build("train", {**common, **model_table}, defaults, context)
         return configs
 
+    def side_by_side(self) -> int:
+        """How many models `[train] side_by_side = N` trains at once (1: one after another)."""
+        n = self.table("train").get(SIDE_BY_SIDE_KEY, 1)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise BadInput(
+                f"{self.config_path} [train]: {SIDE_BY_SIDE_KEY} = {n!r}; use a whole number >= 1"
+            )
+        return n
+
     def run_train(self) -> dict:
         t0 = time.time()
         configs = self.train_configs()
         command = self.loader("train") if configs else None
-        models = {}
-        for name, cfg in configs.items():
-            command.run(cfg)
-            models[name] = self._model_entry(name, Path(cfg.out))
+        workers = min(self.side_by_side(), len(configs))
+        if workers > 1:
+            train_side_by_side(command, configs, workers)
+        else:
+            for cfg in configs.values():
+                command.run(cfg)
+        models = {name: self._model_entry(name, Path(cfg.out)) for name, cfg in configs.items()}
         self._write_marker(
             self.layout.models,
             "train-all",
@@ -534,6 +550,37 @@ def _check_external_spec(spec: str, trained: set[str], context: str) -> None:
     path = Path(target).expanduser()
     if local and str(path) not in trained and not path.exists():
         raise BadInput(f"{context}: {spec}: {path} does not exist")
+
+
+def _bar_slot(counter) -> None:
+    """Worker initializer: give this process's progress bars their own terminal line."""
+    import os
+
+    with counter.get_lock():
+        os.environ["TQDM_POSITION"] = str(counter.value)  # read by tqdm >= 4.66 as a default
+        counter.value += 1
+
+
+def train_side_by_side(command: Command, configs: Mapping[str, Any], workers: int) -> None:
+    """Train the models in `workers` processes at once (each with its config's `threads`).
+
+    Models are independent (each its own output directory, batch order and seed), so this
+    changes only the wall time; a worker's error is raised here once the others have finished.
+    """
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    ctx = get_context("spawn")  # a fresh interpreter: no torch thread pool inherited via fork
+    counter = ctx.Value("i", 0)
+    print(f"train: {len(configs)} models, {workers} side by side")
+    with ProcessPoolExecutor(
+        workers, mp_context=ctx, initializer=_bar_slot, initargs=(counter,)
+    ) as pool:
+        futures = [pool.submit(command.run, cfg) for cfg in configs.values()]
+        errors = [f.exception() for f in futures]
+    for error in errors:
+        if error is not None:
+            raise error
 
 
 def copy_pretrained_tokenizer(cfg: PretrainedTokenizer, overwrite: bool = False) -> dict:
