@@ -70,6 +70,11 @@ COMMANDS: tuple[Stage, ...] = (
     ),
     Stage("query", "pipeline.query", "run one SQL question from queries/ against a run"),
     Stage("verify", "pipeline.verify", "check a run's invariants"),
+    Stage(
+        "mqar",
+        "pipeline.mqar",
+        "Zoology's multi-query associative recall probe (Figure 2)",
+    ),
     Stage("run", "pipeline.run", "run stages of a pipeline config file (what `make` calls)"),
 )
 

@@ -1,0 +1,579 @@
+"""`arslice mqar`: Zoology's multi-query associative recall (MQAR) probe, Figure 2 style.
+
+MQAR (Arora et al., 2023, "Zoology", §3.2 Definition 3.1, §4.3; generator of
+HazyResearch/zoology `zoology/data/multiquery_ar.py`, written anew here). A sequence of length T
+holds `n` key-value pairs, then queries::
+
+    k1 v1 k2 v2 ... kn vn | 0 ... 0 k3 0 ... 0 k1 0 ...
+                                    ^ target v3  ^ target v1
+
+Keys are drawn from the lower half of the vocabulary (1 .. V/2-1) and values from the upper half
+(V/2 .. V-1), without replacement inside a sequence, so no key occurs twice among the pairs and
+keys never look like values. Token 0 (in neither half) fills the gaps. Every key is queried once,
+after the pairs: the query slots are the even offsets `2g` of the `(T - 2n) / 2` slots after the
+pairs, `g` drawn without replacement with probability proportional to `g^(a-1)` (a = 0.01: most
+queries come soon after the pairs, a few far away, as repeats of bigrams are spread in text).
+At a query position the model reads the key and must output its value; only those positions
+are scored, and accuracy is the fraction of queries whose arg-max prediction (over the whole
+vocabulary) is the value.
+
+The sweep: every sequence mixer of `models/` as a two-layer `models.backbone.LanguageModel`
+without state mixer (Zoology's Figure 2 models; BaseConv alternates a short and a long
+convolution), for each model dimension and sequence length (Zoology's pairing of length and
+pairs: T / 16 pairs), each at several learning rates, trained with `pipeline.train`'s recipe
+(AdamW with decay on matrices, warmup then cosine, gradient clipping) on a fixed training set
+and scored on held-out sequences; a run stops early when its held-out accuracy reaches
+`early_stop`, and the remaining learning rates of a cell are skipped once one has (the best
+accuracy over learning rates is what Figure 2 plots).
+
+Outputs (`--out DIR`, e.g. `runs/demo/mqar`): `cells/<arch>-d<D>-T<T>-lr<LR>.json`, one per
+finished training run (written atomically; a rerun keeps them and trains only what is missing,
+and refuses cells made with other settings unless `--overwrite`), then `mqar.csv` and `mqar.md`
+(the best accuracy per architecture, dimension and length, with its learning rate), `mqar.png`
+(accuracy vs model dimension, one panel per sequence length) and `meta.json`, written last.
+`mqar_results(DIR)` reads them back for the report.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ar_slicing.errors import ArSliceError
+from ar_slicing.io import (
+    atomic_path,
+    build_meta,
+    is_complete,
+    read_json,
+    write_bytes_atomic,
+    write_json_atomic,
+    write_meta,
+)
+from pipeline.config import Command, config_to_dict
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURES = ["attention", "base_conv", "hyena", "rwkv"]
+CELLS_DIR = "cells"
+IGNORE = -100  # target of every position that is not a query (Zoology's ignore index)
+# Settings a cell's result depends on; a finished cell made with other values is not reused.
+CELL_SETTINGS = (
+    "vocab_size",
+    "n_train",
+    "n_test",
+    "steps",
+    "batch_size",
+    "warmup_steps",
+    "power_a",
+    "eval_every",
+    "early_stop",
+    "seed",
+)
+
+
+@dataclass(frozen=True)
+class MqarConfig:
+    out: str = field(metadata={"help": "output directory, e.g. runs/demo/mqar"})
+    archs: list[str] = field(
+        default_factory=lambda: list(ARCHITECTURES),
+        metadata={"help": "sequence mixers to train", "choices": ARCHITECTURES},
+    )
+    d_models: list[int] = field(
+        default_factory=lambda: [32, 64, 128], metadata={"help": "model dimensions (Figure 2's x)"}
+    )
+    seq_lens: list[int] = field(
+        default_factory=lambda: [64, 128, 256],
+        metadata={"help": "sequence lengths (one panel each); T / 16 key-value pairs each"},
+    )
+    lrs: list[float] = field(
+        default_factory=lambda: [3e-3, 1e-3],
+        metadata={"help": "learning rates tried per cell, in order (the best accuracy is kept)"},
+    )
+    vocab_size: int = field(
+        default=512,
+        metadata={"help": "vocabulary: keys from the lower half, values from the upper half"},
+    )
+    n_train: int = field(default=8192, metadata={"help": "training sequences (a fixed set)"})
+    n_test: int = field(default=512, metadata={"help": "held-out sequences scored for accuracy"})
+    steps: int = field(default=400, metadata={"help": "optimizer steps per training run"})
+    batch_size: int = field(default=64, metadata={"help": "sequences per step"})
+    warmup_steps: int = field(default=20, metadata={"help": "linear warmup steps"})
+    power_a: float = field(
+        default=0.01, metadata={"help": "query gaps ~ g^(a-1) (Zoology's power_a; 1 = uniform)"}
+    )
+    eval_every: int = field(
+        default=50, metadata={"help": "held-out accuracy every N steps (early stopping)"}
+    )
+    early_stop: float = field(
+        default=0.99, metadata={"help": "stop a run (and skip further learning rates) at this"}
+    )
+    seed: int = field(default=0, metadata={"help": "seed of the data and the initialisation"})
+    workers: int = field(default=2, metadata={"help": "training processes running side by side"})
+    threads: int = field(default=1, metadata={"help": "torch CPU threads per process"})
+    device: str = field(default="cpu", metadata={"help": "cpu, cuda or auto"})
+    overwrite: bool = field(default=False, metadata={"help": "retrain every cell"})
+    progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+
+
+# ---- the task (pure numpy, tested against Definition 3.1) -----------------------------------------
+
+
+def num_kv_pairs_for(seq_len: int) -> int:
+    """Zoology's Figure 2 pairing: 4 pairs at length 64, 8 at 128, 16 at 256."""
+    return max(1, seq_len // 16)
+
+
+def mqar_examples(
+    n: int,
+    seq_len: int,
+    vocab_size: int,
+    num_kv_pairs: int,
+    rng: np.random.Generator,
+    power_a: float = 0.01,
+) -> tuple[np.ndarray, np.ndarray]:
+    """`n` MQAR sequences: inputs (n, seq_len) int64 and targets (n, seq_len), IGNORE off queries.
+
+    >>> x, y = mqar_examples(1, 16, 12, 2, np.random.default_rng(0))
+    >>> x.shape, int((y != IGNORE).sum())
+    ((1, 16), 2)
+    """
+    half = vocab_size // 2
+    context = 2 * num_kv_pairs
+    slots = (seq_len - context) // 2
+    if seq_len % 2 or num_kv_pairs > half - 1 or num_kv_pairs > slots or num_kv_pairs < 1:
+        raise ArSliceError(
+            f"MQAR: {num_kv_pairs} key-value pairs do not fit a sequence of {seq_len} tokens "
+            f"(even, with room for the pairs and one query each) over a vocabulary of {vocab_size}"
+        )
+    # distinct keys and values per row: the first `num_kv_pairs` of a random permutation
+    keys = 1 + np.argsort(rng.random((n, half - 1)), axis=1)[:, :num_kv_pairs]  # (n, P)
+    values = half + np.argsort(rng.random((n, vocab_size - half)), axis=1)[:, :num_kv_pairs]
+    # query slots without replacement, P(g) ~ g^(a-1) for g = 1..slots (Gumbel top-k draws
+    # exactly that: successive weighted choices without replacement)
+    log_p = (power_a - 1.0) * np.log(np.arange(1, slots + 1))
+    gumbel = -np.log(-np.log(rng.random((n, slots))))
+    gaps = np.argsort(-(log_p + gumbel), axis=1)[:, :num_kv_pairs]  # (n, P) in 0..slots-1
+    inputs = np.zeros((n, seq_len), dtype=np.int64)
+    inputs[:, 0:context:2] = keys
+    inputs[:, 1:context:2] = values
+    query_pos = context + 2 * gaps  # (n, P)
+    rows = np.arange(n)[:, None]
+    inputs[rows, query_pos] = keys
+    targets = np.full((n, seq_len), IGNORE, dtype=np.int64)
+    targets[rows, query_pos] = values
+    return inputs, targets
+
+
+def cell_data(cfg: MqarConfig, seq_len: int) -> dict[str, np.ndarray]:
+    """The training and held-out sequences of one length (the same for every model and rate)."""
+    rng = np.random.default_rng([cfg.seed, seq_len])
+    pairs = num_kv_pairs_for(seq_len)
+    x, y = mqar_examples(cfg.n_train + cfg.n_test, seq_len, cfg.vocab_size, pairs, rng, cfg.power_a)
+    return {
+        "x_train": x[: cfg.n_train],
+        "y_train": y[: cfg.n_train],
+        "x_test": x[cfg.n_train :],
+        "y_test": y[cfg.n_train :],
+    }
+
+
+# ---- one training run -----------------------------------------------------------------------------
+
+
+def build_model(arch: str, d_model: int, seq_len: int, vocab_size: int):
+    """Zoology's Figure 2 model: two blocks of the mixer, no state mixer, tied head."""
+    from models.backbone import LanguageModel, ModelConfig
+
+    mixer_kwargs = {"attention": {"num_heads": 1}, "base_conv": {"kernel_size": [3, -1]}}
+    return LanguageModel(
+        ModelConfig(
+            vocab_size=vocab_size,
+            d_model=d_model,
+            n_layers=2,
+            sequence_mixer=arch,
+            sequence_mixer_kwargs=mixer_kwargs.get(arch, {}),
+            state_mixer="identity",
+            l_max=seq_len,
+        )
+    )
+
+
+def query_logits(model, inputs, targets):
+    """(logits (Q, V) at the query positions, their targets (Q,)): the head runs only there."""
+    hidden, head, _ = model.hidden_and_head(inputs)  # (B, T, D)
+    mask = targets != IGNORE
+    return hidden[mask] @ head.T, targets[mask]  # (Q, V), (Q,)
+
+
+def accuracy(model, x, y, batch_size: int) -> float:
+    import torch
+
+    correct = total = 0
+    model.eval()
+    with torch.no_grad():
+        for i in range(0, len(x), batch_size):
+            logits, t = query_logits(model, x[i : i + batch_size], y[i : i + batch_size])
+            correct += int((logits.argmax(-1) == t).sum())
+            total += int(t.numel())
+    model.train()
+    return correct / max(total, 1)
+
+
+def train_cell(
+    cfg: MqarConfig, arch: str, d_model: int, seq_len: int, lr: float, data: dict
+) -> dict:
+    """Train one model at one learning rate; its held-out accuracy and how it got there."""
+    import torch
+    import torch.nn.functional as F
+
+    from pipeline.train import TrainConfig, learning_rate, make_optimizer
+
+    t0 = time.time()
+    device = "cuda" if cfg.device == "auto" and torch.cuda.is_available() else cfg.device
+    if device == "auto":
+        device = "cpu"
+    torch.manual_seed(cfg.seed)
+    model = build_model(arch, d_model, seq_len, cfg.vocab_size).to(device)
+    # the project's own training recipe; the token-store fields are unused here
+    recipe = TrainConfig(
+        arch=arch,
+        tokens="",
+        out="",
+        lr=lr,
+        steps=cfg.steps,
+        warmup_steps=cfg.warmup_steps,
+        batch_size=cfg.batch_size,
+    )
+    optimizer = make_optimizer(model, recipe)
+    x_train = torch.from_numpy(data["x_train"]).to(device)
+    y_train = torch.from_numpy(data["y_train"]).to(device)
+    x_test = torch.from_numpy(data["x_test"]).to(device)
+    y_test = torch.from_numpy(data["y_test"]).to(device)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    order = torch.randperm(len(x_train), generator=gen)
+    history, best, stopped_at, pos = [], 0.0, None, 0
+    for step in range(cfg.steps):
+        if pos + cfg.batch_size > len(order):  # next epoch: a new order of the same set
+            order, pos = torch.randperm(len(x_train), generator=gen), 0
+        idx = order[pos : pos + cfg.batch_size].to(device)
+        pos += cfg.batch_size
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, recipe)
+        logits, t = query_logits(model, x_train[idx], y_train[idx])
+        loss = F.cross_entropy(logits.float(), t)
+        if not torch.isfinite(loss):
+            history.append({"step": step + 1, "loss": float("nan"), "accuracy": best})
+            break
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+        optimizer.step()
+        done = step + 1
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            acc = accuracy(model, x_test, y_test, 4 * cfg.batch_size)
+            best = max(best, acc)
+            history.append({"step": done, "loss": round(loss.item(), 4), "accuracy": acc})
+            if acc >= cfg.early_stop:
+                stopped_at = done
+                break
+    return {
+        "arch": arch,
+        "d_model": d_model,
+        "seq_len": seq_len,
+        "num_kv_pairs": num_kv_pairs_for(seq_len),
+        "lr": lr,
+        "accuracy": best,
+        "final_accuracy": history[-1]["accuracy"] if history else 0.0,
+        "steps_run": history[-1]["step"] if history else 0,
+        "stopped_early_at": stopped_at,
+        "n_params": sum(p.numel() for p in model.parameters()),
+        "wall_time_s": round(time.time() - t0, 2),
+        "history": history,
+    }
+
+
+# ---- the sweep ------------------------------------------------------------------------------------
+
+
+def cell_name(arch: str, d_model: int, seq_len: int, lr: float) -> str:
+    return f"{arch}-d{d_model}-T{seq_len}-lr{lr:g}.json"
+
+
+def cell_settings(cfg: MqarConfig) -> dict:
+    return {k: getattr(cfg, k) for k in CELL_SETTINGS}
+
+
+def read_cell(path: Path, settings: dict) -> dict | None:
+    """A finished cell made with `settings`, None when there is none; refuses other settings."""
+    if not path.is_file():
+        return None
+    cell = read_json(path)
+    differ = {k: (cell.get("settings", {}).get(k), v) for k, v in settings.items()}
+    differ = {k: pair for k, pair in differ.items() if pair[0] != pair[1]}
+    if differ:
+        listed = ", ".join(f"{k} (kept {a!r}, asked {b!r})" for k, (a, b) in differ.items())
+        raise ArSliceError(
+            f"{path}: made with other settings: {listed}; rerun with --overwrite to retrain, "
+            "or choose another --out"
+        )
+    return cell
+
+
+def run_group(cfg: MqarConfig, cells_dir: str, arch: str, d_model: int, seq_len: int) -> list:
+    """Every learning rate of one (arch, d_model, seq_len) in order, stopping once one reaches
+    `early_stop`; finished cells are read back, new ones written atomically."""
+    import torch
+
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    settings = cell_settings(cfg)
+    data = None
+    out = []
+    for lr in cfg.lrs:
+        path = Path(cells_dir) / cell_name(arch, d_model, seq_len, lr)
+        cell = None if cfg.overwrite else read_cell(path, settings)
+        if cell is None:
+            if out and max(c["accuracy"] for c in out) >= cfg.early_stop:
+                break  # an earlier rate already solved the cell
+            data = data if data is not None else cell_data(cfg, seq_len)
+            cell = {**train_cell(cfg, arch, d_model, seq_len, lr, data), "settings": settings}
+            write_json_atomic(path, cell)
+        out.append(cell)
+        if cell["accuracy"] >= cfg.early_stop:
+            break
+    return out
+
+
+def best_rows(cells: list[dict], cfg: MqarConfig) -> list[dict]:
+    """One row per (arch, d_model, seq_len): the best accuracy over learning rates."""
+    rows = []
+    for arch in cfg.archs:
+        for seq_len in cfg.seq_lens:
+            for d_model in cfg.d_models:
+                mine = [
+                    c
+                    for c in cells
+                    if (c["arch"], c["d_model"], c["seq_len"]) == (arch, d_model, seq_len)
+                ]
+                if not mine:
+                    continue
+                best = max(mine, key=lambda c: (c["accuracy"], -c["steps_run"]))
+                rows.append(
+                    {
+                        "arch": arch,
+                        "seq_len": seq_len,
+                        "num_kv_pairs": best["num_kv_pairs"],
+                        "d_model": d_model,
+                        "accuracy": round(best["accuracy"], 4),
+                        "best_lr": best["lr"],
+                        "lrs_tried": len(mine),
+                        "steps_run": best["steps_run"],
+                        "n_params": best["n_params"],
+                    }
+                )
+    return rows
+
+
+CSV_COLUMNS = (
+    "arch",
+    "seq_len",
+    "num_kv_pairs",
+    "d_model",
+    "accuracy",
+    "best_lr",
+    "lrs_tried",
+    "steps_run",
+    "n_params",
+)
+
+
+def rows_csv(rows: list[dict]) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+def rows_markdown(rows: list[dict]) -> str:
+    """Accuracy (%) per architecture (rows) and model dimension (columns), one block per length."""
+    d_models = sorted({r["d_model"] for r in rows})
+    lines = [
+        "| sequence length (pairs) | model | "
+        + " | ".join(f"d_model {d}" for d in d_models)
+        + " |",
+        "| :--- | :--- | " + " | ".join("---:" for _ in d_models) + " |",
+    ]
+    for seq_len in sorted({r["seq_len"] for r in rows}):
+        for arch in dict.fromkeys(r["arch"] for r in rows):
+            mine = {r["d_model"]: r for r in rows if (r["arch"], r["seq_len"]) == (arch, seq_len)}
+            if not mine:
+                continue
+            pairs = next(iter(mine.values()))["num_kv_pairs"]
+            cells = [f"{100 * mine[d]['accuracy']:.1f}" if d in mine else "—" for d in d_models]
+            lines.append(f"| {seq_len} ({pairs}) | {arch} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def figure_png(rows: list[dict]) -> bytes:
+    """Figure 2: accuracy vs model dimension, one panel per sequence length, one line per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seq_lens = sorted({r["seq_len"] for r in rows})
+    archs = list(dict.fromkeys(r["arch"] for r in rows))
+    fig, axes = plt.subplots(
+        1, len(seq_lens), figsize=(3.2 * len(seq_lens), 3.0), dpi=110, sharey=True, squeeze=False
+    )
+    for ax, seq_len in zip(axes[0], seq_lens):
+        for arch in archs:
+            pts = sorted(
+                (r["d_model"], r["accuracy"])
+                for r in rows
+                if (r["arch"], r["seq_len"]) == (arch, seq_len)
+            )
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=arch)
+        ax.set_xscale("log", base=2)
+        ds = sorted({r["d_model"] for r in rows})
+        ax.set_xticks(ds)
+        ax.set_xticklabels([str(d) for d in ds])
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title(f"Sequence length {seq_len}")
+        ax.set_xlabel("model dimension")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("MQAR accuracy")
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", metadata={"Software": None})
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def run_mqar(cfg: MqarConfig) -> dict:
+    """Train every missing cell of the sweep, then write the table, the figure and meta.json."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from tqdm.auto import tqdm
+
+    unknown = sorted(set(cfg.archs) - set(ARCHITECTURES))
+    if unknown:
+        raise ArSliceError(
+            f"--archs: unknown {', '.join(unknown)}; choose from {', '.join(ARCHITECTURES)}"
+        )
+    if not cfg.lrs or not cfg.d_models or not cfg.seq_lens or cfg.steps <= 0:
+        raise ArSliceError("--lrs, --d-models and --seq-lens need values and --steps must be > 0")
+    for seq_len in cfg.seq_lens:  # refuse impossible lengths before any training
+        mqar_examples(
+            1, seq_len, cfg.vocab_size, num_kv_pairs_for(seq_len), np.random.default_rng()
+        )
+    out = Path(cfg.out)
+    t0 = time.time()
+    if is_complete(out) and not cfg.overwrite:
+        meta = read_json(out / "meta.json")
+        if _same_sweep(meta.get("config", {}), cfg):
+            print(f"mqar: {out} is complete, skipped (use --overwrite to redo)")
+            return meta
+    (out / "meta.json").unlink(missing_ok=True)
+    cells_dir = out / CELLS_DIR
+    cells_dir.mkdir(parents=True, exist_ok=True)
+    groups = [(a, d, t) for a in cfg.archs for d in cfg.d_models for t in cfg.seq_lens]
+    groups.sort(key=lambda g: -g[1] * g[2])  # biggest first: the pool ends evenly
+    cells: list[dict] = []
+    reused = sum(
+        1
+        for a, d, t in groups
+        for lr in cfg.lrs
+        if not cfg.overwrite and (cells_dir / cell_name(a, d, t, lr)).is_file()
+    )
+    bar = tqdm(total=len(groups), desc="mqar", unit="cell", disable=not cfg.progress)
+    if cfg.workers <= 1:
+        for g in groups:
+            cells += run_group(cfg, str(cells_dir), *g)
+            bar.update(1)
+    else:
+        with ProcessPoolExecutor(cfg.workers, mp_context=get_context("spawn")) as pool:
+            futures = [pool.submit(run_group, cfg, str(cells_dir), *g) for g in groups]
+            for f in futures:
+                cells += f.result()
+                bar.update(1)
+    bar.close()
+    rows = best_rows(cells, cfg)
+    with atomic_path(out / "mqar.csv") as tmp:
+        tmp.write_text(rows_csv(rows))
+    with atomic_path(out / "mqar.md") as tmp:
+        tmp.write_text(rows_markdown(rows))
+    write_bytes_atomic(out / "mqar.png", figure_png(rows))
+    wall = time.time() - t0
+    meta = build_meta(
+        "mqar",
+        config=cfg,
+        inputs={},
+        counts={
+            "cells": len(groups),
+            "training_runs": len(cells),
+            "runs_kept_from_before": reused,
+            "runs_stopped_early": sum(1 for c in cells if c["stopped_early_at"]),
+        },
+        wall_time_s=wall,
+        rows=rows,
+    )
+    write_meta(out, meta)
+    print(rows_markdown(rows), end="")
+    print(f"mqar: {len(rows)} cells, {len(cells)} training runs, {wall:.0f} s -> {out}")
+    return meta
+
+
+def _same_sweep(old: dict, cfg: MqarConfig) -> bool:
+    """Whether a finished sweep asked for the same cells and settings (ignoring how it ran)."""
+    new = config_to_dict(cfg)
+    how = {"workers", "threads", "device", "overwrite", "progress"}
+    return {k: v for k, v in old.items() if k not in how} == {
+        k: v for k, v in new.items() if k not in how
+    }
+
+
+# ---- for the report -------------------------------------------------------------------------------
+
+
+@dataclass
+class MqarResults:
+    """A finished MQAR sweep: its rows, the markdown table and the figure's path."""
+
+    rows: list[dict]
+    markdown: str
+    figure: Path
+    meta: dict
+
+
+def mqar_results(out_dir: str | Path) -> MqarResults | None:
+    """The finished sweep in `out_dir` (e.g. `<run>/mqar`), or None when there is none yet."""
+    out_dir = Path(out_dir)
+    if not is_complete(out_dir):
+        return None
+    meta = read_json(out_dir / "meta.json")
+    rows = meta.get("rows") or []
+    return MqarResults(
+        rows=rows, markdown=rows_markdown(rows), figure=out_dir / "mqar.png", meta=meta
+    )
+
+
+COMMAND = Command(
+    MqarConfig,
+    run_mqar,
+    summary="Zoology's multi-query associative recall probe across model sizes and lengths",
+    examples="""\
+  arslice mqar --out runs/demo/mqar                       # the full sweep (make mqar)
+  arslice mqar --out runs/demo/mqar --archs attention hyena --d-models 64 --seq-lens 64
+  arslice mqar --out /tmp/mqar --lrs 1e-3 3e-3 1e-2 --steps 2000 --device cuda --workers 1""",
+)

@@ -1,0 +1,209 @@
+"""`arslice mqar`: the MQAR generator against Zoology's Definition 3.1, the sweep's resumable
+outputs, and (slow) that the project's own two-layer attention and trainer solve the task."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+
+from ar_slicing.errors import ArSliceError
+from pipeline.mqar import (
+    IGNORE,
+    MqarConfig,
+    cell_data,
+    mqar_examples,
+    mqar_results,
+    num_kv_pairs_for,
+    run_mqar,
+    train_cell,
+)
+
+
+def check_definition(x: np.ndarray, y: np.ndarray, vocab_size: int, pairs: int) -> None:
+    """Definition 3.1, checked sequence by sequence with plain loops."""
+    half = vocab_size // 2
+    for seq, tgt in zip(x.tolist(), y.tolist()):
+        keys, values = seq[0 : 2 * pairs : 2], seq[1 : 2 * pairs : 2]
+        assert all(1 <= k < half for k in keys), keys  # keys from the lower half
+        assert all(half <= v < vocab_size for v in values), values  # values from the upper half
+        assert len(set(keys)) == pairs and len(set(values)) == pairs
+        queried = []
+        for pos in range(2 * pairs, len(seq)):
+            token = seq[pos]
+            if tgt[pos] == IGNORE:
+                assert token == 0, (pos, token)  # only the filler between queries
+                continue
+            # the target is the value paired with this key earlier in the sequence
+            earlier = [i for i in range(pos) if seq[i] == token]
+            assert earlier == [2 * keys.index(token)], (pos, earlier)
+            assert tgt[pos] == seq[earlier[0] + 1]
+            assert (pos - 2 * pairs) % 2 == 0
+            queried.append(token)
+        assert sorted(queried) == sorted(keys)  # every key queried exactly once
+        for k in keys:  # no key twice in one sequence, but for its one query
+            assert seq.count(k) == 2
+        assert all(t == IGNORE for t in tgt[: 2 * pairs])
+
+
+@pytest.mark.parametrize(
+    "seq_len, vocab_size, power_a",
+    [(16, 12, 0.01), (64, 512, 0.01), (256, 8192, 0.01), (64, 64, 1.0)],
+)
+def test_generator_follows_definition_3_1(seq_len, vocab_size, power_a):
+    pairs = num_kv_pairs_for(seq_len)
+    x, y = mqar_examples(200, seq_len, vocab_size, pairs, np.random.default_rng(1), power_a)
+    assert x.shape == y.shape == (200, seq_len) and x.dtype == np.int64
+    check_definition(x, y, vocab_size, pairs)
+
+
+def test_generator_query_gaps_follow_the_power_law():
+    """Slot g (0-based) is picked with weight (g+1)^(a-1): uniform at a = 1, early at a = 0.01."""
+    n, seq_len, pairs = 4000, 64, 4
+    slots = (seq_len - 2 * pairs) // 2
+    for power_a in (1.0, 0.01):
+        x, y = mqar_examples(n, seq_len, 512, pairs, np.random.default_rng(2), power_a)
+        gaps = (np.argwhere(y != IGNORE)[:, 1] - 2 * pairs) // 2
+        freq = np.bincount(gaps, minlength=slots) / n  # inclusion probability of each slot
+        if power_a == 1.0:
+            np.testing.assert_allclose(freq, pairs / slots, atol=0.03)
+        else:
+            # a naive sequential draw without replacement, the reference for the inclusion rates
+            rng = np.random.default_rng(3)
+            w = np.arange(1, slots + 1) ** (power_a - 1)
+            ref = np.zeros(slots)
+            for _ in range(n):
+                ref[rng.choice(slots, size=pairs, replace=False, p=w / w.sum())] += 1
+            np.testing.assert_allclose(freq, ref / n, atol=0.04)
+            assert freq[0] > 2 * freq[-1]
+
+
+def test_generator_is_seeded_and_refuses_impossible_shapes():
+    a = mqar_examples(5, 64, 512, 4, np.random.default_rng(7))
+    b = mqar_examples(5, 64, 512, 4, np.random.default_rng(7))
+    assert all(np.array_equal(u, v) for u, v in zip(a, b))
+    with pytest.raises(ArSliceError, match="do not fit"):
+        mqar_examples(1, 64, 8, 4, np.random.default_rng(0))  # 3 keys for 4 pairs
+    with pytest.raises(ArSliceError, match="do not fit"):
+        mqar_examples(1, 10, 512, 4, np.random.default_rng(0))  # no room for the queries
+
+
+def test_train_and_test_sequences_are_held_out():
+    cfg = MqarConfig(out="unused", n_train=300, n_test=100)
+    data = cell_data(cfg, 64)
+    train = {r.tobytes() for r in data["x_train"]}
+    assert not any(r.tobytes() in train for r in data["x_test"])
+    again = cell_data(cfg, 64)
+    assert np.array_equal(again["x_test"], data["x_test"])  # the same for every model and rate
+
+
+TINY = dict(
+    archs=["attention", "base_conv"],
+    d_models=[16],
+    seq_lens=[16],
+    lrs=[3e-3, 1e-3],
+    vocab_size=24,
+    n_train=64,
+    n_test=32,
+    steps=6,
+    batch_size=8,
+    warmup_steps=2,
+    eval_every=3,
+    workers=1,
+    progress=False,
+)
+
+
+def test_sweep_writes_table_figure_and_resumes(tmp_path, capsys):
+    out = tmp_path / "mqar"
+    meta = run_mqar(MqarConfig(out=str(out), **TINY))
+    cells = sorted(p.name for p in (out / "cells").iterdir())
+    assert cells == [
+        "attention-d16-T16-lr0.001.json",
+        "attention-d16-T16-lr0.003.json",
+        "base_conv-d16-T16-lr0.001.json",
+        "base_conv-d16-T16-lr0.003.json",
+    ]
+    with open(out / "mqar.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["arch"], r["d_model"], r["seq_len"]) for r in rows] == [
+        ("attention", "16", "16"),
+        ("base_conv", "16", "16"),
+    ]
+    for r in rows:  # the table keeps the best learning rate of each cell
+        runs = [
+            json.loads((out / "cells" / f"{r['arch']}-d16-T16-lr{lr:g}.json").read_text())
+            for lr in (3e-3, 1e-3)
+        ]
+        best = max(runs, key=lambda c: c["accuracy"])
+        assert float(r["accuracy"]) == pytest.approx(best["accuracy"], abs=1e-4)
+        assert float(r["best_lr"]) == best["lr"]
+        assert 0.0 <= best["accuracy"] <= 1.0 and best["steps_run"] == 6
+    assert (out / "mqar.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| 16 (1) | attention |" in (out / "mqar.md").read_text()
+    assert meta["counts"]["training_runs"] == 4 and meta["counts"]["runs_kept_from_before"] == 0
+
+    # complete: skipped; a lost cell: only it is retrained, the others are read back
+    run_mqar(MqarConfig(out=str(out), **TINY))
+    assert "is complete, skipped" in capsys.readouterr().out
+    kept = (out / "cells" / "attention-d16-T16-lr0.003.json").read_text()
+    (out / "cells" / "base_conv-d16-T16-lr0.001.json").unlink()
+    (out / "meta.json").unlink()
+    meta = run_mqar(MqarConfig(out=str(out), **TINY))
+    assert meta["counts"]["runs_kept_from_before"] == 3
+    assert (out / "cells" / "attention-d16-T16-lr0.003.json").read_text() == kept
+    assert (out / "cells" / "base_conv-d16-T16-lr0.001.json").is_file()
+
+    # other settings: refused by name, unless --overwrite
+    with pytest.raises(ArSliceError, match=r"steps \(kept 6, asked 7\).*--overwrite"):
+        run_mqar(MqarConfig(out=str(out), **{**TINY, "steps": 7}))
+    meta = run_mqar(MqarConfig(out=str(out), **{**TINY, "steps": 7, "overwrite": True}))
+    assert meta["counts"]["runs_kept_from_before"] == 0
+
+    results = mqar_results(out)
+    assert results is not None and results.figure.is_file()
+    assert [r["arch"] for r in results.rows] == ["attention", "base_conv"]
+    assert results.markdown.startswith("| sequence length (pairs) | model | d_model 16 |")
+    assert mqar_results(tmp_path / "nothing") is None
+
+
+def test_a_solved_cell_skips_the_remaining_learning_rates(tmp_path):
+    cfg = MqarConfig(out=str(tmp_path / "m"), **{**TINY, "archs": ["attention"], "early_stop": 0.0})
+    meta = run_mqar(cfg)
+    assert sorted(p.name for p in (tmp_path / "m" / "cells").iterdir()) == [
+        "attention-d16-T16-lr0.003.json"
+    ]
+    assert meta["counts"]["runs_stopped_early"] == 1
+
+
+def test_every_family_builds_and_trains_a_step():
+    cfg = MqarConfig(out="unused", **{**TINY, "steps": 1, "eval_every": 1})
+    data = cell_data(cfg, 16)
+    for arch in ("attention", "base_conv", "hyena", "rwkv"):
+        cell = train_cell(cfg, arch, 16, 16, 1e-3, data)
+        assert cell["steps_run"] == 1 and 0.0 <= cell["accuracy"] <= 1.0, arch
+
+
+def test_cli_runs_a_sweep_and_refuses_unknown_families(tmp_path, capsys):
+    from pipeline.cli import main
+
+    out = tmp_path / "m"
+    argv = ["mqar", "--out", str(out), "--archs", "hyena", "--d-models", "16", "--seq-lens", "16"]
+    argv += ["--lrs", "1e-3", "--vocab-size", "24", "--n-train", "32", "--n-test", "16"]
+    argv += ["--steps", "2", "--batch-size", "8", "--workers", "1", "--no-progress"]
+    assert main(argv) == 0
+    assert "| 16 (1) | hyena |" in capsys.readouterr().out
+    assert (out / "meta.json").is_file() and (out / "mqar.csv").is_file()
+    with pytest.raises(SystemExit):
+        main(["mqar", "--out", str(out), "--archs", "mamba"])
+    assert "invalid choice: 'mamba'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_two_layer_attention_solves_mqar_at_d64_length_64():
+    """The task is solvable by the project's own attention and trainer (Zoology Figure 2)."""
+    cfg = MqarConfig(out="unused")
+    cell = train_cell(cfg, "attention", 64, 64, cfg.lrs[0], cell_data(cfg, 64))
+    assert cell["accuracy"] >= 0.90, cell["history"]
