@@ -15,7 +15,7 @@ RUN := $(shell sed -n 's/^run_dir *= *"\([^"]*\)".*/\1/p' $(CONFIG) 2>/dev/null)
 RUNFLAGS := $(if $(OVERWRITE),--redo-changed,)
 STAGE = $(ARSLICE) run --config $(CONFIG) $(RUNFLAGS) --stage
 
-.PHONY: FORCE install install-browser test test-slow test-demo test-gpu lint format bench bench-scale bench-gpu all tokenizer tokenize counts tags train eval report verify readme-demo clean-run
+.PHONY: FORCE install install-browser test test-slow test-demo test-gpu lint format bench bench-scale bench-gpu all tokenizer tokenize counts tags train eval report verify readme-demo mqar clean-run
 
 install:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -86,6 +86,12 @@ eval: $(MARK_eval)
 report: $(MARK_report)
 
 FORCE:
+
+# Zoology's MQAR probe (Figure 2): synthetic, so it needs none of the stages above. Finished
+# cells are kept, a rerun trains only what is missing and a complete sweep is skipped
+# (OVERWRITE=1 retrains everything).
+mqar:
+	$(ARSLICE) mqar --out $(RUN)/mqar $(if $(OVERWRITE),--overwrite,)
 
 # Every invariant of the run's outputs (sizes, fingerprints, one loss per tag row, ...).
 verify:

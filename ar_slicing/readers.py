@@ -5,7 +5,8 @@ Supported sources (one `--source` each, read in the order given):
                                          `{"text": ..., "meta": {"pile_set_name": ...}}`)
   FILE.parquet                           rows with a text column (`--text-field`)
   FILE.txt                               one document
-  DIRECTORY                              every file matching `--glob` (default `**/*.txt`), sorted
+  DIRECTORY                              every file matching `--glob` (default `**/*.txt`; several
+                                         patterns read every file any of them matches), sorted
                                          by relative path: .jsonl*/.parquet files by record, any
                                          other file as one document
   hf://OWNER/NAME[/CONFIG][@SPLIT]       a Hugging Face hub dataset, streamed (split default
@@ -140,7 +141,7 @@ def iter_documents(
     sources: Sequence[str],
     *,
     text_field: str = "text",
-    glob: str = "**/*.txt",
+    glob: str | Sequence[str] = "**/*.txt",
     on_bad_record: str = "error",
     split_fraction: float | None = None,
     split_part: str | None = None,
@@ -185,7 +186,7 @@ def _utf8_len(text: str) -> int:
     return len(text.encode("utf-8"))
 
 
-def open_source(spec: str, *, text_field: str = "text", glob: str = "**/*.txt"):
+def open_source(spec: str, *, text_field: str = "text", glob: str | Sequence[str] = "**/*.txt"):
     """The reader for one `--source` value, chosen by its form and file suffix."""
     if spec.startswith(HF_PREFIX):
         return HFDatasetReader(spec, text_field)
@@ -458,18 +459,21 @@ class DirectoryReader:
     directory of Pile shards); any other file is one plain-text document.
     """
 
-    def __init__(self, root: Path, glob: str, text_field: str = "text"):
-        self.root, self.glob, self.text_field = root, glob, text_field
+    def __init__(self, root: Path, glob: str | Sequence[str], text_field: str = "text"):
+        self.root, self.text_field = root, text_field
+        # one pattern or several; a file any of them matches is read once
+        self.patterns = [glob] if isinstance(glob, str) else list(glob)
 
     def files(self) -> list[tuple[str, Path]]:
-        found = []
-        for p in self.root.glob(self.glob):
-            if p.is_file():
-                found.append((p.relative_to(self.root).as_posix(), p))
-        found.sort()
+        found = {}
+        for pattern in self.patterns:
+            for p in self.root.glob(pattern):
+                if p.is_file():
+                    found[p.relative_to(self.root).as_posix()] = p
         if not found:
-            raise BadInput(f"source {self.root}: no files match {self.glob!r}; pass --glob PATTERN")
-        return found
+            wanted = repr(self.patterns[0]) if len(self.patterns) == 1 else repr(self.patterns)
+            raise BadInput(f"source {self.root}: no files match {wanted}; pass --glob PATTERN")
+        return sorted(found.items())
 
     def documents(self, stats: ReadStats, on_bad_record: str) -> Iterator[Document]:
         for rel, path in self.files():

@@ -175,6 +175,8 @@ def config_from_mapping(cls: type, mapping: Mapping[str, Any], context: str = "c
         if f.name not in values:
             continue
         tp = _unwrap_optional(_field_type(cls, f))
+        if typing.get_origin(tp) in (list, tuple) and isinstance(values[f.name], str):
+            values[f.name] = [values[f.name]]  # `glob = "*.py"` for `glob = ["*.py"]`
         values[f.name] = _checked_value(f, tp, values[f.name], context)
         if typing.get_origin(tp) is tuple:
             values[f.name] = tuple(values[f.name])
@@ -256,7 +258,8 @@ def text_field_option():
 
 def glob_option():
     return dataclasses.field(
-        default="**/*.txt", metadata={"help": "file pattern inside directory sources"}
+        default_factory=lambda: ["**/*.txt"],
+        metadata={"help": "file patterns inside directory sources (a file matching any is read)"},
     )
 
 

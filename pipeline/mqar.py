@@ -423,11 +423,9 @@ def rows_markdown(rows: list[dict]) -> str:
 
 def figure_png(rows: list[dict]) -> bytes:
     """Figure 2: accuracy vs model dimension, one panel per sequence length, one line per model."""
-    import matplotlib
+    from pipeline.report.figures import _png, _pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     seq_lens = sorted({r["seq_len"] for r in rows})
     archs = list(dict.fromkeys(r["arch"] for r in rows))
     fig, axes = plt.subplots(
@@ -453,10 +451,7 @@ def figure_png(rows: list[dict]) -> bytes:
     axes[0][0].set_ylabel("MQAR accuracy")
     axes[0][-1].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", metadata={"Software": None})
-    plt.close(fig)
-    return buf.getvalue()
+    return _png(fig)
 
 
 def run_mqar(cfg: MqarConfig) -> dict:

@@ -5,9 +5,9 @@ tables hold each stage's own config fields (the same names as its command-line f
 
     run_dir = "runs/demo"
 
-    [tokenizer]                 # train-tokenizer fields, or `pretrained = "gpt2"` to copy one
-    source = ["{stdlib}"]
-    vocab_size = 4096
+    [tokenizer]                 # train-tokenizer fields, or `pretrained = "gpt2"` to copy one;
+    vocab_size = 4096           # it reads what [tokenize] puts in the training store unless it
+                                # names its own `source` (and glob, split_fraction, ...)
 
     [tokenize]                  # tokenize fields shared by both stores ...
     source = ["{stdlib}"]
@@ -61,7 +61,14 @@ from typing import Any
 from ar_slicing.errors import ArSliceError, BadInput
 from ar_slicing.io import atomic_path, build_meta, is_complete, read_json, write_bytes_atomic
 from ar_slicing.layout import STORE_PARTS, RunLayout
-from pipeline.config import Command, config_from_mapping, config_to_dict, print_config, say
+from pipeline.config import (
+    READER_FIELDS,
+    Command,
+    config_from_mapping,
+    config_to_dict,
+    print_config,
+    say,
+)
 from pipeline.pipeline_file import (  # noqa: F401  (re-exported: the config-file helpers)
     dumps_toml,
     load_pipeline_config,
@@ -219,7 +226,10 @@ class Pipeline:
                     f"{self.config_path} [tokenizer]: `pretrained` must name a tokenizer"
                 )
             return {"tokenizer": PretrainedTokenizer(table["pretrained"], out)}
-        return {"tokenizer": self._build("tokenizer", table, {"out": out}, "[tokenizer]")}
+        defaults = {"out": out}
+        if "source" not in table:  # the corpus of the training store
+            defaults.update(self.corpus_of_the_training_store())
+        return {"tokenizer": self._build("tokenizer", table, defaults, "[tokenizer]")}
 
     def run_tokenizer(self) -> dict:
         """Train the run's tokenizer, or copy the configured one, to `<run_dir>/tokenizer.json`."""
@@ -230,6 +240,19 @@ class Pipeline:
         if not Path(cfg.out).is_file():
             raise ArSliceError(f"tokenizer: train-tokenizer finished but {cfg.out} does not exist")
         return result
+
+    def corpus_of_the_training_store(self) -> dict[str, Any]:
+        """What [tokenize] reads into the training store (its sources, patterns, split), the
+        defaults of a trained [tokenizer] that names no corpus of its own."""
+        common = self.table("tokenize")
+        train = common.pop("train", {})
+        table = {**common, **(train if isinstance(train, Mapping) else {})}
+        table.pop("val", None)
+        keys = ("source", *(k for k in READER_FIELDS if k != "split_part"))
+        out = {k: table[k] for k in keys if k in table}
+        if "split_fraction" in out:
+            out["split_part"] = "train"
+        return out
 
     # -- tokenize ----------------------------------------------------------------------------
     def tokenize_configs(self) -> dict[str, Any]:

@@ -36,7 +36,7 @@ class TrainTokenizerConfig:
     vocab_size: int = field(
         metadata={"help": "vocabulary size, special token and 256 bytes included"}
     )
-    glob: str = glob_option()
+    glob: list[str] = glob_option()
     text_field: str = text_field_option()
     on_bad_record: str = on_bad_record_option()
     split_fraction: float | None = field(

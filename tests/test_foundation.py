@@ -147,6 +147,9 @@ def test_config_from_mapping_names_unknown_keys():
     assert config_from_mapping(_Cfg, {"tokens": "t", "window": 4}).window == 4
     with pytest.raises(ArSliceError, match="windw"):
         config_from_mapping(_Cfg, {"tokens": "t", "windw": 4}, context="[tag]")
+    # one string where a list is expected is a list of one (`glob = "*.py"`)
+    assert config_from_mapping(_Cfg, {"tokens": "t", "sources": "x"}).sources == ["x"]
+    assert config_from_mapping(_Cfg, {"tokens": "t", "sources": ["x", "y"]}).sources == ["x", "y"]
 
 
 def test_cli_help_lists_every_command_and_dry_run_prints_config():

@@ -187,6 +187,11 @@ def test_text_files_and_directories(tmp_path, stdlib_texts):
     ]
     with pytest.raises(BadInput, match=r"corpus: no files match '\*\*/\*\.py'.*--glob"):
         read_all([root], glob="**/*.py")
+    # several patterns: every file any of them matches, once, in one sorted order
+    docs, _ = read_all([root], glob=["sub/*.txt", "*.md", "**/a.txt"])
+    assert [d.key for d in docs] == ["a.txt", "skip.md", "sub/a.txt"]
+    with pytest.raises(BadInput, match=r"no files match \['\*\.py', 'x/\*'\]"):
+        read_all([root], glob=["*.py", "x/*"])
 
 
 def test_unknown_file_type_and_missing_file(tmp_path):

@@ -121,6 +121,22 @@ def test_demo_config_builds_every_stage_and_matches_the_makefile():
         parts["train"].source == [stdlib_dir()]
         and parts["train"].tokenizer == "runs/demo/tokenizer.json"
     )
+    # the tokenizer learns from exactly the training store's corpus
+    tok_cfg = p.tokenizer_configs()["tokenizer"]
+    assert (tok_cfg.source, tok_cfg.glob, tok_cfg.split_fraction, tok_cfg.split_part) == (
+        parts["train"].source,
+        parts["train"].glob,
+        parts["train"].split_fraction,
+        "train",
+    )
+    # the corpus: the standard library's own modules and packages, never site-packages, a test
+    # suite or a package some distributions split off
+    from ar_slicing.readers import DirectoryReader
+
+    files = [rel for rel, _ in DirectoryReader(Path(stdlib_dir()), parts["train"].glob).files()]
+    assert len(files) > 300 and "asyncio/base_events.py" in files and "os.py" in files
+    banned = ("site-packages", "dist-packages", "test", "tests", "idlelib", "tkinter")
+    assert not [f for f in files if set(f.split("/")[:-1]) & set(banned)]
     assert p.count_configs()["count"].tokens == ["runs/demo/tokens/train"]
     tag = p.tag_configs()["tag"]
     assert (tag.tokens, tag.counts, tag.out) == (
@@ -195,6 +211,29 @@ def test_hazy_config_evaluates_the_whole_suite():
         n: f"based:hazyresearch/{n}"
         for n in ("transformer-pp-1.3b", "based-1.3b", "mamba-1.3b", "based-360m")
     }
+
+
+def test_tokenizer_reads_the_training_corpus_unless_it_names_its_own(tmp_path):
+    cfg = tmp_path / "p.toml"
+    cfg.write_text(
+        'run_dir = "r"\n[tokenizer]\nvocab_size = 300\n'
+        '[tokenize]\nsource = ["a", "b"]\nglob = ["*.py", "x/*.py"]\nsplit_fraction = 0.2\n'
+        '[tokenize.train]\nglob = "*.txt"\n[tokenize.val]\nmax_docs = 3\n'
+    )
+    tok = Pipeline(cfg, load_pipeline_config(cfg)).tokenizer_configs()["tokenizer"]
+    assert (tok.source, tok.glob, tok.split_fraction, tok.split_part, tok.max_docs) == (
+        ["a", "b"],
+        ["*.txt"],
+        0.2,
+        "train",
+        None,
+    )
+    cfg.write_text(
+        'run_dir = "r"\n[tokenizer]\nvocab_size = 300\nsource = ["c"]\n'
+        '[tokenize]\nsource = ["a"]\nglob = "*.py"\nsplit_fraction = 0.2\n'
+    )
+    tok = Pipeline(cfg, load_pipeline_config(cfg)).tokenizer_configs()["tokenizer"]
+    assert (tok.source, tok.glob, tok.split_fraction) == (["c"], ["**/*.txt"], None)
 
 
 def test_unknown_stage_keys_name_the_table(tmp_path):

@@ -49,7 +49,7 @@ class FileTask:
     source: str  # the --source value
     file: str | None  # the file's path relative to a directory source; None for a file source
     text_field: str
-    glob: str
+    glob: list[str]
     on_bad_record: str
     split_fraction: float | None
     split_part: str | None
@@ -77,7 +77,7 @@ class FileTask:
         )
 
 
-def input_files(sources: list[str], glob: str) -> list[tuple[str, str | None]]:
+def input_files(sources: list[str], glob: list[str]) -> list[tuple[str, str | None]]:
     """(source, file relative to it or None) of every input file, in the order they are read."""
     units = []
     for spec in sources:

@@ -51,7 +51,7 @@ class TokenizeConfig:
             "choices": list(SOURCE_FORMATS),
         },
     )
-    glob: str = glob_option()
+    glob: list[str] = glob_option()
     split_fraction: float | None = field(
         default=None,
         metadata={
