@@ -444,7 +444,7 @@ def _train(stage, cfg: TrainConfig, device: str, dtype: str, t0: float) -> dict:
         range(start_step, cfg.steps),
         initial=start_step,
         total=cfg.steps,
-        desc=f"train {cfg.arch}",
+        desc=f"train {out.name}",
         unit="step",
         disable=not cfg.progress,
         dynamic_ncols=True,

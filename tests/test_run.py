@@ -281,6 +281,10 @@ def test_every_stage_runs_writes_its_markers_and_reruns_skip(tmp_path, capsys):
     models = read_json(run_dir / "models/meta.json")["models"]
     assert sorted(models) == ["attention", "base_conv"]
     assert models["attention"]["spec"] == f"native:{run_dir}/models/attention"
+    # how many passes over the training store each model made: steps x batch / rows
+    attention = read_json(run_dir / "models/attention/meta.json")
+    rows = attention["counts"]["rows_per_epoch"]
+    assert models["attention"]["epochs"] == attention["epochs"] == pytest.approx(3 * 4 / rows)
     digests = {
         read_json(run_dir / "models" / n / "meta.json")["batch_order_digest"] for n in models
     }
