@@ -263,6 +263,13 @@ def glob_option():
     )
 
 
+def normalize_glob(cfg: Any) -> None:
+    """In a frozen config's `__post_init__`: one pattern given as a string becomes a list of
+    one, so `glob="*.py"` and `--glob '*.py'` make the same config (and the same stage plan)."""
+    if isinstance(cfg.glob, str):
+        object.__setattr__(cfg, "glob", [cfg.glob])
+
+
 READER_FIELDS = ("text_field", "glob", "on_bad_record", "split_fraction", "split_part")
 
 

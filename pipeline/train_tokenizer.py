@@ -20,6 +20,7 @@ from ar_slicing.readers import ReadStats, check_sources, check_split_options
 from pipeline.config import (
     Command,
     glob_option,
+    normalize_glob,
     on_bad_record_option,
     read_documents,
     say,
@@ -53,6 +54,9 @@ class TrainTokenizerConfig:
         default=2, metadata={"help": "merges of pairs seen fewer times are not learned"}
     )
     overwrite: bool = field(default=False, metadata={"help": "replace an existing tokenizer file"})
+
+    def __post_init__(self):
+        normalize_glob(self)
 
 
 def build_bpe_tokenizer():

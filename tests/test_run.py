@@ -322,31 +322,27 @@ def test_every_stage_runs_writes_its_markers_and_reruns_skip(tmp_path, capsys):
 
 def test_models_trained_side_by_side_are_the_ones_trained_in_turn(tmp_path, capsys):
     cfg = tmp_path / "small.toml"
-    cfg.write_text(SMALL.format(root=tmp_path))
+    cfg.write_text(small_pipeline_config(tmp_path))
     run_dir = tmp_path / "run"
-    stages = ["tokenizer", "tokenize", "train"]
-    run_pipeline(RunConfig(config=str(cfg), stage=stages))
+    run_pipeline(RunConfig(config=str(cfg), stage=["tokenizer", "tokenize", "train"]))
     weights = {
         n: (run_dir / "models" / n / "model.safetensors").read_bytes()
         for n in ("attention", "base_conv")
     }
-    cfg.write_text(SMALL.format(root=tmp_path).replace("[train]\n", "[train]\nside_by_side = 2\n"))
+    cfg.write_text(small_pipeline_config(tmp_path, train="side_by_side = 2"))
     run_pipeline(RunConfig(config=str(cfg), stage=["train"], overwrite=True))
     assert "2 models, 2 side by side" in capsys.readouterr().out
     for name, before in weights.items():
         assert (run_dir / "models" / name / "model.safetensors").read_bytes() == before, name
     # a failing model fails the stage
     cfg.write_text(
-        SMALL.format(root=tmp_path)
-        .replace("[train]\n", "[train]\nside_by_side = 2\n")
-        .replace(
-            '[train.models.base_conv]\narch = "base_conv"',
-            '[train.models.base_conv]\narch = "base_conv"\nlr = 1e9',
+        small_pipeline_config(
+            tmp_path, train="side_by_side = 2", **{"train.models.base_conv": "lr = 1e9"}
         )
     )
     with pytest.raises(ArSliceError, match="loss became"):
         run_pipeline(RunConfig(config=str(cfg), stage=["train"], overwrite=True))
-    cfg.write_text(SMALL.format(root=tmp_path).replace("[train]\n", "[train]\nside_by_side = 0\n"))
+    cfg.write_text(small_pipeline_config(tmp_path, train="side_by_side = 0"))
     with pytest.raises(BadInput, match="side_by_side = 0"):
         run_pipeline(RunConfig(config=str(cfg), stage=["train"]))
 

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.config import glob_option, on_bad_record_option, ray_address_option, text_field_option
+from pipeline.config import (
+    glob_option,
+    normalize_glob,
+    on_bad_record_option,
+    ray_address_option,
+    text_field_option,
+)
 
 PARTS_DIR = ".parts"
 PLAN_NAME = "plan.json"
@@ -110,3 +116,6 @@ class TokenizeConfig:
             "for clusters); the same tokens, docs.parquet row groups follow the files"
         },
     )
+
+    def __post_init__(self):
+        normalize_glob(self)

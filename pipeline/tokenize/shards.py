@@ -148,16 +148,18 @@ def done_shard_counts(parts_dir: Path, index: int, itemsize: int) -> dict | None
     }
 
 
-def source_identity(spec: str, glob: str | None = None) -> dict:
+def source_identity(spec: str, glob: str | list[str] | None = None) -> dict:
     """What identifies a source's content in the stage plan: a file's path, size and mtime; a
-    directory's files matching `glob` likewise (so an edited file is a changed input); a hub
-    dataset by its name."""
+    directory's files matching `glob` (one pattern or several) likewise (so an edited file is a
+    changed input); a hub dataset by its name."""
+    from ar_slicing.readers import DirectoryReader
+
     p = Path(spec)
     if p.is_file():
         st = p.stat()
         return {"source": str(p.resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
     if p.is_dir():
-        files = sorted(f for f in p.glob(glob or "**/*") if f.is_file())
+        files = [f for _, f in DirectoryReader(p, glob or "**/*").files()]
         return {
             "source": str(p.resolve()),
             "files": len(files),
