@@ -21,8 +21,10 @@ The sweep: every sequence mixer of `models/` as a two-layer `models.backbone.Lan
 without state mixer (Zoology's Figure 2 models; BaseConv alternates a short and a long
 convolution), for each model dimension and sequence length (Zoology's pairing of length and
 pairs: T / 16 pairs), each at several learning rates, trained with `pipeline.train`'s recipe
-(AdamW with decay on matrices, warmup then cosine, gradient clipping) on a fixed training set
-and scored on held-out sequences; a run stops early when its held-out accuracy reaches
+(AdamW with decay on matrices, warmup then cosine, gradient clipping) on new sequences every
+step (Zoology trains many epochs over 100k sequences; on a CPU budget a small fixed set is
+memorised long before the recall mechanism forms, so the stream never repeats) and scored on
+held-out sequences; a run stops early when its held-out accuracy reaches
 `early_stop`, and the remaining learning rates of a cell are skipped once one has (the best
 accuracy over learning rates is what Figure 2 plots).
 
@@ -65,10 +67,9 @@ IGNORE = -100  # target of every position that is not a query (Zoology's ignore 
 # Settings a cell's result depends on; a finished cell made with other values is not reused.
 CELL_SETTINGS = (
     "vocab_size",
-    "n_train",
     "n_test",
     "steps",
-    "batch_size",
+    "batch_tokens",
     "warmup_steps",
     "power_a",
     "eval_every",
@@ -99,10 +100,12 @@ class MqarConfig:
         default=512,
         metadata={"help": "vocabulary: keys from the lower half, values from the upper half"},
     )
-    n_train: int = field(default=8192, metadata={"help": "training sequences (a fixed set)"})
     n_test: int = field(default=512, metadata={"help": "held-out sequences scored for accuracy"})
     steps: int = field(default=400, metadata={"help": "optimizer steps per training run"})
-    batch_size: int = field(default=64, metadata={"help": "sequences per step"})
+    batch_tokens: int = field(
+        default=16384,
+        metadata={"help": "tokens per step (batch_tokens / T sequences; new ones every step)"},
+    )
     warmup_steps: int = field(default=20, metadata={"help": "linear warmup steps"})
     power_a: float = field(
         default=0.01, metadata={"help": "query gaps ~ g^(a-1) (Zoology's power_a; 1 = uniform)"}
@@ -170,17 +173,20 @@ def mqar_examples(
     return inputs, targets
 
 
-def cell_data(cfg: MqarConfig, seq_len: int) -> dict[str, np.ndarray]:
-    """The training and held-out sequences of one length (the same for every model and rate)."""
-    rng = np.random.default_rng([cfg.seed, seq_len])
+def held_out_sequences(cfg: MqarConfig, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """The held-out sequences of one length (the same for every model and rate)."""
+    rng = np.random.default_rng([cfg.seed, seq_len, 0])
     pairs = num_kv_pairs_for(seq_len)
-    x, y = mqar_examples(cfg.n_train + cfg.n_test, seq_len, cfg.vocab_size, pairs, rng, cfg.power_a)
-    return {
-        "x_train": x[: cfg.n_train],
-        "y_train": y[: cfg.n_train],
-        "x_test": x[cfg.n_train :],
-        "y_test": y[cfg.n_train :],
-    }
+    return mqar_examples(cfg.n_test, seq_len, cfg.vocab_size, pairs, rng, cfg.power_a)
+
+
+def train_batch(cfg: MqarConfig, seq_len: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """Training batch `step`: new sequences every step, from a seed stream apart from the test
+    set's, so a model can only score by recalling from the context, never by memorising."""
+    rng = np.random.default_rng([cfg.seed, seq_len, 1, step])
+    batch = max(1, cfg.batch_tokens // seq_len)
+    pairs = num_kv_pairs_for(seq_len)
+    return mqar_examples(batch, seq_len, cfg.vocab_size, pairs, rng, cfg.power_a)
 
 
 # ---- one training run -----------------------------------------------------------------------------
@@ -225,9 +231,7 @@ def accuracy(model, x, y, batch_size: int) -> float:
     return correct / max(total, 1)
 
 
-def train_cell(
-    cfg: MqarConfig, arch: str, d_model: int, seq_len: int, lr: float, data: dict
-) -> dict:
+def train_cell(cfg: MqarConfig, arch: str, d_model: int, seq_len: int, lr: float) -> dict:
     """Train one model at one learning rate; its held-out accuracy and how it got there."""
     import torch
     import torch.nn.functional as F
@@ -248,24 +252,16 @@ def train_cell(
         lr=lr,
         steps=cfg.steps,
         warmup_steps=cfg.warmup_steps,
-        batch_size=cfg.batch_size,
+        batch_size=max(1, cfg.batch_tokens // seq_len),
     )
     optimizer = make_optimizer(model, recipe)
-    x_train = torch.from_numpy(data["x_train"]).to(device)
-    y_train = torch.from_numpy(data["y_train"]).to(device)
-    x_test = torch.from_numpy(data["x_test"]).to(device)
-    y_test = torch.from_numpy(data["y_test"]).to(device)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    order = torch.randperm(len(x_train), generator=gen)
-    history, best, stopped_at, pos = [], 0.0, None, 0
+    x_test, y_test = (torch.from_numpy(a).to(device) for a in held_out_sequences(cfg, seq_len))
+    history, best, stopped_at = [], 0.0, None
     for step in range(cfg.steps):
-        if pos + cfg.batch_size > len(order):  # next epoch: a new order of the same set
-            order, pos = torch.randperm(len(x_train), generator=gen), 0
-        idx = order[pos : pos + cfg.batch_size].to(device)
-        pos += cfg.batch_size
+        x, y = (torch.from_numpy(a).to(device) for a in train_batch(cfg, seq_len, step))
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, recipe)
-        logits, t = query_logits(model, x_train[idx], y_train[idx])
+        logits, t = query_logits(model, x, y)
         loss = F.cross_entropy(logits.float(), t)
         if not torch.isfinite(loss):
             history.append({"step": step + 1, "loss": float("nan"), "accuracy": best})
@@ -276,7 +272,7 @@ def train_cell(
         optimizer.step()
         done = step + 1
         if done % cfg.eval_every == 0 or done == cfg.steps:
-            acc = accuracy(model, x_test, y_test, 4 * cfg.batch_size)
+            acc = accuracy(model, x_test, y_test, max(1, cfg.batch_tokens // seq_len))
             best = max(best, acc)
             history.append({"step": done, "loss": round(loss.item(), 4), "accuracy": acc})
             if acc >= cfg.early_stop:
@@ -333,7 +329,6 @@ def run_group(cfg: MqarConfig, cells_dir: str, arch: str, d_model: int, seq_len:
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     settings = cell_settings(cfg)
-    data = None
     out = []
     for lr in cfg.lrs:
         path = Path(cells_dir) / cell_name(arch, d_model, seq_len, lr)
@@ -341,8 +336,7 @@ def run_group(cfg: MqarConfig, cells_dir: str, arch: str, d_model: int, seq_len:
         if cell is None:
             if out and max(c["accuracy"] for c in out) >= cfg.early_stop:
                 break  # an earlier rate already solved the cell
-            data = data if data is not None else cell_data(cfg, seq_len)
-            cell = {**train_cell(cfg, arch, d_model, seq_len, lr, data), "settings": settings}
+            cell = {**train_cell(cfg, arch, d_model, seq_len, lr), "settings": settings}
             write_json_atomic(path, cell)
         out.append(cell)
         if cell["accuracy"] >= cfg.early_stop:

@@ -13,11 +13,12 @@ from ar_slicing.errors import ArSliceError
 from pipeline.mqar import (
     IGNORE,
     MqarConfig,
-    cell_data,
     mqar_examples,
     mqar_results,
     num_kv_pairs_for,
     run_mqar,
+    held_out_sequences,
+    train_batch,
     train_cell,
 )
 
@@ -90,13 +91,21 @@ def test_generator_is_seeded_and_refuses_impossible_shapes():
         mqar_examples(1, 10, 512, 4, np.random.default_rng(0))  # no room for the queries
 
 
-def test_train_and_test_sequences_are_held_out():
-    cfg = MqarConfig(out="unused", n_train=300, n_test=100)
-    data = cell_data(cfg, 64)
-    train = {r.tobytes() for r in data["x_train"]}
-    assert not any(r.tobytes() in train for r in data["x_test"])
-    again = cell_data(cfg, 64)
-    assert np.array_equal(again["x_test"], data["x_test"])  # the same for every model and rate
+def test_every_step_trains_on_new_sequences_none_of_them_held_out():
+    cfg = MqarConfig(out="unused", n_test=200, batch_tokens=64 * 50)
+    x_test, _ = held_out_sequences(cfg, 64)
+    held_out = {r.tobytes() for r in x_test}
+    seen = set()
+    for step in range(40):
+        x, y = train_batch(cfg, 64, step)
+        assert x.shape == (50, 64)
+        check_definition(x, y, cfg.vocab_size, 4)
+        rows = {r.tobytes() for r in x}
+        assert not rows & held_out and not rows & seen  # never a test sequence, never a repeat
+        seen |= rows
+    # the same for every model and learning rate
+    assert np.array_equal(train_batch(cfg, 64, 7)[0], train_batch(cfg, 64, 7)[0])
+    assert np.array_equal(held_out_sequences(cfg, 64)[0], x_test)
 
 
 TINY = dict(
@@ -105,10 +114,9 @@ TINY = dict(
     seq_lens=[16],
     lrs=[3e-3, 1e-3],
     vocab_size=24,
-    n_train=64,
     n_test=32,
     steps=6,
-    batch_size=8,
+    batch_tokens=128,
     warmup_steps=2,
     eval_every=3,
     workers=1,
@@ -180,9 +188,8 @@ def test_a_solved_cell_skips_the_remaining_learning_rates(tmp_path):
 
 def test_every_family_builds_and_trains_a_step():
     cfg = MqarConfig(out="unused", **{**TINY, "steps": 1, "eval_every": 1})
-    data = cell_data(cfg, 16)
     for arch in ("attention", "base_conv", "hyena", "rwkv"):
-        cell = train_cell(cfg, arch, 16, 16, 1e-3, data)
+        cell = train_cell(cfg, arch, 16, 16, 1e-3)
         assert cell["steps_run"] == 1 and 0.0 <= cell["accuracy"] <= 1.0, arch
 
 
@@ -191,8 +198,8 @@ def test_cli_runs_a_sweep_and_refuses_unknown_families(tmp_path, capsys):
 
     out = tmp_path / "m"
     argv = ["mqar", "--out", str(out), "--archs", "hyena", "--d-models", "16", "--seq-lens", "16"]
-    argv += ["--lrs", "1e-3", "--vocab-size", "24", "--n-train", "32", "--n-test", "16"]
-    argv += ["--steps", "2", "--batch-size", "8", "--workers", "1", "--no-progress"]
+    argv += ["--lrs", "1e-3", "--vocab-size", "24", "--n-test", "16"]
+    argv += ["--steps", "2", "--batch-tokens", "128", "--workers", "1", "--no-progress"]
     assert main(argv) == 0
     assert "| 16 (1) | hyena |" in capsys.readouterr().out
     assert (out / "meta.json").is_file() and (out / "mqar.csv").is_file()
@@ -205,5 +212,5 @@ def test_cli_runs_a_sweep_and_refuses_unknown_families(tmp_path, capsys):
 def test_two_layer_attention_solves_mqar_at_d64_length_64():
     """The task is solvable by the project's own attention and trainer (Zoology Figure 2)."""
     cfg = MqarConfig(out="unused")
-    cell = train_cell(cfg, "attention", 64, 64, cfg.lrs[0], cell_data(cfg, 64))
+    cell = train_cell(cfg, "attention", 64, 64, cfg.lrs[0])
     assert cell["accuracy"] >= 0.90, cell["history"]
