@@ -76,15 +76,28 @@ class _Stdout(logging.Handler):
 def printing_summaries():
     """Inside, `say` prints to stdout: what `arslice` runs every command in."""
     logger = logging.getLogger(SUMMARY_LOGGER)
-    handler, saved = _Stdout(), (logger.level, logger.propagate)
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False  # (not again through the root logger's timestamped format)
+    saved = (logger.level, logger.propagate)
+    handler = print_summaries()
     try:
         yield
     finally:
         logger.removeHandler(handler)
         logger.level, logger.propagate = saved
+
+
+def print_summaries() -> logging.Handler:
+    """From now on `say` prints to stdout (a worker process of a command that prints them)."""
+    logger = logging.getLogger(SUMMARY_LOGGER)
+    handler = _Stdout()
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # (not again through the root logger's timestamped format)
+    return handler
+
+
+def summaries_printed() -> bool:
+    """Whether `say` prints here (inside `printing_summaries`)."""
+    return any(isinstance(h, _Stdout) for h in logging.getLogger(SUMMARY_LOGGER).handlers)
 
 
 def _field_type(cls: type, f: dataclasses.Field) -> Any:

@@ -57,7 +57,7 @@ from ar_slicing.io import (
     write_json_atomic,
     write_meta,
 )
-from pipeline.config import Command, config_to_dict
+from pipeline.config import Command, config_to_dict, say
 
 log = logging.getLogger(__name__)
 
@@ -471,7 +471,7 @@ def run_mqar(cfg: MqarConfig) -> dict:
     if is_complete(out) and not cfg.overwrite:
         meta = read_json(out / "meta.json")
         if _same_sweep(meta.get("config", {}), cfg):
-            print(f"mqar: {out} is complete, skipped (use --overwrite to redo)")
+            say(f"mqar: {out} is complete, skipped (use --overwrite to redo)")
             return meta
     (out / "meta.json").unlink(missing_ok=True)
     cells_dir = out / CELLS_DIR
@@ -518,8 +518,8 @@ def run_mqar(cfg: MqarConfig) -> dict:
         rows=rows,
     )
     write_meta(out, meta)
-    print(rows_markdown(rows), end="")
-    print(f"mqar: {len(rows)} cells, {len(cells)} training runs, {wall:.0f} s -> {out}")
+    say(rows_markdown(rows).rstrip("\n"))
+    say(f"mqar: {len(rows)} cells, {len(cells)} training runs, {wall:.0f} s -> {out}")
     return meta
 
 

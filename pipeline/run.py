@@ -67,7 +67,9 @@ from pipeline.config import (
     config_from_mapping,
     config_to_dict,
     print_config,
+    print_summaries,
     say,
+    summaries_printed,
 )
 from pipeline.pipeline_file import (  # noqa: F401  (re-exported: the config-file helpers)
     dumps_toml,
@@ -575,10 +577,13 @@ def _check_external_spec(spec: str, trained: set[str], context: str) -> None:
         raise BadInput(f"{context}: {spec}: {path} does not exist")
 
 
-def _bar_slot(counter) -> None:
-    """Worker initializer: give this process's progress bars their own terminal line."""
+def _train_worker(counter, speak: bool) -> None:
+    """Worker initializer: give this process's progress bars their own terminal line, and
+    print its summaries when the command that started it prints its own."""
     import os
 
+    if speak:
+        print_summaries()
     with counter.get_lock():
         os.environ["TQDM_POSITION"] = str(counter.value)  # read by tqdm >= 4.66 as a default
         counter.value += 1
@@ -595,9 +600,9 @@ def train_side_by_side(command: Command, configs: Mapping[str, Any], workers: in
 
     ctx = get_context("spawn")  # a fresh interpreter: no torch thread pool inherited via fork
     counter = ctx.Value("i", 0)
-    print(f"train: {len(configs)} models, {workers} side by side")
+    say(f"train: {len(configs)} models, {workers} side by side")
     with ProcessPoolExecutor(
-        workers, mp_context=ctx, initializer=_bar_slot, initargs=(counter,)
+        workers, mp_context=ctx, initializer=_train_worker, initargs=(counter, summaries_printed())
     ) as pool:
         futures = [pool.submit(command.run, cfg) for cfg in configs.values()]
         errors = [f.exception() for f in futures]

@@ -10,14 +10,15 @@ import numpy as np
 import pytest
 
 from ar_slicing.errors import ArSliceError
+from pipeline.config import printing_summaries
 from pipeline.mqar import (
     IGNORE,
     MqarConfig,
+    held_out_sequences,
     mqar_examples,
     mqar_results,
     num_kv_pairs_for,
     run_mqar,
-    held_out_sequences,
     train_batch,
     train_cell,
 )
@@ -155,6 +156,9 @@ def test_sweep_writes_table_figure_and_resumes(tmp_path, capsys):
 
     # complete: skipped; a lost cell: only it is retrained, the others are read back
     run_mqar(MqarConfig(out=str(out), **TINY))
+    assert capsys.readouterr().out == ""  # from Python: nothing printed
+    with printing_summaries():
+        run_mqar(MqarConfig(out=str(out), **TINY))
     assert "is complete, skipped" in capsys.readouterr().out
     kept = (out / "cells" / "attention-d16-T16-lr0.003.json").read_text()
     (out / "cells" / "base_conv-d16-T16-lr0.001.json").unlink()

@@ -330,8 +330,10 @@ def test_models_trained_side_by_side_are_the_ones_trained_in_turn(tmp_path, caps
         for n in ("attention", "base_conv")
     }
     cfg.write_text(small_pipeline_config(tmp_path, train="side_by_side = 2"))
-    run_pipeline(RunConfig(config=str(cfg), stage=["train"], overwrite=True))
-    assert "2 models, 2 side by side" in capsys.readouterr().out
+    with printing_summaries():  # (what arslice wraps a command in; the workers print too)
+        run_pipeline(RunConfig(config=str(cfg), stage=["train"], overwrite=True))
+    out = capsys.readouterr().out
+    assert "2 models, 2 side by side" in out
     for name, before in weights.items():
         assert (run_dir / "models" / name / "model.safetensors").read_bytes() == before, name
     # a failing model fails the stage
