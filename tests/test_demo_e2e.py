@@ -8,7 +8,6 @@ follows the shipped demo as it changes. Run by `make test-demo` and `make test-s
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
@@ -47,12 +46,10 @@ def reduced_demo_config(root: Path) -> Path:
 def test_make_all_runs_the_whole_analysis(tmp_path):
     config = reduced_demo_config(tmp_path)
     run = tmp_path / "demo"
-    t0 = time.time()
     proc = subprocess.run(
         ["make", "all", f"CONFIG={config}"], cwd=REPO, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    first_wall = time.time() - t0
 
     # every stage ran, in order, through the Makefile's targets
     for stage in ["tokenizer", "tokenize", "count", "tag", "train", "eval", "report"]:
@@ -116,10 +113,8 @@ def test_make_all_runs_the_whole_analysis(tmp_path):
     assert (run / "report/frequency_curve.png").stat().st_size > 0
     assert (run / "results.duckdb").is_file()
 
-    # a second `make all` has nothing to redo
-    t1 = time.time()
+    # a second `make all` has nothing to redo: make runs no stage at all
     again = subprocess.run(
         ["make", "all", f"CONFIG={config}"], cwd=REPO, capture_output=True, text=True
     )
     assert again.returncode == 0 and "--stage" not in again.stdout, again.stdout
-    assert time.time() - t1 < min(30.0, first_wall)
