@@ -1,0 +1,86 @@
+"""`arslice train`'s settings (`TrainConfig`) and what may change between a run and its resume."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+
+ARCHITECTURES = ["attention", "base_conv", "hyena", "rwkv"]
+STATE_DIR = ".train-state"
+# Fields that change how a run is executed or reported but not what it computes, so a run may
+# be resumed after changing them.
+_RESUMABLE_CHANGES = {
+    "overwrite",
+    "device",
+    "threads",
+    "checkpoint_every",
+    "eval_every",
+    "progress",
+}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    arch: str = field(metadata={"help": "sequence mixer of the model", "choices": ARCHITECTURES})
+    tokens: str = field(metadata={"help": "training token store directory"})
+    out: str = field(metadata={"help": "output directory (native checkpoint + meta.json)"})
+    val_tokens: str | None = field(
+        default=None, metadata={"help": "held-out token store for the periodic validation loss"}
+    )
+    d_model: int = field(default=128, metadata={"help": "model width"})
+    n_layers: int = field(default=4, metadata={"help": "number of blocks"})
+    model_options: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "further ModelConfig fields as KEY=VALUE (VALUE parsed as JSON), "
+            'e.g. state_mixer_kwargs={"hidden_mult": 2}'
+        },
+    )
+    mixer_options: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "sequence-mixer options as KEY=VALUE, e.g. num_heads=4 (attention) or "
+            "kernel_size=3 (base_conv); an option the mixer does not have is refused"
+        },
+    )
+    seq_len: int = field(
+        default=256, metadata={"help": "training sequence length (tokens per row)"}
+    )
+    batch_size: int = field(default=16, metadata={"help": "rows per optimizer step"})
+    steps: int = field(default=1000, metadata={"help": "optimizer steps"})
+    lr: float = field(default=3e-3, metadata={"help": "peak learning rate"})
+    min_lr_ratio: float = field(
+        default=0.1,
+        metadata={"help": "final learning rate as a fraction of the peak (cosine floor)"},
+    )
+    warmup_steps: int = field(default=50, metadata={"help": "linear warmup steps"})
+    weight_decay: float = field(
+        default=0.1, metadata={"help": "AdamW weight decay (matrices only)"}
+    )
+    beta2: float = field(default=0.95, metadata={"help": "AdamW beta2 (beta1 is 0.9)"})
+    grad_clip: float = field(default=1.0, metadata={"help": "gradient-norm clip (0 disables)"})
+    seed: int = field(
+        default=0, metadata={"help": "seed of the initialisation and the batch order"}
+    )
+    eval_every: int = field(
+        default=200, metadata={"help": "validation loss every N steps (0: only at the end)"}
+    )
+    eval_batches: int = field(default=8, metadata={"help": "batches in each validation estimate"})
+    checkpoint_every: int = field(
+        default=200, metadata={"help": "save a resumable checkpoint every N steps (0: never)"}
+    )
+    device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N or auto"})
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "autocast dtype of the forward and backward passes; auto = bf16 on CUDA GPUs "
+            "that have it, else fp32 (also on every CPU, so weights do not depend on the CPU)",
+            "choices": ["auto", "bf16", "fp32"],
+        },
+    )
+    threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
+    progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+    overwrite: bool = field(default=False, metadata={"help": "retrain even if OUT is complete"})

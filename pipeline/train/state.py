@@ -1,0 +1,87 @@
+"""What a training run is (its plan settings, checked before it starts), the model it builds and
+the periodic checkpoint under `OUT/.train-state/` that a killed run resumes from."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from ar_slicing.errors import ArSliceError
+from ar_slicing.io import (
+    atomic_dir,
+    read_json,
+    write_json_atomic,
+)
+from pipeline.config import config_to_dict
+from pipeline.train.config import _RESUMABLE_CHANGES, TrainConfig
+from pipeline.train.model import (
+    model_config_for,
+)
+
+log = logging.getLogger(__name__)
+
+
+def train_settings(cfg: TrainConfig, dtype: str | None = None) -> dict:
+    """What decides the trained weights besides the token stores (the settings of the plan; a
+    saved state is only resumed under the same plan). `dtype` is the resolved one."""
+    from models.precision import resolve_device, resolve_dtype
+
+    settings = {
+        k: v
+        for k, v in config_to_dict(cfg).items()
+        if k not in _RESUMABLE_CHANGES and k not in ("tokens", "val_tokens", "out")
+    }
+    if dtype is None:
+        dtype = resolve_dtype(cfg.dtype, resolve_device(cfg.device), training=True)
+    return {**settings, "dtype": dtype}
+
+
+def validate_train(cfg: TrainConfig) -> None:
+    if cfg.steps <= 0 or cfg.batch_size <= 0 or cfg.seq_len <= 0:
+        raise ArSliceError("--steps, --batch-size and --seq-len must be positive")
+    if cfg.lr <= 0 or cfg.warmup_steps < 0 or cfg.eval_batches < 1:
+        raise ArSliceError("--lr must be positive, --warmup-steps >= 0 and --eval-batches >= 1")
+    build_model(model_config_for(cfg, vocab_size=256), device="meta")  # options, shapes: no memory
+
+
+def build_model(model_cfg, device: str):
+    """The LanguageModel of `model_cfg` on `device` ("meta": shapes only, for validation)."""
+    import torch
+
+    from models.backbone import LanguageModel
+
+    try:
+        with torch.device(device):
+            return LanguageModel(model_cfg)
+    except (TypeError, ValueError) as e:
+        raise ArSliceError(
+            f"cannot build the model for --arch {model_cfg.sequence_mixer}: {e}"
+        ) from None
+
+
+def save_state(state_dir: Path, model, optimizer, step: int, extra: dict) -> None:
+    """Atomically replace the resumable checkpoint (model, optimizer, step) in `state_dir`."""
+    import torch
+    from safetensors.torch import save_model
+
+    with atomic_dir(state_dir) as tmp:
+        # save_model (not save_file) handles the tied embedding / output head
+        save_model(model, str(tmp / "model.safetensors"))
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        write_json_atomic(tmp / "state.json", {"step": step, **extra})
+
+
+def load_state(state_dir: Path, model, optimizer, device: str) -> dict | None:
+    """Restore a saved state into `model` and `optimizer`; None when there is none to resume.
+    (A state is only there under the same stage plan: another plan is refused or cleared first.)"""
+    import torch
+    from safetensors.torch import load_model
+
+    if not (state_dir / "state.json").is_file():
+        return None
+    state = read_json(state_dir / "state.json")
+    load_model(model, str(state_dir / "model.safetensors"), device=device)
+    optimizer.load_state_dict(
+        torch.load(state_dir / "optimizer.pt", map_location=device, weights_only=True)
+    )
+    return state
