@@ -9,7 +9,9 @@ with Browser() as page:                       # Debian's `chromium`, a fresh pro
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -50,6 +52,7 @@ class Browser:
             [chromium_path(), *FLAGS, f"--user-data-dir={self._profile.name}", "about:blank"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            start_new_session=True,  # its helper processes share one group, stopped together
         )
         try:
             port = self._wait_for_port()
@@ -75,13 +78,27 @@ class Browser:
         ws = getattr(self, "_ws", None)
         if ws is not None:
             ws.close()
-        self._proc.terminate()
+        self._signal_group(signal.SIGTERM)
         try:
             self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            self._proc.kill()
+            self._signal_group(signal.SIGKILL)
             self._proc.wait()
-        self._profile.cleanup()
+        # helpers that outlive the browser by a moment may still write to the profile
+        self._signal_group(signal.SIGKILL)
+        for _ in range(50):
+            try:
+                self._profile.cleanup()
+                return
+            except OSError:
+                time.sleep(0.1)
+        shutil.rmtree(self._profile.name, ignore_errors=True)
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self._proc.pid, sig)
+        except ProcessLookupError:
+            pass
 
     def _wait_for_port(self) -> int:
         marker = Path(self._profile.name) / "DevToolsActivePort"
