@@ -13,6 +13,7 @@
       losses/<model>/            losses-*.parquet, meta.json (one folder per evaluated model)
       results.duckdb             views over all of the above
       report/                    report.md, report.html, *.png, *.csv, meta.json
+      mqar/                      `arslice mqar`'s probe (optional): cells/, mqar.md, mqar.png
       .settings/                 each stage's resolved settings, rewritten only when they change
 
 A stage's output directory is complete exactly when its `meta.json` exists (written last); while
@@ -48,6 +49,7 @@ LOSS_PART_GLOB = "losses-*.parquet"
 CONFIG_NAME = "config.toml"
 RESULTS_NAME = "results.duckdb"
 REPORT_DIR = "report"
+MQAR_DIR = "mqar"
 SETTINGS_DIR = ".settings"
 MAKE_RULES_NAME = "stages.mk"
 
@@ -107,6 +109,11 @@ class RunLayout:
     @property
     def report(self) -> Path:
         return self.run_dir / REPORT_DIR
+
+    @property
+    def mqar(self) -> Path:
+        """`make mqar`'s output; the report shows it when it is complete."""
+        return self.run_dir / MQAR_DIR
 
     @property
     def settings_dir(self) -> Path:

@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+from test_queries import tiny_run  # noqa: F401  (a fixture)
 
 from ar_slicing.errors import ArSliceError
 from pipeline.config import printing_summaries
@@ -213,8 +214,27 @@ def test_cli_runs_a_sweep_and_refuses_unknown_families(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_two_layer_attention_solves_mqar_at_d64_length_64():
-    """The task is solvable by the project's own attention and trainer (Zoology Figure 2)."""
+def test_two_layer_attention_solves_mqar_at_d64_length_64(one_torch_thread):
+    """The task is solvable by the project's own attention and trainer (Zoology Figure 2), with
+    the sweep's defaults: one thread, as each sweep worker runs (~3-5 min; it stops at 99%)."""
     cfg = MqarConfig(out="unused")
     cell = train_cell(cfg, "attention", 64, 64, cfg.lrs[0])
     assert cell["accuracy"] >= 0.90, cell["history"]
+
+
+def test_the_report_shows_a_finished_probe_and_follows_it(tiny_run):  # noqa: F811
+    from pipeline.report import ReportConfig, run_report
+
+    report = tiny_run / "report"
+    run_report(ReportConfig(run=str(tiny_run), bootstrap=0))
+    assert "MQAR" not in (report / "report.md").read_text()
+    assert not (report / "mqar.png").exists()
+
+    run_mqar(MqarConfig(out=str(tiny_run / "mqar"), **TINY))
+    # no --overwrite: a finished probe is a new input, so the report is rebuilt with it
+    run_report(ReportConfig(run=str(tiny_run), bootstrap=0))
+    md = (report / "report.md").read_text()
+    assert "## MQAR" in md and "| 16 (1) | attention |" in md and "![MQAR](mqar.png)" in md
+    assert (report / "mqar.png").read_bytes() == (tiny_run / "mqar" / "mqar.png").read_bytes()
+    page = (report / "report.html").read_text()
+    assert '<table class="mqar">' in page and "<td>16 (1)</td><td>attention</td>" in page

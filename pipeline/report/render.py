@@ -80,6 +80,13 @@ QUERY_TITLES = {
     "frequency_curve": "Frequency curve",
     "examples": "Windows where models lose most on AR hits",
 }
+MQAR_FIGURE = "mqar.png"
+MQAR_TITLE = "MQAR: multi-query associative recall (Zoology Figure 2)"
+MQAR_TEXT = (
+    "Accuracy (%) on held-out sequences of two-layer models trained on the synthetic task "
+    "(`arslice mqar`, best over its learning rates): which mixers can recall a value paired "
+    "with a key earlier in the context, by model dimension and sequence length."
+)
 FIGURE_TITLES = {
     "frequency_curve.png": "frequency curve",
     "slice_bars.png": "slice bars",
@@ -102,6 +109,15 @@ def render_markdown(context: dict, t1: Table1Text, tables: dict) -> str:
         cols, rows = tables[name]
         table = markdown_table(cols, query_rows_as_text(cols, rows))
         parts += [f"## {title} (`queries/{name}.sql`)", "", table, ""]
+    if context.get("mqar"):
+        parts += [
+            f"## {MQAR_TITLE}",
+            "",
+            MQAR_TEXT,
+            "",
+            context["mqar"].markdown,
+            f"![MQAR]({MQAR_FIGURE})\n",
+        ]
     parts.append(
         "Every table is also in this directory as CSV; `arslice query NAME --run RUN` reruns any query."
     )
@@ -122,6 +138,12 @@ def render_html(context, t1, tables, figures, passages, order, vmax) -> str:
         cols, rows = tables[name]
         body += [f"<h2>{html.escape(title)} <small>(queries/{name}.sql)</small></h2>"]
         body += [_scroll(html_table(cols, query_rows_as_text(cols, rows), name))]
+    if context.get("mqar"):
+        from pipeline.mqar import accuracy_table
+
+        header, rows = accuracy_table(context["mqar"].rows)
+        body += [f"<h2>{html.escape(MQAR_TITLE)}</h2>", f"<p>{inline_html(MQAR_TEXT)}</p>"]
+        body += [_scroll(html_table(header, rows, "mqar")), _img(figures[MQAR_FIGURE], "MQAR")]
     body += [
         "<h2>Passages</h2>",
         f"<p>Validation windows token by token. <b style='border-bottom:3px solid #1f4fd8'>Underlined</b>: "

@@ -9,10 +9,11 @@ import time
 from ar_slicing.errors import ArSliceError
 from ar_slicing.io import build_meta, write_bytes_atomic
 from pipeline.config import Command, config_to_dict, say
+from pipeline.mqar import mqar_results
 from pipeline.report.config import QUERY_TABLES, ReportConfig
 from pipeline.report.figures import frequency_curve_png, recall_gain_png, slice_bars_png
 from pipeline.report.passages import choose_windows, load_passages
-from pipeline.report.render import render_html, render_markdown
+from pipeline.report.render import MQAR_FIGURE, render_html, render_markdown
 from pipeline.report.tables import table1_text, write_csv
 
 log = logging.getLogger(__name__)
@@ -54,15 +55,15 @@ def run_report(cfg: ReportConfig) -> dict:
         info = run_info(con)
         models_meta = models_table(con)
         reference = resolve_reference(con, cfg.reference, list(models_meta), str(layout.run_dir))
-        plan = StagePlan(
-            "report",
-            settings=report_settings(cfg, reference),
-            inputs={
-                "tags": identity(layout.tags_dir),
-                "losses": {name: identity(d) for name, d in layout.models.items()},
-                "scored_windows": layout.scored_windows,
-            },
-        )
+        inputs = {
+            "tags": identity(layout.tags_dir),
+            "losses": {name: identity(d) for name, d in layout.models.items()},
+            "scored_windows": layout.scored_windows,
+        }
+        mqar = mqar_results(layout.layout.mqar)
+        if mqar is not None:  # (a run without the probe keeps the plan it had)
+            inputs["mqar"] = identity(layout.layout.mqar)
+        plan = StagePlan("report", settings=report_settings(cfg, reference), inputs=inputs)
         # a report keeps no work of its own: new or redone inputs rebuild it
         stage = open_stage(out, plan, overwrite=cfg.overwrite, follow_inputs=True)
         if stage.complete:
@@ -70,12 +71,12 @@ def run_report(cfg: ReportConfig) -> dict:
             say(str(out / "report.html"))
             return stage.skip()
         with stage.running():
-            return _write_report(stage, cfg, con, layout, info, reference, t0)
+            return _write_report(stage, cfg, con, layout, info, reference, t0, mqar)
     finally:
         con.close()
 
 
-def _write_report(stage, cfg, con, layout, info, reference, t0) -> dict:
+def _write_report(stage, cfg, con, layout, info, reference, t0, mqar=None) -> dict:
     from ar_slicing.sql import load_query, run_named_query
     from ar_slicing.table1 import compute_table1
 
@@ -100,6 +101,9 @@ def _write_report(stage, cfg, con, layout, info, reference, t0) -> dict:
     }
     for name, png in figures.items():
         write_bytes_atomic(out / name, png)
+    if mqar is not None:  # the probe's table and figure, as `arslice mqar` wrote them
+        figures[MQAR_FIGURE] = mqar.figure.read_bytes()
+        write_bytes_atomic(out / MQAR_FIGURE, figures[MQAR_FIGURE])
 
     passages = load_passages(con, layout, choose_windows(con, reference, cfg.passages), t1.order)
 
@@ -116,6 +120,7 @@ def _write_report(stage, cfg, con, layout, info, reference, t0) -> dict:
         "seed": cfg.seed,
         "info": info,
         "coverage": coverage_notes(layout),
+        "mqar": mqar,
     }
     write_bytes_atomic(out / "report.md", render_markdown(context, text, tables).encode())
     page = render_html(context, text, tables, figures, passages, t1.order, vmax)
