@@ -19,7 +19,8 @@ vocabulary) is the value.
 
 The sweep: every sequence mixer of `models/` as a two-layer `models.backbone.LanguageModel`
 without state mixer (Zoology's Figure 2 models; BaseConv alternates a short and a long
-convolution), for each model dimension and sequence length (Zoology's pairing of length and
+convolution; Based is its short gated convolution, then Taylor linear attention with 16-dim
+feature maps; Mamba is not a mixer of the backbone and is not in it), for each model dimension and sequence length (Zoology's pairing of length and
 pairs: T / 16 pairs), each at several learning rates, trained with `pipeline.train`'s recipe
 (AdamW with decay on matrices, warmup then cosine, gradient clipping; beta2 0.999 as Zoology's
 `torch.optim.AdamW` defaults, which its recall circuit needs here) on new sequences every
@@ -35,7 +36,7 @@ accuracy sits at ~25% (loss ~ln 4: one of the context's four values, at random) 
 circuit forms abruptly, reaching 92.5% at step 3200 and 99.6% at 5600 (160 s). With the language-
 model trainer's beta2 0.95 it stays at 25-27% through 8000 steps (learned or rotary positions);
 at lr 1e-2, a vocabulary of 64, or 2048 tokens a step it stays below 45% after 5000 steps. So the
-defaults give each run 6000 steps: the full sweep (36 cells, up to two rates each) is hours on two
+defaults give each run 6000 steps: the full sweep (45 cells, up to two rates each) is hours on two
 CPU cores and minutes on a GPU (`--device cuda`); `--archs`, `--d-models` and `--seq-lens` run a
 part of it, and finished cells are kept, so it can be grown a part at a time.
 
@@ -72,7 +73,7 @@ from pipeline.config import Command, config_to_dict, say
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = ["attention", "base_conv", "hyena", "rwkv"]
+ARCHITECTURES = ["attention", "base_conv", "hyena", "rwkv", "based"]
 CELLS_DIR = "cells"
 IGNORE = -100  # target of every position that is not a query (Zoology's ignore index)
 # Settings a cell's result depends on; a finished cell made with other values is not reused.
@@ -213,15 +214,21 @@ def build_model(arch: str, d_model: int, seq_len: int, vocab_size: int):
     from models.backbone import LanguageModel, ModelConfig
 
     mixer_kwargs = {"attention": {"num_heads": 1}, "base_conv": {"kernel_size": [3, -1]}}
+    mixer, layer_mixers = arch, []
+    if arch == "based":  # Based's pair: a short gated convolution, then Taylor linear attention
+        mixer = "based_conv"
+        taylor = {"feature_dim": 16, "num_heads": max(1, d_model // 32)}
+        layer_mixers = [{"layers": [1], "name": "linear_attention", "kwargs": taylor}]
     return LanguageModel(
         ModelConfig(
             vocab_size=vocab_size,
             d_model=d_model,
             n_layers=2,
-            sequence_mixer=arch,
+            sequence_mixer=mixer,
             sequence_mixer_kwargs=mixer_kwargs.get(arch, {}),
             state_mixer="identity",
             l_max=seq_len,
+            layer_mixers=layer_mixers,
         )
     )
 

@@ -15,6 +15,7 @@ from pipeline.config import printing_summaries
 from pipeline.mqar import (
     IGNORE,
     MqarConfig,
+    build_model,
     held_out_sequences,
     mqar_examples,
     mqar_results,
@@ -238,3 +239,15 @@ def test_the_report_shows_a_finished_probe_and_follows_it(tiny_run):  # noqa: F8
     assert (report / "mqar.png").read_bytes() == (tiny_run / "mqar" / "mqar.png").read_bytes()
     page = (report / "report.html").read_text()
     assert '<table class="mqar">' in page and "<td>16 (1)</td><td>attention</td>" in page
+
+
+def test_based_is_a_family_of_the_probe():
+    """Based's pair of mixers (short gated convolution, then Taylor linear attention) trains."""
+    cfg = MqarConfig(out="unused", **TINY)
+    model = build_model("based", 16, 16, cfg.vocab_size)
+    mixers = [type(block.sequence_mixer).__name__ for block in model.backbone.layers]
+    assert mixers == ["GatedConv", "LinearAttention"]
+    cell = train_cell(cfg, "based", 16, 16, 3e-3)
+    assert (
+        cell["steps_run"] == cfg.steps and np.isfinite([h["loss"] for h in cell["history"]]).all()
+    )
