@@ -69,11 +69,14 @@ from pipeline.pipeline_file import (  # noqa: F401  (re-exported: the config-fil
 from pipeline.run_stages import (  # noqa: F401  (re-exported: what tests and scripts build on)
     SIDE_BY_SIDE_KEY,
     Pipeline,
-    PretrainedTokenizer,
     build_config,
     load_command,
 )
-from pipeline.run_steps import copy_pretrained_tokenizer, train_side_by_side  # noqa: F401
+from pipeline.run_steps import (  # noqa: F401
+    PretrainedTokenizer,
+    copy_pretrained_tokenizer,
+    train_side_by_side,
+)
 from pipeline.stages import PIPELINE_STAGES
 
 log = logging.getLogger(__name__)

@@ -25,27 +25,14 @@ from pipeline.config import (
     config_from_mapping,
     config_to_dict,
 )
-from pipeline.pipeline_file import (  # noqa: F401  (re-exported: the config-file helpers)
-    dumps_toml,
-    load_pipeline_config,
-    resolve_placeholders,
-    stdlib_dir,
-)
-from pipeline.run_steps import copy_pretrained_tokenizer, train_side_by_side
+from pipeline.pipeline_file import dumps_toml
+from pipeline.run_steps import PretrainedTokenizer, copy_pretrained_tokenizer, train_side_by_side
 from pipeline.stages import PIPELINE, PIPELINE_STAGES
 
 log = logging.getLogger(__name__)
 
 # `[train] side_by_side = N`: a key of the pipeline, not of the train stage (see run_train).
 SIDE_BY_SIDE_KEY = "side_by_side"
-
-
-@dataclass(frozen=True)
-class PretrainedTokenizer:
-    """The `[tokenizer] pretrained = NAME` table: copy an existing tokenizer to `out`."""
-
-    pretrained: str
-    out: str
 
 
 # ---- building each stage's config -------------------------------------------------------------

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ar_slicing.io import atomic_path, build_meta
 from pipeline.config import (
@@ -15,17 +16,16 @@ from pipeline.config import (
     say,
     summaries_printed,
 )
-from pipeline.pipeline_file import (  # noqa: F401  (re-exported: the config-file helpers)
-    dumps_toml,
-    load_pipeline_config,
-    resolve_placeholders,
-    stdlib_dir,
-)
-
-if TYPE_CHECKING:
-    from pipeline.run_stages import PretrainedTokenizer
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PretrainedTokenizer:
+    """The `[tokenizer] pretrained = NAME` table: copy an existing tokenizer to `out`."""
+
+    pretrained: str
+    out: str
 
 
 def _train_worker(counter, speak: bool) -> None:
