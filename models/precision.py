@@ -125,3 +125,20 @@ def resolve_on_cluster(executor, dtype: str, device: str) -> str:
 
 def _resolve_auto_on_gpu(device: str) -> str:
     return resolve_dtype("auto", device)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Inside, `n` torch intra-op threads (0: as they are); the caller's count comes back after,
+    so a stage run from Python (or a test) leaves the process as it found it."""
+    import torch
+
+    if n <= 0:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

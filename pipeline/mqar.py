@@ -348,10 +348,13 @@ def read_cell(path: Path, settings: dict) -> dict | None:
 def run_group(cfg: MqarConfig, cells_dir: str, arch: str, d_model: int, seq_len: int) -> list:
     """Every learning rate of one (arch, d_model, seq_len) in order, stopping once one reaches
     `early_stop`; finished cells are read back, new ones written atomically."""
-    import torch
+    from models.precision import torch_threads
 
-    if cfg.threads > 0:
-        torch.set_num_threads(cfg.threads)
+    with torch_threads(cfg.threads):
+        return _run_rates(cfg, cells_dir, arch, d_model, seq_len)
+
+
+def _run_rates(cfg: MqarConfig, cells_dir: str, arch: str, d_model: int, seq_len: int) -> list:
     settings = cell_settings(cfg)
     out = []
     for lr in cfg.lrs:

@@ -128,8 +128,14 @@ TINY = dict(
 
 
 def test_sweep_writes_table_figure_and_resumes(tmp_path, capsys):
+    import torch
+
     out = tmp_path / "mqar"
-    meta = run_mqar(MqarConfig(out=str(out), **TINY))
+    threads = torch.get_num_threads()
+    meta = run_mqar(MqarConfig(out=str(out), **TINY, threads=threads + 1))
+    # trained in this process (workers=1) with its own thread count, and this one's given back:
+    # a later stage run from Python must not inherit it (its results would change)
+    assert torch.get_num_threads() == threads
     cells = sorted(p.name for p in (out / "cells").iterdir())
     assert cells == [
         "attention-d16-T16-lr0.001.json",

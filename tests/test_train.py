@@ -230,6 +230,16 @@ def test_reruns_are_deterministic_and_archs_share_the_batch_order(stores, tmp_pa
     assert other_seed["batch_order_digest"] != a["batch_order_digest"]
 
 
+def test_threads_are_the_runs_own_and_given_back(stores, tmp_path):
+    """`--threads N` applies to the run; the caller keeps its own count (a later run in the same
+    process, e.g. `arslice run` training models in turn, must not inherit it)."""
+    import torch
+
+    before = torch.get_num_threads()
+    train(tiny_config(stores, tmp_path / "m", steps=2, threads=before + 1, **MINIMAL))
+    assert torch.get_num_threads() == before
+
+
 def test_complete_output_is_skipped_and_overwrite_retrains(stores, tmp_path):
     cfg = tiny_config(stores, tmp_path / "m", steps=3, **MINIMAL)
     first = train(cfg)

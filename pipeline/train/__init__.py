@@ -72,7 +72,7 @@ log = logging.getLogger(__name__)
 def train(cfg: TrainConfig) -> dict:
     """Train one model as `cfg` says; returns the summary written to `<out>/meta.json`."""
     from ar_slicing.plan import StagePlan, identity, open_stage
-    from models.precision import resolve_device, resolve_dtype
+    from models.precision import resolve_device, resolve_dtype, torch_threads
 
     validate_train(cfg)
     t0 = time.time()
@@ -91,7 +91,7 @@ def train(cfg: TrainConfig) -> dict:
     if stage.complete:
         say(f"train {cfg.arch}: {out} is complete, skipped (use --overwrite to retrain)")
         return stage.skip()
-    with stage.running(keep_if=lambda out: (out / STATE_DIR).exists()):
+    with stage.running(keep_if=lambda out: (out / STATE_DIR).exists()), torch_threads(cfg.threads):
         return _train(stage, cfg, device, dtype, t0)
 
 
@@ -121,8 +121,6 @@ def _train(stage, cfg: TrainConfig, device: str, dtype: str, t0: float) -> dict:
     tokenizer_path = store.path / TOKENIZER_NAME
     tokenizer_json = str(tokenizer_path) if tokenizer_path.is_file() else None
 
-    if cfg.threads > 0:
-        torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     model_cfg = model_config_for(cfg, store.vocab_size)
     model = build_model(model_cfg, device)
