@@ -259,12 +259,11 @@ def train_cell(cfg: MqarConfig, arch: str, d_model: int, seq_len: int, lr: float
     import torch
     import torch.nn.functional as F
 
+    from models.precision import resolve_device
     from pipeline.train import TrainConfig, learning_rate, make_optimizer
 
     t0 = time.time()
-    device = "cuda" if cfg.device == "auto" and torch.cuda.is_available() else cfg.device
-    if device == "auto":
-        device = "cpu"
+    device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
     model = build_model(arch, d_model, seq_len, cfg.vocab_size).to(device)
     # the project's own training recipe; the token-store fields are unused here
@@ -497,6 +496,9 @@ def run_mqar(cfg: MqarConfig) -> dict:
         )
     if not cfg.lrs or not cfg.d_models or not cfg.seq_lens or cfg.steps <= 0:
         raise ArSliceError("--lrs, --d-models and --seq-lens need values and --steps must be > 0")
+    from models.precision import resolve_device
+
+    resolve_device(cfg.device)  # refuse a missing GPU before any worker starts
     for seq_len in cfg.seq_lens:  # refuse impossible lengths before any training
         mqar_examples(
             1, seq_len, cfg.vocab_size, num_kv_pairs_for(seq_len), np.random.default_rng()
