@@ -71,8 +71,9 @@ class EvalConfig:
     model_config: str | None = field(
         default=None,
         metadata={
-            "help": "safari: or zoology: model config file (YAML or JSON, as safari or Zoology "
-            "writes it) to use instead of the one found with the checkpoint"
+            "help": "safari:, zoology: or based: model config file (YAML or JSON, as safari, "
+            "Zoology or HazyResearch/based writes it) to use instead of the one found with the "
+            "checkpoint (based: a config.json with `fla_version`, see the README's model table)"
         },
     )
     skip_tokenizer_check: bool = field(

@@ -255,6 +255,7 @@ def _evaluate(
         throughput={"tokens_per_s": tokens_per_s},
         name=name,
         spec=cfg.model,
+        hub_commit=loaded.hub_commit,
         architecture=loaded.architecture,
         n_params=int(loaded.n_params),
         dtype=dtype,
