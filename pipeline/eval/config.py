@@ -62,6 +62,15 @@ class EvalConfig:
             "model tokenizer's BOS when it declares one, else EOS, as lm-eval's prefix_token_id)"
         },
     )
+    harness_bos: bool = field(
+        default=False,
+        metadata={
+            "help": "rolling windowing: score each document as lm-eval 0.4's default does with a "
+            "tokenizer that adds BOS itself (add_bos_token=True, Llama-style): after the prefix "
+            "and the BOS that tokenizer.encode adds, so every token reads two BOS (the same as "
+            "plain rolling for a tokenizer that adds nothing)"
+        },
+    )
     tokens: str | None = field(
         default=None,
         metadata={
