@@ -82,12 +82,76 @@ def is_hub_name(target: str) -> bool:
     return not Path(target).expanduser().exists()
 
 
-def is_cached(repo_id: str, repo_type: str = "model") -> bool:
-    """True when a snapshot of `repo_id` is in the local hub cache."""
+def split_revision(target: str) -> tuple[str, str | None]:
+    """`"EleutherAI/pythia-160m@step3000"` -> `("EleutherAI/pythia-160m", "step3000")`: a hub id
+    and the branch, tag or commit after its `@` (None: none given, the hub's default branch). An
+    existing path, or one written as a path, is returned whole (a directory may hold an `@`)."""
+    target = str(target)
+    if "@" not in target or not is_hub_name(target):
+        return target, None
+    name, _, revision = target.partition("@")
+    if not name or not revision or "@" in revision:
+        raise ArSliceError(
+            f"{target!r}: expected a hub id and one revision, ID@REVISION "
+            "(e.g. EleutherAI/pythia-160m@step3000)"
+        )
+    return name, revision
+
+
+def resolve_commit(repo_id: str, revision: str | None, what: str) -> str:
+    """The commit `revision` (a branch, tag or commit of model repo `repo_id`; None: its default
+    branch) names now: asked of the hub when it answers, else read from the local cache
+    (`models--org--name/refs/<revision>`, or `snapshots/<commit>` for a commit). `what` names the
+    spec in the messages."""
+    why = unreachable()
+    if why is None:
+        try:
+            from huggingface_hub import HfApi
+
+            return HfApi(endpoint=endpoint()).model_info(repo_id, revision=revision).sha
+        except Exception as e:
+            raise ArSliceError(
+                f"{what}: the hub has no revision {revision or 'main'!r} of {repo_id} "
+                f"({type(e).__name__}: {e}); name a branch, tag or commit it has"
+            ) from None
     try:
         from huggingface_hub import snapshot_download
 
-        snapshot_download(repo_id, repo_type=repo_type, local_files_only=True)
+        folder = snapshot_download(repo_id, revision=revision, local_files_only=True)
+    except Exception:
+        if not cached_revisions(repo_id):
+            require([(what, repo_id, "model")])  # the usual message: nothing of it is cached
+        raise ArSliceError(
+            f"the Hugging Face hub is not reachable ({why}) and revision {revision or 'main'!r} "
+            f"of {repo_id} is not in the local cache ({_cache_dir()}; it has "
+            f"{', '.join(cached_revisions(repo_id)) or 'no named revision'}): {what}. Use one of "
+            "those, or a local copy (`hf download NAME --revision REV --local-dir DIR`)"
+        ) from None
+    return Path(folder).name  # snapshots/<commit>
+
+
+def cached_revisions(repo_id: str) -> list[str]:
+    """The branch and tag names the local cache holds a commit for, for the messages."""
+    refs = _cache_dir() / ("models--" + repo_id.replace("/", "--")) / "refs"
+    if not refs.is_dir():
+        return []
+    return sorted(str(p.relative_to(refs)) for p in refs.rglob("*") if p.is_file())
+
+
+def _cache_dir() -> Path:
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def is_cached(repo_id: str, repo_type: str = "model") -> bool:
+    """True when a snapshot of `repo_id` (`ID@REVISION`: of that revision) is in the local hub
+    cache."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        repo_id, revision = split_revision(repo_id)
+        snapshot_download(repo_id, revision=revision, repo_type=repo_type, local_files_only=True)
         return True
     except Exception:  # not cached, or not a valid repo id
         return False

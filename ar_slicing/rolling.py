@@ -34,6 +34,23 @@ in its only window:
 
 >>> rolling_windows(3, 10)
 [(0, 4, 4)]
+
+**The harness's default for tokenizers that add BOS** (`--harness-bos`). lm-eval 0.4's
+`loglikelihood_rolling` windows `tok_encode(doc)`, which calls `tokenizer.encode(doc)` with the
+tokenizer's own default: a tokenizer with `add_bos_token=True` (Llama, Mistral, ...) returns
+`[BOS] + doc`, and `prefix_token_id` is that same BOS, so the harness scores p(BOS | BOS) and
+every document token reads two BOS before the text. (It skips the added BOS only when the text
+itself starts with the BOS string, `has_bos_prefix`; or when `add_bos_token=False` is passed to the
+model.) A token store's documents carry no BOS, so by default the windows here are those of
+`add_bos_token=False`; `harness_token_list` gives the harness's, and `rolling_windows` over it
+(with `lead` tokens before the document, see `rolling_sequences` in pipeline/eval/inputs.py)
+scores each document token as the harness does. The p(BOS | BOS) term has no row: it predicts
+no token of the stream.
+
+>>> harness_token_list([7, 8, 9], encode_prefix=[1])  # tokenizer.encode adds BOS=1
+[1, 7, 8, 9]
+>>> [window_tokens([1, 7, 8, 9], 1, w) for w in lm_eval_rolling_windows(4, 3)]
+[([1, 1, 7], [1, 7, 8]), ([1, 7, 8], [9])]
 """
 
 from __future__ import annotations
@@ -55,6 +72,13 @@ def prefix_token(
     if bos_token_id is not None:
         return int(bos_token_id), "BOS" if bos_token_id != eos_token_id else "EOS"
     return int(eos_token_id), "EOS"
+
+
+def harness_token_list(doc_tokens, encode_prefix) -> list[int]:
+    """What lm-eval's `tok_encode(doc)` returns for a document whose `add_special_tokens=False`
+    encoding is `doc_tokens`, with a tokenizer whose `encode` puts `encode_prefix` before the text
+    ([BOS] for `add_bos_token=True`, [] for GPT-2's): the token list its rolling windows cut."""
+    return [*(int(t) for t in encode_prefix), *(int(t) for t in doc_tokens)]
 
 
 def lm_eval_rolling_windows(n_tokens: int, max_len: int) -> list[tuple[int, int, int]]:

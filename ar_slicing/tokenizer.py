@@ -126,7 +126,25 @@ def special_token_ids(spec: str | Path) -> dict[str, int | None]:
         tok = AutoTokenizer.from_pretrained(str(spec))
     except Exception:  # unreadable or unreachable: nothing declared that we can see
         return {}
-    return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}
+    return {
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+        **encode_added_tokens(tok),
+    }
+
+
+def encode_added_tokens(tok) -> dict[str, list[int]]:
+    """The ids a transformers tokenizer's `encode(text)` adds before and after the text by default
+    (`add_special_tokens=True`): `encode_prefix` [BOS] for Llama's `add_bos_token=True`, [] for
+    GPT-2's; `encode_suffix` likewise (e.g. `add_eos_token=True`); None when the text's own
+    tokens differ between the two encodings, so what was added cannot be told apart."""
+    probe = "a b"
+    plain = tok.encode(probe, add_special_tokens=False)
+    full = tok.encode(probe)
+    for i in range(len(full) - len(plain) + 1):
+        if full[i : i + len(plain)] == plain:
+            return {"encode_prefix": full[:i], "encode_suffix": full[i + len(plain) :]}
+    return {"encode_prefix": None, "encode_suffix": None}  # the text itself encodes otherwise
 
 
 def eos_id(tokenizer, eos_token: str | None = None) -> int:

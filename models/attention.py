@@ -58,10 +58,13 @@ class MHA(nn.Module):
         self.out_proj = nn.Linear(d_model, d_model, bias=opts.out_proj_bias)
         self.rotary_emb = None
         if opts.rotary_emb_dim:
-            from models.rotary import RotaryEmbedding
+            from models.rotary import RotaryEmbedding, rotated_channels
 
-            if opts.rotary_emb_dim > self.head_dim:
-                raise ValueError(f"rotary_emb_dim {opts.rotary_emb_dim} > head_dim {self.head_dim}")
+            if rotated_channels(opts.rotary_emb_dim) > self.head_dim:  # flash-attn asserts it
+                raise ValueError(
+                    f"rotary_emb_dim {opts.rotary_emb_dim} rotates "
+                    f"{rotated_channels(opts.rotary_emb_dim)} channels > head_dim {self.head_dim}"
+                )
             self.rotary_emb = RotaryEmbedding(opts.rotary_emb_dim, base=opts.rotary_emb_base)
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:

@@ -50,6 +50,17 @@ GPT2_ALIASES = {
     "hidden_size": "n_embd", "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
 }  # fmt: skip
 
+# Based calls flash-linear-attention's `parallel_based(q, k, v, True, True)` (and
+# `fused_chunk_based` alike), whose signature changed under it. "Equal to upstream" means the API
+# the call was written for; a config's `fla_version` key (this loader's, upstream ignores it)
+# chooses the other. From 0.2.0 on the kernels read (B, T, H, D) by default while Based passes
+# (B, H, T, D): a different function again, not implemented.
+FLA_VERSIONS = {
+    "2024": "flash-linear-attention before eeee0ee8 (2024-08-20): use_scale, q.k * feature_dim ** -0.5",
+    "0.1": "flash-linear-attention from eeee0ee8 to 0.1.2 (PyPI, 2025-03): scale=True, q.k * 1",
+}
+DEFAULT_FLA_VERSION = "2024"
+
 # Config keys whose value changes the function and that this loader does not implement:
 # key -> the value upstream's default (or the only value implemented here) takes.
 UNSUPPORTED_GLOBAL = {
@@ -135,11 +146,15 @@ def linear_mixer(spec: dict, target: str, cfg: dict, source: str) -> tuple[str, 
             {k: v for k, v in fmap.items() if k != "_target_"}, {"input_dim": None}, source,
             "TaylorExp",
         )  # fmt: skip
-        scale_dim = int(fmap.get("input_dim", feature_dim))
         head_dim = kwargs.get("head_dim")
         eps = float(kwargs.get("eps", 1e-12))
-        if str(kwargs.get("parallel_implementation", "")).startswith("fla"):
-            eps = 1e-6  # flash-linear-attention's based kernels add 1e-6, whatever `eps` says
+        if str(kwargs.get("parallel_implementation", "quadratic")).startswith("fla"):
+            # FLA's kernels never call TaylorExp: they scale q.k by their own rule and add 1e-6,
+            # whatever `input_dim` and `eps` say
+            scale_dim = fla_scale_dim(feature_dim, cfg, source)
+            eps = 1e-6
+        else:
+            scale_dim = int(fmap.get("input_dim", feature_dim))
     else:
         known = {
             "l_max": None, "feature_dim": None, "num_heads": None, "num_key_value_heads": None,
@@ -177,6 +192,20 @@ def linear_mixer(spec: dict, target: str, cfg: dict, source: str) -> tuple[str, 
         },
         False,
     )
+
+
+def fla_scale_dim(feature_dim: int, cfg: dict, source: str) -> int:
+    """The d of phi's scaling (q.k / sqrt(d)) that upstream's `parallel_based(q, k, v, True,
+    True)` / `fused_chunk_based(...)` computes under the config's `fla_version` (see FLA_VERSIONS):
+    the 2024 API reads the 4th argument as `use_scale` (scale `feature_dim ** -0.5`), 0.1 as
+    `scale`, so `True` multiplies by 1."""
+    version = str(cfg.get("fla_version", DEFAULT_FLA_VERSION))
+    if version not in FLA_VERSIONS:
+        raise ArSliceError(
+            f"{source}: fla_version {version!r} is not implemented; implemented: "
+            + "; ".join(f"{v!r} ({what})" for v, what in FLA_VERSIONS.items())
+        )
+    return feature_dim if version == "2024" else 1
 
 
 def attention_kwargs(cfg: dict, source: str) -> dict:
@@ -398,8 +427,9 @@ def _check_inv_freq(model, stored: dict, source: str) -> None:
             raise ArSliceError(f"{source}: {key} differs from base^(-2i/dim); not implemented")
 
 
-def resolve_files(target: str, spec: str) -> tuple[Path, Path]:
-    """(config.json, weights file) of a local directory or, when none exists, a hub repo id."""
+def resolve_files(target: str, spec: str, revision: str | None = None) -> tuple[Path, Path]:
+    """(config.json, weights file) of a local directory or, when none exists, a hub repo id (at
+    `revision`, a commit loaders.load_model resolved)."""
     path = Path(target).expanduser()
     if path.is_dir():
         folder = path
@@ -408,7 +438,7 @@ def resolve_files(target: str, spec: str) -> tuple[Path, Path]:
     elif target.startswith((".", "/", "~")) or target.count("/") != 1:
         raise ArSliceError(f"{spec}: no such directory {path}, and not a hub id (owner/name)")
     else:
-        folder = _download(target, spec)
+        folder = _download(target, spec, revision)
     config = folder / CONFIG_NAME
     if not config.is_file():
         raise ArSliceError(f"{spec}: {config} not found")
@@ -418,15 +448,19 @@ def resolve_files(target: str, spec: str) -> tuple[Path, Path]:
     return config, weights[0]
 
 
-def _download(repo_id: str, spec: str) -> Path:
+def _download(repo_id: str, spec: str, revision: str | None) -> Path:
     from ar_slicing import hub
 
-    hub.require([(spec, repo_id, "model")])
+    hub.require([(spec, f"{repo_id}@{revision}" if revision else repo_id, "model")])
     try:
         from huggingface_hub import snapshot_download
 
         patterns = [CONFIG_NAME, *WEIGHT_NAMES, "*.json"]
-        return Path(snapshot_download(repo_id, allow_patterns=patterns, **hub.files_only()))
+        return Path(
+            snapshot_download(
+                repo_id, revision=revision, allow_patterns=patterns, **hub.files_only()
+            )
+        )
     except Exception as e:
         raise ArSliceError(
             f"{spec}: could not fetch {repo_id} from the hub ({type(e).__name__}: {e}); pass a "
@@ -434,14 +468,21 @@ def _download(repo_id: str, spec: str) -> Path:
         ) from None
 
 
-def load_based(target: str, spec: str):
-    """(LanguageModel with the checkpoint's weights, directory to look for a tokenizer in)."""
+def load_based(
+    target: str, spec: str, model_config: str | None = None, revision: str | None = None
+):
+    """(LanguageModel with the checkpoint's weights, directory to look for a tokenizer in).
+    `model_config`: a config.json to read instead of the published one (e.g. with `fla_version`)."""
     from ar_slicing.io import read_json
     from models.backbone import LanguageModel
     from models.checkpoint_io import load_state_dict_checked, read_checkpoint, state_dict_from
     from models.mamba_ckpt import is_mamba_ssm_config
 
-    config_file, weights_file = resolve_files(target, spec)
+    config_file, weights_file = resolve_files(target, spec, revision)
+    if model_config is not None:
+        config_file = Path(model_config)
+        if not config_file.is_file():
+            raise ArSliceError(f"{spec}: --model-config {config_file}: no such file")
     raw = read_json(config_file)
     if not isinstance(raw, dict):
         raise ArSliceError(f"{config_file}: expected a JSON object")

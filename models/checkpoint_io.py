@@ -70,6 +70,8 @@ def safe_torch_load(path) -> Any:
         with torch.serialization.safe_globals(_config_globals()):
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
+        if _RESOLVER_CACHE.search(_ANSI.sub("", str(e))):
+            raise ArSliceError(resolver_cache_refusal(path)) from None
         name = refused_global(str(e))
         what = f"names {name}, a class or function" if name else "holds objects"
         hint = (
@@ -87,6 +89,23 @@ def safe_torch_load(path) -> Any:
             f"{path}: not a readable PyTorch checkpoint "
             f"({type(e).__name__}{': ' + first[0] if first else ''})"
         ) from None
+
+
+# A hydra config pickled after resolving interpolations with a caching resolver (safari's
+# `${eval:...}`, `${div_up:...}`) carries omegaconf's resolver cache, a filled defaultdict, which
+# the weights-only unpickler cannot rebuild ("Can only SETITEM for dict, ... defaultdict").
+_RESOLVER_CACHE = re.compile(r"SETITEM for .*defaultdict")
+
+
+def resolver_cache_refusal(path: Path) -> str:
+    return (
+        f"{path}: refused: its hydra config (Lightning hyper_parameters, an omegaconf DictConfig) "
+        "holds omegaconf's resolver cache, a collections.defaultdict filled when interpolations "
+        "such as ${eval:...} were resolved, which a weights-only load cannot rebuild. For a file "
+        "you trust, keep its weights alone: torch.save(torch.load(PATH, weights_only=False)"
+        "['state_dict'], 'model.pt'), and pass the run's config (its .hydra/config.yaml) with "
+        "--model-config"
+    )
 
 
 def find_weights_file(path: Path, spec_prefix: str) -> Path:

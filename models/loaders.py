@@ -16,6 +16,11 @@ Specs:
                                Mamba (mamba_ssm's layout) is read as hf: reads it
     native:<directory>         config.json + model.safetensors written by models.native.save_native
 
+hf:, based: and safari: hub ids take a revision, `ID@REVISION` (a branch, tag or commit, e.g.
+`hf:EleutherAI/pythia-160m@step3000`): it is resolved to its commit once (`hub.resolve_commit`:
+the hub when it answers, else the local cache's refs), every file is read at that commit, and the
+commit is what the stage plan and meta.json record.
+
 hf: RWKV-4 runs this project's exact fp32 WKV (models/hf_rwkv.py); transformers' own CPU loop
 computes the same recurrence. zoology: and safari: checkpoints are checked against fixtures that
 Zoology's and safari's own code produced (tests/fixtures/upstream).
@@ -37,6 +42,7 @@ from ar_slicing.errors import ArSliceError
 log = logging.getLogger(__name__)
 
 SPEC_PREFIXES = ("hf", "zoology", "safari", "based", "native")
+HUB_PREFIXES = ("hf", "based", "safari")  # the specs that read a hub id (with @REVISION)
 
 
 @dataclass
@@ -62,6 +68,7 @@ class LoadedModel:
     tokenizer_fingerprint: str | None
     settings: dict = field(default_factory=dict)
     tokenizer_source: str | None = None
+    hub_commit: str | None = None  # the commit a hub id (and its @revision) resolved to
     _hidden_and_head: Callable = field(repr=False, default=None)
 
     def hidden_and_head(self, input_ids):
@@ -88,14 +95,36 @@ def parse_spec(spec: str) -> tuple[str, str]:
     return prefix, target
 
 
+def hub_target(spec: str) -> tuple[str, str, str | None, bool]:
+    """(prefix, target, revision, whether target is a hub id) of a spec: `hf:ID@REVISION`,
+    `based:ID@REVISION` and `safari:ID@REVISION` name a branch, tag or commit of a hub repo; a
+    local path is never a hub id."""
+    from ar_slicing import hub
+
+    prefix, target = parse_spec(spec)
+    if prefix not in HUB_PREFIXES:
+        return prefix, target, None, False
+    name, revision = hub.split_revision(target)
+    # based: and safari: take owner/name ids only (hf: also takes GPT-2's bare `gpt2`)
+    is_hub = hub.is_hub_name(name) and (prefix == "hf" or name.count("/") == 1)
+    if revision is not None and not is_hub:
+        raise ArSliceError(f"{spec}: a revision (@{revision}) applies to hub ids only")
+    return prefix, name, revision, is_hub
+
+
 def spec_identity(spec: str) -> dict:
     """What identifies the weights a spec names, cheaply (no weights are read): a checkpoint
     this project wrote by its meta.json's digest, other local files by size and modification
-    time, a hub id by its name (the hub's revision is not asked for)."""
+    time, a hub id by the commit its revision (default: the hub's default branch) resolves to,
+    so a hub model that changed under the same name is a changed input."""
+    from ar_slicing import hub
     from ar_slicing.layout import META_NAME
     from ar_slicing.plan import file_identity, identity
 
-    prefix, target = parse_spec(spec)
+    prefix, target, revision, is_hub = hub_target(spec)
+    if is_hub:
+        commit = hub.resolve_commit(target, revision, spec)
+        return {"hub": target, "revision": revision, "commit": commit}
     path = Path(target).expanduser()
     if not path.exists():
         return {"spec": spec}
@@ -112,20 +141,22 @@ def load_model(
     `dtype` (torch dtype or "bf16"/"fp32"/...) casts the weights; None keeps fp32. `fast_path`
     runs hf: RWKV and Mamba-1 checkpoints through this project's chunked RWKV and Mamba forwards
     instead of transformers' per-token loops (False: transformers' own forward).
-    `model_config`: a config file to use instead of the one found with a zoology: or safari:
-    checkpoint.
+    `model_config`: a config file to use instead of the one found with a zoology:, safari: or
+    based: checkpoint.
     """
-    prefix, target = parse_spec(spec)
+    from ar_slicing import hub
     from models.precision import torch_dtype
 
+    prefix, target, revision, is_hub = hub_target(spec)
+    commit = hub.resolve_commit(target, revision, spec) if is_hub else None
     dtype = torch_dtype(dtype)
-    if model_config is not None and prefix not in ("zoology", "safari"):
+    if model_config is not None and prefix not in ("zoology", "safari", "based"):
         raise ArSliceError(
-            f"{spec}: a model config file (--model-config) applies to zoology: and safari: "
-            "checkpoints only; hf:, based: and native: directories carry their own config.json"
+            f"{spec}: a model config file (--model-config) applies to zoology:, safari: and "
+            "based: checkpoints only; hf: and native: directories carry their own config.json"
         )
     if prefix == "hf":
-        return _load_hf(spec, target, device, dtype, fast_path)
+        return _load_hf(spec, target, device, dtype, fast_path, commit)
     if prefix == "native":
         from models.native import load_native
 
@@ -148,20 +179,21 @@ def load_model(
         from models.mamba_ckpt import is_mamba_ssm_config, read_config_json
 
         # the suite's Mamba (hazyresearch/mamba-1.3b) is published in mamba_ssm's layout
-        if is_mamba_ssm_config(read_config_json(target, Path(target).expanduser().is_dir())):
-            return _load_hf(spec, target, device, dtype, fast_path)
-        model, tok_dir = load_based(target, spec)
+        if is_mamba_ssm_config(read_config_json(target, not is_hub, commit)):
+            return _load_hf(spec, target, device, dtype, fast_path, commit)
+        model, tok_dir = load_based(target, spec, model_config, commit)
         architecture, settings = architecture_of(model.config), {}
     else:
         from models.safari_ckpt import load_safari
 
-        model, tok_dir, settings = load_safari(target, model_config)
+        model, tok_dir, settings = load_safari(target, model_config, commit)
     model.eval()
     model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     loaded = wrap_language_model(
         model, spec, tokenizer_fingerprint=_fingerprint_near(tok_dir), architecture=architecture
     )
     loaded.settings, loaded.tokenizer_source = settings, str(tok_dir)
+    loaded.hub_commit = commit
     return loaded
 
 
@@ -250,7 +282,10 @@ def _fast_forward(model, architecture: str):
     return model
 
 
-def _load_hf(spec: str, target: str, device, dtype, fast_path: bool) -> LoadedModel:
+def _load_hf(
+    spec: str, target: str, device, dtype, fast_path: bool, commit: str | None
+) -> LoadedModel:
+    """`target`: a local directory, or a hub id read at `commit` (resolved by load_model)."""
     from models.based_ckpt import is_based_config
     from models.mamba_ckpt import is_mamba_ssm_config, load_mamba_ssm, read_config_json
 
@@ -266,13 +301,11 @@ def _load_hf(spec: str, target: str, device, dtype, fast_path: bool) -> LoadedMo
         raise ArSliceError(
             f"{spec}: {path / 'config.json'} not found (not a transformers model directory)"
         )
-    if not looks_local:
-        from ar_slicing import hub
-
-        hub.require([(spec, target, "model")])
-    raw = read_config_json(target, looks_local)
+    raw = read_config_json(target, looks_local, commit)
     if is_mamba_ssm_config(raw):
-        model = load_mamba_ssm(target, raw, spec, looks_local, as_transformers=not fast_path)
+        model = load_mamba_ssm(
+            target, raw, spec, looks_local, as_transformers=not fast_path, revision=commit
+        )
         architecture = "mamba"
         if dtype is not None:
             model = model.to(dtype=dtype)
@@ -282,11 +315,12 @@ def _load_hf(spec: str, target: str, device, dtype, fast_path: bool) -> LoadedMo
             f"transformers one; load it with based:{target}"
         )
     else:
-        model, architecture = _load_transformers(spec, target, dtype)
+        model, architecture = _load_transformers(spec, target, dtype, commit)
         if fast_path:
             model = _fast_forward(model, architecture)
     model.eval().to(device)
-    tok_fp = _fingerprint_near(path) if looks_local else _hub_tokenizer_fingerprint(target)
+    tok_dir = path if looks_local else _hub_tokenizer_dir(target, commit)
+    tok_fp = _fingerprint_near(tok_dir)
     if hasattr(model, "hidden_and_head"):  # this project's forward
         hidden_and_head = model.hidden_and_head
     else:
@@ -311,7 +345,8 @@ def _load_hf(spec: str, target: str, device, dtype, fast_path: bool) -> LoadedMo
         vocab_size=_head_rows(model),
         max_positions=max_positions,
         tokenizer_fingerprint=tok_fp,
-        tokenizer_source=target,
+        tokenizer_source=target if tok_dir is None else str(tok_dir),
+        hub_commit=commit,
         _hidden_and_head=hidden_and_head,
     )
 
@@ -324,8 +359,8 @@ def _head_rows(model) -> int:
     return int(head.weight.shape[0])
 
 
-def _load_transformers(spec: str, target: str, dtype):
-    """transformers' AutoModelForCausalLM for `target`, and its model_type."""
+def _load_transformers(spec: str, target: str, dtype, commit: str | None):
+    """transformers' AutoModelForCausalLM for `target` (at `commit`), and its model_type."""
     import torch
 
     from ar_slicing import hub
@@ -333,7 +368,7 @@ def _load_transformers(spec: str, target: str, dtype):
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        config = AutoConfig.from_pretrained(target, **hub.files_only())
+        config = AutoConfig.from_pretrained(target, revision=commit, **hub.files_only())
     except Exception as e:
         raise ArSliceError(
             f"{spec}: could not read a transformers config ({type(e).__name__}: {e}). Pass a local "
@@ -347,7 +382,7 @@ def _load_transformers(spec: str, target: str, dtype):
             )
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            target, dtype=dtype or torch.float32, **hub.files_only()
+            target, revision=commit, dtype=dtype or torch.float32, **hub.files_only()
         )
     except Exception as e:
         raise ArSliceError(
@@ -356,11 +391,26 @@ def _load_transformers(spec: str, target: str, dtype):
     return model, config.model_type
 
 
-def _hub_tokenizer_fingerprint(name: str) -> str | None:
-    from ar_slicing.tokenizer import fingerprint, load_tokenizer
+TOKENIZER_FILES = [
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+    "merges.txt", "tokenizer.model", "added_tokens.json",
+]  # fmt: skip
+
+
+def _hub_tokenizer_dir(name: str, commit: str | None) -> Path | None:
+    """The local folder holding the tokenizer files of hub repo `name` at `commit` (fetched when
+    the hub answers, else from the cache), or None when it has none."""
+    from ar_slicing import hub
 
     try:
-        return fingerprint(load_tokenizer(name))
-    except ArSliceError:
-        log.warning("hf:%s: no tokenizer found with the model; fingerprint unknown", name)
+        from huggingface_hub import snapshot_download
+
+        folder = Path(
+            snapshot_download(
+                name, revision=commit, allow_patterns=TOKENIZER_FILES, **hub.files_only()
+            )
+        )
+    except Exception as e:
+        log.warning("hf:%s: no tokenizer found with the model (%s); fingerprint unknown", name, e)
         return None
+    return folder if any((folder / f).is_file() for f in TOKENIZER_FILES) else None

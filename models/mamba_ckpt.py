@@ -110,8 +110,9 @@ def mamba_ssm_state_dict(state: dict) -> dict:
     return strip_key_prefixes({k: v for k, v in state.items() if not _METRIC_KEYS.match(k)})
 
 
-def _find_file(target: str, local: bool, names) -> str | None:
-    """The first of `names` in a local directory, or downloaded from the hub repo `target`."""
+def _find_file(target: str, local: bool, names, revision: str | None = None) -> str | None:
+    """The first of `names` in a local directory, or downloaded from the hub repo `target` (at
+    `revision`, a commit loaders.load_model resolved)."""
     for name in names:
         if local:
             if (Path(target) / name).is_file():
@@ -122,13 +123,20 @@ def _find_file(target: str, local: bool, names) -> str | None:
 
             from ar_slicing import hub
 
-            return hf_hub_download(target, name, **hub.files_only())
+            return hf_hub_download(target, name, revision=revision, **hub.files_only())
         except Exception as e:  # not in the repo, or the hub unreachable: try the next name
             log.debug("hf:%s: no %s (%s)", target, name, e)
     return None
 
 
-def load_mamba_ssm(target: str, raw: dict, spec: str, local: bool, as_transformers: bool = False):
+def load_mamba_ssm(
+    target: str,
+    raw: dict,
+    spec: str,
+    local: bool,
+    as_transformers: bool = False,
+    revision: str | None = None,
+):
     """The checkpoint of a mamba_ssm directory or hub repo (config dict `raw` already read).
 
     Returns `MambaLM` in eval mode, or with `as_transformers` the same weights in transformers'
@@ -137,7 +145,7 @@ def load_mamba_ssm(target: str, raw: dict, spec: str, local: bool, as_transforme
     from models.mamba import MambaLM
 
     cfg = read_mamba_ssm_config(raw, spec)
-    path = _find_file(target, local, WEIGHT_FILES)
+    path = _find_file(target, local, WEIGHT_FILES, revision)
     if path is None:
         raise ArSliceError(f"{spec}: no {' or '.join(WEIGHT_FILES)} beside the mamba_ssm config")
     state = mamba_ssm_state_dict(read_weights(path))
@@ -212,9 +220,9 @@ def mamba_from_transformers(hf_model, chunk_size: int = 16):
     return fast.to(dtype=head.dtype).eval()
 
 
-def read_config_json(target: str, local: bool) -> dict | None:
+def read_config_json(target: str, local: bool, revision: str | None = None) -> dict | None:
     """The raw `config.json` of a local directory or hub repo, or None when it cannot be read."""
-    path = _find_file(target, local, ("config.json",))
+    path = _find_file(target, local, ("config.json",), revision)
     if path is None:
         return None
     try:

@@ -32,13 +32,14 @@ def get_activation(name: str):
 class MLPOptions:
     hidden_mult: int = 4  # GPT-style width; Zoology's own default is 1 but its LM configs use 4
     activation: str = "gelu"  # one of ACTIVATIONS
+    hidden: int | None = None  # an explicit width (safari's d_inner needs no multiple of d_model)
 
     def __post_init__(self):
         get_activation(self.activation)
 
 
 class MLP(nn.Module):
-    """`fc2(act(fc1(x)))` with hidden width `d_model * hidden_mult`."""
+    """`fc2(act(fc1(x)))` with hidden width `hidden`, or `d_model * hidden_mult` without one."""
 
     Options = MLPOptions
 
@@ -52,7 +53,7 @@ class MLP(nn.Module):
     ):
         super().__init__()
         opts = options_from(MLPOptions, options, "state mixer 'mlp'")
-        hidden = d_model * opts.hidden_mult
+        hidden = d_model * opts.hidden_mult if opts.hidden is None else opts.hidden
         self.fc1 = nn.Linear(d_model, hidden)
         self.fc2 = nn.Linear(hidden, d_model)
         self.act = get_activation(opts.activation)
@@ -76,7 +77,7 @@ class GLU(nn.Module):
     ):
         super().__init__()
         opts = options_from(MLPOptions, options, "state mixer 'glu'")
-        hidden = d_model * opts.hidden_mult
+        hidden = d_model * opts.hidden_mult if opts.hidden is None else opts.hidden
         self.fc1 = nn.Linear(d_model, hidden)
         self.fc2 = nn.Linear(d_model, hidden)
         self.fc3 = nn.Linear(hidden, d_model)

@@ -88,7 +88,9 @@ _LAYER_NO_EFFECT = {
 }  # fmt: skip
 _LAYER_MUST_BE = {
     "order": (2,), "num_heads": (1,), "inner_factor": (1,), "num_blocks": (1,),
-    "outer_mixing": (False,), "post_order_ffn": (False,), "activation": ("id",),
+    "outer_mixing": (False,), "post_order_ffn": (False,),
+    # safari's Activation() makes each of these nn.Identity
+    "activation": ("id", "identity", "linear", None),
     "filter_cls": ("hyena-filter",),
 }  # fmt: skip
 # safari's defaults for what the weights cannot show (HyenaFilter, ExponentialModulation, LMBackbone)
@@ -98,10 +100,22 @@ SAFARI_DEFAULTS = {
 }  # fmt: skip
 
 
-def rename_safari_keys(state: dict) -> dict:
-    """safari block names -> Zoology's: `.mixer.` -> `.sequence_mixer.`, `.mlp.` -> `.state_mixer.`."""
+def rename_safari_keys(state: dict, source: str = "safari checkpoint") -> dict:
+    """safari block names -> Zoology's: `.mixer.` -> `.sequence_mixer.`, `.mlp.` -> `.state_mixer.`;
+    first the legacy names safari's `ConvLMHeadModel.load_state_dict` maps (`s4seq.encoder.`,
+    `embedding.`, `.mixer.output_linear.`), as it does."""
     out = {}
     for key, value in state.items():
+        key = re.sub(r"^s4seq\.encoder\.", "backbone.", key)
+        key = re.sub(r"^embedding\.", "backbone.embeddings.word_embeddings.", key)
+        if key.startswith(("backbone.norm", "backbone.ln_0")):  # safari reorders every norm
+            raise ArSliceError(
+                f"{source}: {key}: safari's legacy post-norm block order (its ln_0) is not "
+                "implemented"
+            )
+        key = re.sub(
+            r"^(backbone\.layers\.\d+)\.mixer\.output_linear\.", r"\1.mixer.out_proj.", key
+        )
         key = re.sub(r"^(backbone\.layers\.\d+)\.mixer\.", r"\1.sequence_mixer.", key)
         key = re.sub(r"^(backbone\.layers\.\d+)\.mlp\.", r"\1.state_mixer.", key)
         out[key] = value
@@ -117,9 +131,9 @@ def swap_gate_blocks(tensor, d_model: int):
     )
 
 
-def convert_safari_state(state: dict, d_model: int) -> dict:
+def convert_safari_state(state: dict, d_model: int, source: str = "safari checkpoint") -> dict:
     """Rename safari keys and reorder the Hyena projections to Zoology's gating order."""
-    state = rename_safari_keys(state)
+    state = rename_safari_keys(state, source)
     for key in list(state):
         if re.search(r"\.sequence_mixer\.(in_proj|short_filter)\.(weight|bias)$", key):
             state[key] = swap_gate_blocks(state[key], d_model)
@@ -292,8 +306,6 @@ def model_config_for(shapes: dict[str, int], settings: dict[str, Any]):
     from models.backbone import ModelConfig
 
     d_model = shapes["d_model"]
-    if shapes["d_inner"] % d_model:
-        raise ArSliceError(f"MLP width {shapes['d_inner']} is not a multiple of d_model {d_model}")
     return ModelConfig(
         vocab_size=shapes["vocab_rows"],
         d_model=d_model,
@@ -307,15 +319,16 @@ def model_config_for(shapes: dict[str, int], settings: dict[str, Any]):
             **{k: settings[k] for k in _LAYER_OPTIONS},
         },
         state_mixer="mlp",
-        state_mixer_kwargs={"hidden_mult": shapes["d_inner"] // d_model, "activation": "gelu_tanh"},
+        state_mixer_kwargs={"hidden": shapes["d_inner"], "activation": "gelu_tanh"},
         l_max=shapes["l_max"],
         max_position_embeddings=shapes["max_position_embeddings"],
         layer_norm_epsilon=float(settings["layer_norm_epsilon"]),
     )
 
 
-def _weights_file(target: str) -> Path:
-    """The weights file a safari target names: a file, a directory with one, or a hub id."""
+def _weights_file(target: str, revision: str | None = None) -> Path:
+    """The weights file a safari target names: a file, a directory with one, or a hub id (at
+    `revision`, a commit loaders.load_model resolved)."""
     from models.checkpoint_io import find_weights_file
 
     path = Path(target).expanduser()
@@ -326,6 +339,7 @@ def _weights_file(target: str) -> Path:
             path = Path(
                 snapshot_download(
                     target,
+                    revision=revision,
                     allow_patterns=[
                         "*.pt",
                         "*.pth",
@@ -347,7 +361,18 @@ def _weights_file(target: str) -> Path:
     return find_weights_file(path, "safari")
 
 
-def load_safari(target: str | Path, model_config: str | Path | None = None):
+def _embedding_width(raw: dict) -> int:
+    """d_model from the word embeddings under today's name or safari's legacy ones (0: none)."""
+    legacy = ("s4seq.encoder.embeddings.word_embeddings.weight", "embedding.weight")
+    for key in ("backbone.embeddings.word_embeddings.weight", *legacy):
+        if key in raw and getattr(raw[key], "ndim", 0) == 2:
+            return int(raw[key].shape[1])
+    return 0
+
+
+def load_safari(
+    target: str | Path, model_config: str | Path | None = None, revision: str | None = None
+):
     """(LanguageModel with the safari checkpoint's weights, directory to look for a tokenizer in,
     the settings used)."""
     from models.backbone import LanguageModel
@@ -359,11 +384,10 @@ def load_safari(target: str | Path, model_config: str | Path | None = None):
         state_dict_from,
     )
 
-    weights_file = _weights_file(str(target))
+    weights_file = _weights_file(str(target), revision)
     obj = read_checkpoint(weights_file)
     raw = state_dict_from(obj, weights_file)
-    embedding = raw.get("backbone.embeddings.word_embeddings.weight")
-    state = convert_safari_state(raw, 0 if embedding is None else embedding.shape[1])
+    state = convert_safari_state(raw, _embedding_width(raw), str(weights_file))
     shapes = shapes_of(state, str(weights_file))
     hparams = plain_config(obj.get("hyper_parameters")) if isinstance(obj, dict) else None
     beside = find_config(weights_file) if model_config is None and not hparams else None

@@ -606,6 +606,92 @@ def test_rolling_prefix_is_the_harness_prefix_token(bos_corpus, tmp_path, kind, 
     assert abs(moved) > 1e-2
 
 
+def harness_tok_encode(tokenizer, string: str, add_bos_token=None) -> list[int]:
+    """lm-evaluation-harness 0.4 `HFLM.tok_encode(string)` (lm_eval/models/huggingface.py, with
+    utils._add_special_kwargs and has_bos_prefix), transcribed: the tokenizer's own default
+    unless the model was given `add_bos_token`, and no special tokens when the text already
+    starts with the prefix token's string."""
+    kwargs = {} if add_bos_token is None else {"add_special_tokens": add_bos_token}
+    if string.startswith(tokenizer.decode(harness_prefix_token_id(tokenizer))):
+        kwargs["add_special_tokens"] = False
+    return tokenizer.encode(string, **kwargs)
+
+
+def adds_bos_model(bos_corpus, root: Path) -> Path:
+    """The `bos` model of bos_corpus with a tokenizer whose encode adds its BOS itself (a
+    TemplateProcessing post-processor, as Llama-3's tokenizer.json and Llama's
+    `add_bos_token=True` build): the same vocabulary, so the same fingerprint."""
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer.from_file(str(bos_corpus["dirs"]["bos"] / "tokenizer.json"))
+    bos = tok.token_to_id("<|im_start|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)]
+    )
+    model_dir = make_neox(root / "adds-bos", None, vocab=VOCAB + 1)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|endoftext|>"
+    ).save_pretrained(model_dir)
+    return model_dir
+
+
+def test_harness_bos_reproduces_the_harness_default_for_a_tokenizer_that_adds_bos(
+    bos_corpus, tmp_path
+):
+    """lm-eval windows tok_encode(doc) = [BOS] + doc after its BOS prefix: every document token
+    reads two BOS. --harness-bos gives those per-token losses; plain rolling gives the harness's
+    with add_bos_token=False; the two differ."""
+    from transformers import AutoTokenizer
+
+    model_dir = adds_bos_model(bos_corpus, tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    bos = harness_prefix_token_id(tokenizer)
+    assert bos == tokenizer.bos_token_id != tokenizer.eos_token_id
+    store, docs, spec = bos_corpus["store"], bos_corpus["docs"], f"hf:{model_dir}"
+    texts = [tokenizer.decode(doc) for doc in docs]
+    assert [tokenizer.encode(t, add_special_tokens=False) for t in texts] == docs
+    assert [harness_tok_encode(tokenizer, t) for t in texts] == [[bos, *doc] for doc in docs]
+    assert [harness_tok_encode(tokenizer, t, add_bos_token=False) for t in texts] == docs
+
+    run_eval(config(bos_corpus, spec, tmp_path / "harness", windowing="rolling", harness_bos=True))
+    run_eval(config(bos_corpus, spec, tmp_path / "plain", windowing="rolling"))
+    meta = read_json(tmp_path / "harness" / "meta.json")
+    assert meta["harness_bos"] == [bos] and meta["prefix_token"] == bos
+    assert read_json(tmp_path / "plain" / "meta.json")["harness_bos"] is None
+    harness, plain = (
+        read_losses(tmp_path / d).column("nll").to_numpy() for d in ("harness", "plain")
+    )
+    assert len(harness) == len(plain) == store.n_tokens - 1  # the same rows, keyed as the tags
+    fn = plain_logits_fn(spec)
+    for d, (doc, text) in enumerate(zip(docs, texts)):
+        want = lm_eval_token_nlls(fn, harness_tok_encode(tokenizer, text), bos, L)
+        assert len(want) == len(doc) + 1  # p(BOS | BOS) first: it predicts no stream token
+        want = want[1:]
+        offset = int(store.doc_offsets[d])
+        rows = np.arange(offset, offset + len(doc)) - 1
+        if d == 0:  # the stream's first token is no target: it has no row
+            want, rows = want[1:], rows[1:]
+        np.testing.assert_allclose(harness[rows], want, rtol=0, atol=2e-4)
+    # plain rolling: the harness run with add_bos_token=False
+    assert_documents_equal_harness(plain, store, docs, fn, bos)
+    assert np.abs(harness - plain).max() > 1e-2
+
+
+def test_harness_bos_is_plain_rolling_for_a_tokenizer_that_adds_nothing(bos_corpus, tmp_path):
+    model_dir = bos_corpus["dirs"]["bos"]  # declares a BOS, but its encode does not add it
+    spec = f"hf:{model_dir}"
+    run_eval(config(bos_corpus, spec, tmp_path / "harness", windowing="rolling", harness_bos=True))
+    run_eval(config(bos_corpus, spec, tmp_path / "plain", windowing="rolling"))
+    assert read_json(tmp_path / "harness" / "meta.json")["harness_bos"] == []
+    harness, plain = (
+        read_losses(tmp_path / d).column("nll").to_numpy() for d in ("harness", "plain")
+    )
+    np.testing.assert_array_equal(harness, plain)
+    with pytest.raises(ArSliceError, match="--harness-bos applies to --windowing rolling"):
+        run_eval(config(bos_corpus, spec, tmp_path / "fixed", harness_bos=True))
+
+
 def test_prefix_token_needs_rolling_windows(corpus, models_dir, tmp_path):
     with pytest.raises(ArSliceError, match="--prefix-token applies to --windowing rolling"):
         run_eval(config(corpus, models_dir["neox"], tmp_path / "o", prefix_token=3))

@@ -253,3 +253,118 @@ def test_a_model_in_the_local_cache_still_loads_offline(tmp_path, bpe_tokenizer)
     ]
     assert time.monotonic() - t0 < 25  # no half minute of retries ...
     assert "Retrying" not in out.stderr  # ... nor their warnings
+
+
+# ---- revisions: ID@REVISION, resolved to a commit -------------------------------------------------
+
+
+def hub_cache(cache: Path, bpe_tokenizer) -> dict[str, str]:
+    """A hub cache laid out as huggingface_hub lays it: `models--tiny--gpt/refs/{main,step1}`
+    naming `snapshots/<commit>/`, two GPT-2s with different weights (Pythia's training steps are
+    such revisions), and `models--tiny--based` holding a based: checkpoint at `refs/main`."""
+    import hashlib
+    import shutil
+
+    import torch
+    import transformers
+
+    repo = cache / "models--tiny--gpt"
+    (repo / "refs").mkdir(parents=True)
+    commits = {}
+    for seed, ref in enumerate(("step1", "main")):
+        commit = hashlib.sha1(ref.encode()).hexdigest()
+        snapshot = repo / "snapshots" / commit
+        torch.manual_seed(seed)
+        cfg = transformers.GPT2Config(
+            vocab_size=1024, n_positions=64, n_embd=32, n_layer=1, n_head=2
+        )
+        transformers.GPT2LMHeadModel(cfg).save_pretrained(snapshot)
+        transformers.PreTrainedTokenizerFast(
+            tokenizer_object=bpe_tokenizer, eos_token="<|endoftext|>"
+        ).save_pretrained(snapshot)
+        (repo / "refs" / ref).write_text(commit)
+        commits[ref] = commit
+    based = cache / "models--tiny--based"
+    commits["based"] = hashlib.sha1(b"based").hexdigest()
+    fixture = REPO / "tests" / "fixtures" / "upstream" / "based" / "transformer-pp"
+    shutil.copytree(fixture, based / "snapshots" / commits["based"])
+    (based / "refs").mkdir()
+    (based / "refs" / "main").write_text(commits["based"])
+    return commits
+
+
+def cache_env(tmp_path: Path) -> dict:
+    env = offline_env(tmp_path, HF_HUB_OFFLINE="1")
+    env["HF_HUB_CACHE"] = str(tmp_path / "cache")
+    return env
+
+
+def test_a_revision_is_read_at_the_commit_it_resolves_to(tmp_path, bpe_tokenizer):
+    """hf:ID@REVISION (branch or commit) loads that snapshot; the commit is what is recorded;
+    an unknown revision is one clear line naming the revisions the cache has."""
+    import json
+
+    commits = hub_cache(tmp_path / "cache", bpe_tokenizer)
+    script = (
+        "import json\n"
+        "from ar_slicing.errors import ArSliceError\n"
+        "from models.loaders import load_model, spec_identity\n"
+        "out = {}\n"
+        f"for spec in ('hf:tiny/gpt', 'hf:tiny/gpt@step1', 'hf:tiny/gpt@{commits['step1']}',"
+        " 'based:tiny/based'):\n"
+        "    m = load_model(spec)\n"
+        "    w = next(m.model.parameters())\n"
+        "    out[spec] = [m.hub_commit, float(w.double().sum()), spec_identity(spec),"
+        " m.tokenizer_fingerprint is not None]\n"
+        "for spec in ('hf:tiny/gpt@step9', 'hf:./nowhere@main', 'safari:tiny/gpt@a@b'):\n"
+        "    try:\n"
+        "        load_model(spec)\n"
+        "    except ArSliceError as e:\n"
+        "        out[spec] = str(e)\n"
+        "print(json.dumps(out))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=cache_env(tmp_path),
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    main, step1 = got["hf:tiny/gpt"], got["hf:tiny/gpt@step1"]
+    assert main[0] == commits["main"] and step1[0] == commits["step1"]
+    assert main[1] != step1[1]  # another snapshot's weights
+    assert got[f"hf:tiny/gpt@{commits['step1']}"][:2] == step1[:2]  # a commit names itself
+    assert step1[2] == {"hub": "tiny/gpt", "revision": "step1", "commit": commits["step1"]}
+    assert main[2] == {"hub": "tiny/gpt", "revision": None, "commit": commits["main"]}
+    assert main[3] and step1[3]  # the tokenizer found at that commit
+    assert got["based:tiny/based"][0] == commits["based"]
+    assert "revision 'step9' of tiny/gpt is not in the local cache" in got["hf:tiny/gpt@step9"]
+    assert "it has main, step1" in got["hf:tiny/gpt@step9"]
+    assert "hf:./nowhere@main" in got["hf:./nowhere@main"]  # a path, not a hub id
+    assert "expected a hub id and one revision" in got["safari:tiny/gpt@a@b"]
+
+
+def test_a_hub_model_that_changed_under_its_name_is_a_changed_input(
+    tiny_run,  # noqa: F811
+    tmp_path,
+    bpe_tokenizer,
+):
+    """The eval stage records the resolved commit in meta.json and in its plan: once the branch
+    points elsewhere, a rerun refuses and names both commits instead of skipping."""
+    import json
+
+    commits = hub_cache(tmp_path / "cache", bpe_tokenizer)
+    env = cache_env(tmp_path)
+    args = ["eval", "--model", "hf:tiny/gpt", "--tags", str(tiny_run / "tags"),
+            "--out", str(tmp_path / "losses"), "--device", "cpu", "--dtype", "fp32"]  # fmt: skip
+    first, _ = arslice(args, env)
+    assert first.returncode == 0, first.stderr
+    meta = json.loads((tmp_path / "losses" / "meta.json").read_text())
+    assert meta["hub_commit"] == commits["main"]
+    again, _ = arslice(args, env)
+    assert again.returncode == 0 and "skipped" in again.stdout, again.stderr
+    refs = tmp_path / "cache" / "models--tiny--gpt" / "refs" / "main"
+    refs.write_text(commits["step1"])  # the hub's main moved on
+    moved, _ = arslice(args, env)
+    assert moved.returncode == 2, moved.stderr
+    assert commits["main"] in moved.stderr and commits["step1"] in moved.stderr
+    assert "commit" in moved.stderr and "Traceback" not in moved.stderr

@@ -18,7 +18,11 @@ from ar_slicing.errors import ArSliceError
 torch = pytest.importorskip("torch")
 
 FIXTURES = Path(__file__).parent / "fixtures" / "upstream" / "based"
-CASES = ("based-main", "based-2402", "transformer-pp")
+# based-fla-parallel: feature_dim 8 apart from TaylorExp's input_dim 16, on FLA's kernel (2024
+# API); transformer-pp-rotary-35: head_dim 70 at rotary_emb_fraction 0.5 (an odd rotary dim)
+CASES = (
+    "based-main", "based-2402", "transformer-pp", "based-fla-parallel", "transformer-pp-rotary-35",
+)  # fmt: skip
 # upstream class -> ours, for the mixer list each fixture recorded
 OURS = {
     "BaseConv": "GatedConv",
@@ -30,8 +34,8 @@ OURS = {
 }
 
 
-def expected(case: str) -> dict:
-    return json.loads((FIXTURES / case / "expected.json").read_text())
+def expected(case: str, name: str = "expected.json") -> dict:
+    return json.loads((FIXTURES / case / name).read_text())
 
 
 def token_nll(loaded, seq: list[int]) -> torch.Tensor:
@@ -51,7 +55,7 @@ def test_every_token_equals_upstream(case):
     loaded = load_model(f"based:{FIXTURES / case}")
     layers = loaded.model.backbone.layers
     assert [type(b.sequence_mixer).__name__ for b in layers] == [OURS[m] for m in want["mixers"]]
-    assert loaded.architecture == ("attention" if case == "transformer-pp" else "based")
+    assert loaded.architecture == ("attention" if case.startswith("transformer-pp") else "based")
     assert loaded.vocab_size == 96 and loaded.max_positions is None
     lengths = [len(s) for s in want["sequences"]]
     assert min(lengths) < 8 < max(lengths)  # shorter and longer than the sliding window
@@ -79,6 +83,61 @@ def test_fixture_nll_depends_on_what_is_tested():
     assert (token_nll(loaded, seq) - nll).abs().max() <= 1e-4
     linear.scale_dim = 16
     assert (token_nll(loaded, seq) - nll).abs().max() > 1e-2
+
+
+def test_fla_kernels_scale_by_feature_dim_not_taylor_exp_input_dim():
+    """FLA's parallel_based never calls TaylorExp: its scale is feature_dim ** -0.5 (8 here),
+    while the quadratic view on the same weights scales by TaylorExp's input_dim (16)."""
+    from models.loaders import load_model
+
+    cfg = json.loads((FIXTURES / "based-fla-parallel" / "config.json").read_text())
+    spec = cfg["alt_mixer"]
+    assert spec["parallel_implementation"] == "fla_parallel"
+    assert (spec["feature_dim"], spec["feature_map"]["input_dim"]) == (8, 16)
+    linear = load_model(f"based:{FIXTURES / 'based-fla-parallel'}").model.backbone.layers[1]
+    assert (linear.sequence_mixer.scale_dim, linear.sequence_mixer.eps) == (8, 1e-6)
+
+
+def test_each_fla_version_is_reproduced_and_they_disagree(tmp_path):
+    """Based's `parallel_based(q, k, v, True, True)`: FLA 0.1 reads the 4th argument as `scale`
+    (1), the 2024 API as `use_scale`; the fixture ran FLA 0.1's own naive_parallel_based."""
+    from models.loaders import load_model
+
+    case = FIXTURES / "based-fla-parallel"
+    want = expected("based-fla-parallel", "expected-fla-0.1.json")
+    assert want["upstream"]["flash_linear_attention"].startswith("cb0d1bb")  # v0.1.0
+    default = load_model(f"based:{case}")  # the published config: the 2024 API
+    seq, nll = want["sequences"][1], torch.tensor(want["nll"][1])
+    assert (token_nll(default, seq) - nll).abs().max() > 0.5
+    cfg = json.loads((case / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "fla_version": "0.1"}))
+    loaded = load_model(f"based:{case}", model_config=str(tmp_path / "config.json"))
+    for seq, nll in zip(want["sequences"], want["nll"]):
+        assert (token_nll(loaded, seq) - torch.tensor(nll)).abs().max() <= 1e-4
+    (tmp_path / "later.json").write_text(json.dumps({**cfg, "fla_version": "0.2"}))
+    with pytest.raises(
+        ArSliceError, match="fla_version '0.2' is not implemented; implemented: '2024'"
+    ):
+        load_model(f"based:{case}", model_config=str(tmp_path / "later.json"))
+    with pytest.raises(ArSliceError, match="--model-config .*nope.json: no such file"):
+        load_model(f"based:{case}", model_config=str(tmp_path / "nope.json"))
+
+
+def test_odd_rotary_dimension_rotates_as_flash_attn_rounds():
+    """rotary_emb_dim 35: flash-attn makes 18 frequencies base^(-2i/35) and turns 36 channels."""
+    from models.loaders import load_model
+    from models.rotary import RotaryEmbedding
+
+    mha = load_model(f"based:{FIXTURES / 'transformer-pp-rotary-35'}").model.backbone.layers[0]
+    rotary = mha.sequence_mixer.rotary_emb
+    assert (mha.sequence_mixer.head_dim, rotary.dim, rotary.channels) == (70, 35, 36)
+    want = 1.0 / 10000.0 ** (torch.arange(0, 35, 2, dtype=torch.float32) / 35)
+    assert torch.equal(rotary.inv_freq, want)
+    with pytest.raises(ValueError, match="rotates 36 channels > head_dim 35"):
+        from models.attention import MHA
+
+        MHA(35, num_heads=1, rotary_emb_dim=35)
+    assert RotaryEmbedding(4).channels == 4
 
 
 def test_a_loaded_based_model_saves_and_reloads_as_native(tmp_path):

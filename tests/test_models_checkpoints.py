@@ -305,6 +305,111 @@ def test_safari_state_dict_without_recomputable_buffers(tmp_path):
     assert load_model(f"safari:{tmp_path / 'hyena.pt'}").architecture == "hyena"
 
 
+def safari_error(loaded, case: str) -> float:
+    """Largest |Δ nll| against the losses safari's own code gave for `case`'s weights."""
+    from test_upstream_fixtures import max_nll_error
+
+    windows = json.loads((FIXTURES / case / "expected.json").read_text())["windows"]
+    return max_nll_error(loaded, windows)
+
+
+def test_safari_legacy_key_names_are_mapped_as_safari_maps_them(tmp_path):
+    """ConvLMHeadModel.load_state_dict renames `.mixer.output_linear.` (and `s4seq.encoder.`,
+    `embedding.`) before loading; the same weights under those names give safari's losses."""
+    raw = torch.load(FIXTURES / "safari-modulate" / "model.pt", weights_only=True)
+    legacy = {}
+    for key, value in raw.items():
+        key = key.replace(".mixer.out_proj.", ".mixer.output_linear.")
+        key = key.replace("backbone.embeddings.word_embeddings.", "embedding.")
+        legacy[key.replace("backbone.", "s4seq.encoder.", 1)] = value
+    assert any(".mixer.output_linear." in k for k in legacy) and "embedding.weight" in legacy
+    ckpt = copy_case("safari-modulate", tmp_path / "c")
+    torch.save(legacy, ckpt / "model.pt")
+    assert safari_error(load_model(f"safari:{ckpt / 'model.pt'}"), "safari-modulate") <= 1e-4
+    legacy["s4seq.encoder.norm.weight"] = torch.ones(16)  # the post-norm order: not implemented
+    torch.save(legacy, ckpt / "model.pt")
+    with pytest.raises(
+        ArSliceError, match="model.pt: backbone.norm.weight: safari's legacy post-norm"
+    ):
+        load_model(f"safari:{ckpt / 'model.pt'}")
+
+
+def test_safari_mlp_width_need_not_be_a_multiple_of_d_model(tmp_path):
+    """d_inner 100 with d_model 16: safari's Mlp takes any width. The fixture's 32 hidden units
+    plus 68 whose output weights are zero compute safari's function with fc1 (100, 16)."""
+    raw = torch.load(FIXTURES / "safari-modulate" / "model.pt", weights_only=True)
+    gen = torch.Generator().manual_seed(0)
+    for i in (0, 1):
+        mlp = f"backbone.layers.{i}.mlp."
+        raw[mlp + "fc1.weight"] = torch.cat(
+            [raw[mlp + "fc1.weight"], torch.randn(68, 16, generator=gen)]
+        )
+        raw[mlp + "fc1.bias"] = torch.cat([raw[mlp + "fc1.bias"], torch.randn(68, generator=gen)])
+        raw[mlp + "fc2.weight"] = torch.cat([raw[mlp + "fc2.weight"], torch.zeros(16, 68)], dim=1)
+    ckpt = copy_case("safari-modulate", tmp_path / "c")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["model"]["d_inner"] = 100
+    (ckpt / "config.json").write_text(json.dumps(config))
+    torch.save(raw, ckpt / "model.pt")
+    loaded = load_model(f"safari:{ckpt / 'model.pt'}")
+    assert loaded.model.backbone.layers[0].state_mixer.fc1.weight.shape == (100, 16)
+    assert safari_error(loaded, "safari-modulate") <= 1e-4
+
+
+@pytest.mark.parametrize("activation", ["identity", "linear", None])
+def test_safari_identity_activations_are_accepted(tmp_path, activation):
+    """safari's Activation() is nn.Identity for None, 'id', 'identity' and 'linear' alike."""
+    ckpt = copy_case("safari-modulate", tmp_path / "c")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["model"]["layer"]["activation"] = activation
+    (ckpt / "config.json").write_text(json.dumps(config))
+    assert safari_error(load_model(f"safari:{ckpt / 'model.pt'}"), "safari-modulate") <= 1e-4
+
+
+def test_safari_hydra_config_with_a_resolver_cache_says_how_to_load_it(tmp_path):
+    """safari's train.py resolves `${eval:...}`: a DictConfig pickled after a caching resolver ran
+    carries omegaconf's filled resolver cache, which no weights-only load rebuilds. The message
+    says so, and what it suggests loads."""
+    import inspect
+
+    import yaml
+    from omegaconf import OmegaConf
+
+    from models.checkpoint_io import safe_torch_load
+
+    ckpt = safe_torch_load(FIXTURES / "safari-lightning" / "checkpoints" / "last.ckpt")
+    name = "arslice_test_eval"
+    if not OmegaConf.has_resolver(name):  # safari's train.py calls register_new_resolver,
+        # which omegaconf 2.4 renamed; the cache is the same
+        register = getattr(OmegaConf, "register_resolver", OmegaConf.register_new_resolver)
+        if "use_cache" not in inspect.signature(register).parameters:
+            register = OmegaConf.register_new_resolver
+        register(name, eval, use_cache=True)
+    hparams = OmegaConf.create(OmegaConf.to_container(ckpt["hyper_parameters"]))
+    hparams.tokens_per_step = "${" + name + ":2 * ${model.d_model}}"
+    assert hparams.tokens_per_step == 32  # resolved once: now in the resolver cache
+    assert hparams._metadata.resolver_cache
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    torch.save({**ckpt, "hyper_parameters": hparams}, run / "checkpoints" / "last.ckpt")
+    with pytest.raises(ArSliceError) as err:
+        load_model(f"safari:{run / 'checkpoints' / 'last.ckpt'}")
+    msg = str(err.value)
+    assert msg.startswith(f"{run / 'checkpoints' / 'last.ckpt'}: refused: its hydra config")
+    assert "resolver cache" in msg and "--model-config" in msg and "\n" not in msg
+    # what it suggests: the weights alone, the run's config given
+    full = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    torch.save(full["state_dict"], tmp_path / "model.pt")
+    (run / ".hydra").mkdir()
+    (run / ".hydra" / "config.yaml").write_text(
+        yaml.safe_dump(OmegaConf.to_container(hparams, resolve=True))
+    )
+    loaded = load_model(
+        f"safari:{tmp_path / 'model.pt'}", model_config=run / ".hydra" / "config.yaml"
+    )
+    assert safari_error(loaded, "safari-lightning") <= 1e-4
+
+
 def test_safari_bad_inputs(tmp_path):
     with pytest.raises(ArSliceError, match="checkpoint file not found"):
         load_model(f"safari:{tmp_path / 'missing.pt'}")
@@ -319,5 +424,7 @@ def test_safari_bad_inputs(tmp_path):
         match=r"sequence_mixer.out_proj.weight \(checkpoint \(16, 15\), model \(16, 16\)\)",
     ):
         load_model(f"safari:{tmp_path / 'bad.pt'}")
-    with pytest.raises(ArSliceError, match="applies to zoology: and safari: checkpoints only"):
+    with pytest.raises(
+        ArSliceError, match="applies to zoology:, safari: and based: checkpoints only"
+    ):
         load_model(f"native:{tmp_path}", model_config=tmp_path / "x.yaml")

@@ -62,6 +62,15 @@ class EvalConfig:
             "model tokenizer's BOS when it declares one, else EOS, as lm-eval's prefix_token_id)"
         },
     )
+    harness_bos: bool = field(
+        default=False,
+        metadata={
+            "help": "rolling windowing: score each document as lm-eval 0.4's default does with a "
+            "tokenizer that adds BOS itself (add_bos_token=True, Llama-style): after the prefix "
+            "and the BOS that tokenizer.encode adds, so every token reads two BOS (the same as "
+            "plain rolling for a tokenizer that adds nothing)"
+        },
+    )
     tokens: str | None = field(
         default=None,
         metadata={
@@ -71,8 +80,9 @@ class EvalConfig:
     model_config: str | None = field(
         default=None,
         metadata={
-            "help": "safari: or zoology: model config file (YAML or JSON, as safari or Zoology "
-            "writes it) to use instead of the one found with the checkpoint"
+            "help": "safari:, zoology: or based: model config file (YAML or JSON, as safari, "
+            "Zoology or HazyResearch/based writes it) to use instead of the one found with the "
+            "checkpoint (based: a config.json with `fla_version`, see the README's model table)"
         },
     )
     skip_tokenizer_check: bool = field(

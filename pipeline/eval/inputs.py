@@ -142,10 +142,12 @@ def fixed_sequences(tags: TagsInput, w0: int, w1: int) -> list[Sequence]:
 
 
 def rolling_sequences(
-    tags: TagsInput, w0: int, w1: int, prefix: int | None = None
+    tags: TagsInput, w0: int, w1: int, prefix: int | None = None, lead: tuple[int, ...] = ()
 ) -> list[Sequence]:
     """Per-document rolling windows (ar_slicing.rolling) whose predictions fall in windows w0..w1-1,
-    each document read after the token `prefix` (default: the store's EOS).
+    each document read after the token `prefix` (default: the store's EOS) and the tokens `lead`
+    (the harness's `[BOS] + doc` token list for a tokenizer that adds BOS, `--harness-bos`; their
+    predictions predict no stream token and are not scored).
 
     Rows of a chunk are its targets in stream order, so stream index `i` lands in row
     `i - (first target of the chunk)`. A rolling window that reaches past the chunk is cut
@@ -163,6 +165,8 @@ def rolling_sequences(
     last_doc = int(np.searchsorted(offsets, hi, side="right")) - 1
     eos = store.eos_id
     prefix = eos if prefix is None else prefix
+    head = np.array([prefix, *lead], dtype=np.int64)
+    shift = len(lead)
     out = []
     for d in range(first_doc, last_doc + 1):
         o, e = int(offsets[d]), int(ends[d])
@@ -170,18 +174,28 @@ def rolling_sequences(
         # gets the trailing-EOS rule; a segment without one is all document.
         trailing_eos = e > o and int(store.tokens[e - 1]) == eos
         n_doc = e - o - 1 if trailing_eos else e - o
-        for a, b, k in rolling_windows(n_doc, tags.window, trailing_eos):
-            # E[j] is stream index o + j - 1 (E[0] is the prefix); outputs t predict E[a + 1 + t].
-            first_scored = o + b - k  # stream index of the first scored target
-            last_scored = o + b - 1
+        extended = _extended_slicer(store, head, o)
+        for a, b, k in rolling_windows(n_doc + shift, tags.window, trailing_eos):
+            # E[j] is stream index o + j - 1 - shift (E[0] is the prefix, E[1..shift] the lead);
+            # outputs t predict E[a + 1 + t].
+            first_scored = max(o + b - k - shift, o)  # the lead's targets are not in the stream
+            last_scored = o + b - 1 - shift
             s_lo, s_hi = max(first_scored, lo), min(last_scored, hi)
             if s_lo > s_hi:
                 continue
             stop = b - (last_scored - s_hi)  # drop inputs only needed for targets after the chunk
-            if a == 0:
-                inputs = np.concatenate([[prefix], store.slice(o, o + stop - 1)]).astype(np.int64)
-            else:
-                inputs = store.slice(o + a - 1, o + stop - 1).astype(np.int64)
-            targets = store.slice(o + a, o + stop).astype(np.int64)
-            out.append(Sequence(inputs, targets, s_lo - (o + a), s_lo - lo))
+            inputs, targets = extended(a, stop), extended(a + 1, stop + 1)
+            out.append(Sequence(inputs, targets, s_lo - (o + a - shift), s_lo - lo))
     return out
+
+
+def _extended_slicer(store, head: np.ndarray, o: int):
+    """`E[i:j]` of E = head + the stream from index `o`, reading only the part of the stream
+    needed (head[h] is E[h]; E[h] for h >= len(head) is stream index o + h - len(head))."""
+    n = len(head)
+
+    def extended(i: int, j: int) -> np.ndarray:
+        tail = store.slice(o + max(i, n) - n, o + j - n).astype(np.int64) if j > n else head[:0]
+        return np.concatenate([head[i:j], tail])
+
+    return extended

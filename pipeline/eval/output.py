@@ -93,6 +93,7 @@ class ChunkEvaluator:
         loaded=None,
         tags=None,
         prefix: int | None = None,  # the rolling windows' prefix token (default: the store's EOS)
+        lead: tuple[int, ...] = (),  # read after the prefix, before each document (--harness-bos)
     ):
         import torch
 
@@ -107,7 +108,7 @@ class ChunkEvaluator:
         forward = make_forward(loaded, device, dtype)
         self.runner = BatchRunner(forward, batch_size, on_oom=torch.cuda.empty_cache)
         if cfg.windowing == "rolling":
-            self.make_sequences = functools.partial(rolling_sequences, prefix=prefix)
+            self.make_sequences = functools.partial(rolling_sequences, prefix=prefix, lead=lead)
         else:
             self.make_sequences = fixed_sequences
 

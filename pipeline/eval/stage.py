@@ -30,6 +30,8 @@ def validate_eval(cfg: EvalConfig) -> None:
         raise ArSliceError(f"--max-windows {cfg.max_windows}: must be at least 1")
     if cfg.prefix_token is not None and cfg.windowing != "rolling":
         raise ArSliceError("--prefix-token applies to --windowing rolling only")
+    if cfg.harness_bos and cfg.windowing != "rolling":
+        raise ArSliceError("--harness-bos applies to --windowing rolling only")
     if cfg.ray_actors < 0:
         raise ArSliceError(f"--ray-actors {cfg.ray_actors}: must be 0 (one per GPU) or more")
     resolve_batch_size(cfg.batch_size, "cpu", 1)  # refuses what is neither a number nor auto
@@ -49,10 +51,12 @@ def eval_settings(cfg: EvalConfig, device: str | None = None, dtype: str | None 
         "device": device,
         "dtype": dtype,
     }
-    if cfg.model_config is not None:  # it decides what a zoology:/safari: model computes
+    if cfg.model_config is not None:  # it decides what a zoology:/safari:/based: model computes
         settings["model_config"] = model_config_identity(cfg.model_config)
     if cfg.windowing == "rolling":  # None: the harness's rule over the model's tokenizer
         settings["prefix_token"] = cfg.prefix_token
+    if cfg.harness_bos:  # recorded only when set, so earlier rolling plans stay the same
+        settings["harness_bos"] = True
     return settings
 
 
@@ -73,6 +77,33 @@ def rolling_prefix(cfg: EvalConfig, loaded, store) -> tuple[int, str]:
     if what == "EOS" and eos is None:
         return token, "the store's EOS: the model's tokenizer declares no BOS"
     return token, f"the model tokenizer's {what}"
+
+
+def harness_lead(cfg: EvalConfig, loaded) -> tuple[tuple[int, ...], str | None]:
+    """The tokens read between the prefix and each document with --harness-bos (what the model
+    tokenizer's `encode` puts before a text, as lm-eval's tok_encode keeps them), and a line
+    saying so; () without --harness-bos."""
+    from ar_slicing.tokenizer import special_token_ids
+
+    if not cfg.harness_bos:
+        return (), None
+    declared = special_token_ids(loaded.tokenizer_source) if loaded.tokenizer_source else {}
+    if "encode_prefix" not in declared:
+        raise ArSliceError(
+            f"--harness-bos: no transformers tokenizer found with {cfg.model} (looked in "
+            f"{loaded.tokenizer_source}), so what its encode adds is unknown; without one, use "
+            "--windowing rolling alone (or --prefix-token)"
+        )
+    lead, suffix = declared["encode_prefix"], declared["encode_suffix"]
+    if lead is None or suffix:
+        raise ArSliceError(
+            f"--harness-bos: the tokenizer of {cfg.model} ({loaded.tokenizer_source}) "
+            + ("appends " + str(suffix) if suffix else "encodes a text differently")
+            + " with its special tokens; only tokens added before the text (BOS) are implemented"
+        )
+    if not lead:
+        return (), "--harness-bos: the model's tokenizer adds no BOS, so the harness reads none"
+    return tuple(int(t) for t in lead), f"--harness-bos: then {lead}, as the tokenizer adds it"
 
 
 def model_config_identity(path: str) -> dict:
@@ -156,9 +187,12 @@ def run_eval(cfg: EvalConfig) -> dict:
     if loaded.settings:
         say(f"eval {name}: {describe_settings(loaded.settings)}")
     prefix = prefix_source = None
+    lead, lead_source = harness_lead(cfg, loaded)
     if cfg.windowing == "rolling":
         prefix, prefix_source = rolling_prefix(cfg, loaded, tags.store)
         say(f"eval {name}: each document read after token {prefix} ({prefix_source})")
+    if lead_source:
+        say(f"eval {name}: {lead_source}")
     check_model_fits(loaded, tags, n_windows, cfg, prefix)
     batch_size = resolve_batch_size(cfg.batch_size, device, tags.window)
     with stage.running():
@@ -166,14 +200,14 @@ def run_eval(cfg: EvalConfig) -> dict:
             stage.reopen()  # incomplete again until its meta.json is rewritten
         return _evaluate(
             stage, cfg, name, tags, n_windows, loaded, executor, device, dtype, batch_size, t0,
-            (prefix, prefix_source),
+            (prefix, prefix_source, lead),
         )  # fmt: skip
 
 
 def _evaluate(
     stage, cfg, name, tags, n_windows, loaded, executor, device, dtype, batch_size, t0, prefix
 ):
-    prefix, prefix_source = prefix
+    prefix, prefix_source, lead = prefix
     out = stage.out
     partial = n_windows < tags.n_windows
     chunks = chunk_bounds(n_windows, cfg.chunk_windows)
@@ -198,12 +232,12 @@ def _evaluate(
     t_loop = time.time()
     if executor is None:
         evaluator = ChunkEvaluator(
-            cfg, device, dtype, batch_size, loaded=loaded, tags=tags, prefix=prefix
+            cfg, device, dtype, batch_size, loaded=loaded, tags=tags, prefix=prefix, lead=lead
         )
         results = ((task, evaluator(task, bar.update)) for task in tasks)
     else:
         make_evaluator = functools.partial(
-            ChunkEvaluator, cfg, device, dtype, batch_size, prefix=prefix
+            ChunkEvaluator, cfg, device, dtype, batch_size, prefix=prefix, lead=lead
         )
         results = executor.map_actors(
             make_evaluator,
@@ -255,6 +289,7 @@ def _evaluate(
         throughput={"tokens_per_s": tokens_per_s},
         name=name,
         spec=cfg.model,
+        hub_commit=loaded.hub_commit,
         architecture=loaded.architecture,
         n_params=int(loaded.n_params),
         dtype=dtype,
@@ -272,6 +307,7 @@ def _evaluate(
         windowing=cfg.windowing,
         prefix_token=prefix,
         prefix_token_source=prefix_source,
+        harness_bos=list(lead) if cfg.harness_bos else None,
         window=tags.window,
         partial=partial,
         windows_evaluated=n_windows,
@@ -299,5 +335,7 @@ COMMAND = Command(
   arslice eval --model hf:RWKV/rwkv-4-169m-pile --tags runs/pile/tags --out runs/pile/losses/rwkv --dtype fp32  # needs the hub
   arslice eval --model hf:./pythia-70m --tags runs/pile/tags --out smoke --max-windows 8 --device cpu
   arslice eval --model hf:EleutherAI/pythia-160m --tags runs/pile/tags --out runs/pile/losses/pythia-rolling --windowing rolling  # needs the hub
+  arslice eval --model hf:EleutherAI/pythia-160m@step3000 --tags runs/pile/tags --out runs/pile/losses/pythia-160m-step3000  # needs the hub
+  arslice eval --model hf:meta-llama/Llama-2-7b-hf --tags runs/llama/tags --out runs/llama/losses/llama-harness --windowing rolling --harness-bos  # needs the hub
   arslice eval --model safari:hyena-small-150b-tok.ckpt --model-config safari/configs/evals/hyena_small_150b.yaml --tags runs/pile/tags --out runs/pile/losses/hyena  # needs a published checkpoint""",
 )
