@@ -88,6 +88,15 @@ def parse_spec(spec: str) -> tuple[str, str]:
     return prefix, target
 
 
+def spec_path(spec: str) -> Path | None:
+    """The local file or folder a spec names; None for a hub id (`hf:` and `based:` take
+    either: a target that starts with `.`, `/` or `~` is local)."""
+    prefix, target = parse_spec(spec)
+    if prefix in ("hf", "based") and not target.startswith((".", "/", "~")):
+        return None
+    return Path(target).expanduser()
+
+
 def spec_identity(spec: str) -> dict:
     """What identifies the weights a spec names, cheaply (no weights are read): a checkpoint
     this project wrote by its meta.json's digest, other local files by size and modification
