@@ -28,6 +28,8 @@ from pathlib import Path
 
 META_NAME = "meta.json"
 PLAN_NAME = ".plan.json"
+# a writer's lock (`ar_slicing.ownership`); beside a one-file output, `.<name>` + LOCK_NAME
+LOCK_NAME = ".arslice.lock"
 # Temporary names end so (`ar_slicing.io.tmp_path_for`); one sweep removes those a kill left.
 TMP_SUFFIX = ".tmp"
 
@@ -36,8 +38,10 @@ TOKENS_NAME = "tokens.bin"
 DOCS_NAME = "docs.parquet"
 TOKENIZER_NAME = "tokenizer.json"
 STORE_PARTS = ("train", "val")
+STORE_WORK_DIR = ".parts"  # the shards of an unfinished tokenize (kept for resuming)
 # counts
 BIGRAMS_NAME = "bigrams.parquet"
+COUNT_WORK_DIR = ".work"  # partials and reduced ranges of an unfinished count (kept for resuming)
 # tags
 WINDOWS_NAME = "windows.parquet"
 TAG_PART = "tags-{:05d}.parquet"
@@ -45,6 +49,8 @@ TAG_PART_GLOB = "tags-*.parquet"
 # losses
 LOSS_PART = "losses-{:05d}.parquet"
 LOSS_PART_GLOB = "losses-*.parquet"
+# a trained model
+TRAIN_STATE_DIR = ".train-state"  # the last periodic checkpoint of an unfinished training run
 # the run directory
 CONFIG_NAME = "config.toml"
 RESULTS_NAME = "results.duckdb"
@@ -52,6 +58,28 @@ REPORT_DIR = "report"
 MQAR_DIR = "mqar"
 SETTINGS_DIR = ".settings"
 MAKE_RULES_NAME = "stages.mk"
+
+# What each stage writes in its output folder, by the stage name of its plan (globs relative to
+# the folder; `*` also matches across `/`): the only files it removes, and the only ones it
+# accepts there besides its meta.json, plan, lock and temporaries (`ar_slicing.ownership`).
+STAGE_FILES: dict[str, tuple[str, ...]] = {
+    "tokenize": (TOKENS_NAME, DOCS_NAME, TOKENIZER_NAME, STORE_WORK_DIR + "/*"),
+    "count": (BIGRAMS_NAME, COUNT_WORK_DIR + "/*"),
+    "tag": (WINDOWS_NAME, TAG_PART_GLOB),
+    "eval": (LOSS_PART_GLOB,),
+    "train": ("config.json", "model.safetensors", TOKENIZER_NAME, TRAIN_STATE_DIR + "/*"),
+    "report": ("report.md", "report.html", "*.png", "*.csv"),
+    "mqar": ("cells/*", "mqar.csv", "mqar.md", "mqar.png"),
+}
+# What `arslice run` writes at the top of a run directory besides the stage folders below.
+RUN_FILES = (
+    CONFIG_NAME,
+    TOKENIZER_NAME,
+    "tokenizer.meta.json",
+    RESULTS_NAME,
+    f"{RESULTS_NAME}.wal",
+    SETTINGS_DIR + "/*",
+)
 
 
 def is_complete(out_dir: str | os.PathLike) -> bool:

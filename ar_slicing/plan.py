@@ -14,8 +14,13 @@ before plans existed, of its meta.json's stable fields), so an input redone with
 settings, or from other inputs, is a different input, and one redone under the same plan is
 the same.
 
+A stage owns only the files of its layout (`ar_slicing.layout.STAGE_FILES`, recorded in its
+meta.json as `owns`): a folder holding anything else is refused, whatever the plan says, and
+redoing an output removes the owned files one by one, never a tree. From the plan check to the
+end of the stage, the output is locked against other writers (`ar_slicing.ownership`).
+
     plan = StagePlan("tag", settings={"window": 2048, ...}, inputs={"counts": identity(counts)})
-    stage = open_stage(out, plan, overwrite=cfg.overwrite)
+    stage = open_stage(out, plan, overwrite=cfg.overwrite)   # locks OUT (when it exists)
     if stage.complete:
         return stage.skip()                    # skipped
     with stage.running():                      # creates OUT, writes .plan.json, sweeps temporaries
@@ -31,7 +36,7 @@ import hashlib
 import json
 import logging
 import os
-import shutil
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +44,19 @@ from typing import Any
 
 from ar_slicing.errors import ArSliceError
 from ar_slicing.io import read_json, stable_meta, sweep_temporaries, to_jsonable, write_json_atomic
-from ar_slicing.layout import META_NAME, PLAN_NAME
+from ar_slicing.layout import LOCK_NAME, META_NAME, PLAN_NAME, STAGE_FILES
+from ar_slicing.ownership import (
+    ForeignFiles,
+    LockHold,
+    OutputBusy,
+    acquire,
+    foreign_files,
+    holds_work,
+    lock_path,
+    refuse_foreign,
+    remove_if_empty,
+    remove_owned,
+)
 
 log = logging.getLogger(__name__)
 
@@ -144,16 +161,55 @@ def _same(old: Any, new: dict) -> bool:
 
 
 class StageDir:
-    """A stage's output directory and what a rerun with `plan` must do with it."""
+    """A stage's output directory and what a rerun with `plan` must do with it.
+
+    From the plan check until the stage ends (`skip()`, or the end of `running()`), it holds the
+    output's lock (`ar_slicing.ownership`): when OUT exists, from here on; when it does not, from
+    when `running()` makes it."""
+
+    single_file = False
 
     def __init__(self, out: Path, plan: StagePlan, *, overwrite: bool, follow_inputs: bool):
         self.out = out
         self.plan = plan.as_json()
         self.meta: dict | None = None  # the complete output's meta.json, when it is kept
         self._clear = False
-        meta_path, plan_path = self.meta_path, self.plan_path
-        if meta_path.is_file() and self._output_present():
-            meta = read_json(meta_path)
+        self._lock: LockHold | None = None
+        self._owns = STAGE_FILES.get(plan.stage, ())
+        self._check_kind()
+        if self._lock_dir.is_dir():
+            self._take_lock()
+        try:
+            self._check_plan(overwrite, follow_inputs)
+        except BaseException:
+            self.release()
+            raise
+
+    @property
+    def _lock_dir(self) -> Path:
+        return self.out
+
+    def _check_kind(self) -> None:
+        if self.out.is_symlink() and not self.out.exists():
+            raise PlanMismatch(
+                f"{self.out}: a link to {os.readlink(self.out)}, which does not exist; make that "
+                "folder or remove the link"
+            )
+        if self.out.exists() and not self.out.is_dir():
+            raise PlanMismatch(f"{self.out}: a file, not a folder; choose another output")
+
+    def _take_lock(self) -> None:
+        self._lock = acquire(lock_path(self.out, self.single_file), self.out)
+        weakref.finalize(self, self._lock.release)  # a stage left before it ran lets go too
+
+    def _check_plan(self, overwrite: bool, follow_inputs: bool) -> None:
+        out, meta_path, plan_path = self.out, self.meta_path, self.plan_path
+        found_meta = meta_path.is_file() and self._output_present()
+        meta = read_json(meta_path) if found_meta else None
+        if meta is not None:
+            self._owns = tuple(dict.fromkeys([*self._owns, *_recorded_owns(meta)]))
+        self._refuse_foreign()
+        if meta is not None:
             old = meta.get("plan")
             if overwrite:
                 self._clear = True
@@ -172,7 +228,7 @@ class StageDir:
                 self._clear = True
             elif not _same(old, self.plan):
                 self._refuse(old, "holds the finished parts of an unfinished run")
-        elif self._foreign():
+        elif self._holds_work():
             if not overwrite:
                 raise PlanMismatch(
                     f"{out}: holds files this stage did not write (no {meta_path.name} "
@@ -192,8 +248,17 @@ class StageDir:
     def _output_present(self) -> bool:
         return True
 
-    def _foreign(self) -> bool:
-        return self.out.is_dir() and any(self.out.iterdir())
+    def _holds_work(self) -> bool:
+        return holds_work(self.out)
+
+    def _refuse_foreign(self) -> None:
+        """Refuse an output folder holding anything this stage does not own."""
+        refuse_foreign(
+            self.out,
+            foreign_files(self.out, self._owns),
+            self._owns,
+            f"the {self.plan['stage']} stage",
+        )
 
     def _refuse(self, old: Any, what: str) -> None:
         lines = differences(old, self.plan) if isinstance(old, Mapping) else []
@@ -216,11 +281,17 @@ class StageDir:
         """True when the output is complete under this plan (nothing to do)."""
         return self.meta is not None
 
+    def release(self) -> None:
+        """Let go of the output's lock (done by `skip()` and at the end of `running()`)."""
+        if self._lock is not None:
+            self._lock.release()
+
     def skip(self) -> dict:
         """The complete output's meta.json, its mtime moved on (confirmed up to date, so make
         sees it fresh)."""
         with contextlib.suppress(OSError):
             os.utime(self.meta_path)
+        self.release()
         return self.meta
 
     def reopen(self) -> None:
@@ -229,29 +300,54 @@ class StageDir:
         (self.out / META_NAME).unlink(missing_ok=True)
         self.meta = None
 
+    def _prepare(self) -> list[Path]:
+        """Make the folder that holds the lock, take the lock if not yet held, and clear what
+        the plan check said to; returns the folders made here."""
+        made = _missing_folders(self._lock_dir)
+        self._lock_dir.mkdir(parents=True, exist_ok=True)
+        if self._lock is None:
+            self._take_lock()
+            if self._holds_work():  # another writer made and filled it since the plan check
+                raise OutputBusy(
+                    f"{self.out}: another process wrote it while this one was getting ready; "
+                    "rerun to check what it holds"
+                )
+        if self._clear:
+            self._remove()
+        return made
+
+    def _remove(self) -> None:
+        remove_owned(self.out, self._owns)
+
     @contextlib.contextmanager
     def running(self, keep_if: Callable[[Path], bool] | None = None) -> Iterator[StageDir]:
-        """Prepare OUT for this plan and yield; on failure, remove OUT again if this run made it
-        and kept no work in it (an early error leaves no directory behind). Work is any file
-        but the plan, or what `keep_if(out)` says for stages whose first files are not work."""
-        made = not self.out.exists()
-        if self._clear:
-            shutil.rmtree(self.out)
-            made = True
-        self.out.mkdir(parents=True, exist_ok=True)
-        sweep_temporaries(self.out)
-        write_json_atomic(self.out / PLAN_NAME, self.plan)
+        """Prepare OUT for this plan and yield, holding its lock; on failure, remove OUT again
+        if this run made it (or cleared it) and kept no work in it (an early error leaves no
+        directory behind). Work is any file but the plan, or what `keep_if(out)` says for
+        stages whose first files are not work."""
         try:
-            yield self
-        except BaseException:
-            kept = keep_if(self.out) if keep_if else not _holds_nothing_but_the_plan(self.out)
-            if made and not kept:
-                shutil.rmtree(self.out, ignore_errors=True)
-            raise
+            made = self._prepare()
+            fresh = bool(made) or self._clear
+            sweep_temporaries(self.out)  # (under the lock: no live writer's files among them)
+            write_json_atomic(self.out / PLAN_NAME, self.plan)
+            try:
+                yield self
+            except BaseException:
+                kept = keep_if(self.out) if keep_if else not _holds_nothing_but_the_plan(self.out)
+                if fresh and not kept:
+                    self._remove()
+                    self.release()
+                    remove_if_empty([self.out, *made])
+                raise
+        finally:
+            self.release()
 
     def finish(self, meta: Mapping[str, Any]) -> dict:
-        """Write `meta.json` (with the plan) last, and drop `.plan.json`."""
+        """Write `meta.json` (with the plan and what the stage owns) last, and drop
+        `.plan.json`."""
         meta = {**meta, "plan": self.plan}
+        if self._owns:
+            meta["owns"] = list(self._owns)
         write_json_atomic(self.meta_path, meta)
         if self.plan_path is not None:
             self.plan_path.unlink(missing_ok=True)
@@ -261,7 +357,17 @@ class StageDir:
 
 class StageFile(StageDir):
     """A stage whose output is one file (a tokenizer): written atomically, so it is never
-    unfinished; its meta sits beside it as `<stem>.meta.json`."""
+    unfinished; its meta sits beside it as `<stem>.meta.json`, its lock as `.<name>.lock`."""
+
+    single_file = True
+
+    @property
+    def _lock_dir(self) -> Path:
+        return self.out.parent
+
+    def _check_kind(self) -> None:
+        if self.out.is_dir():
+            raise PlanMismatch(f"{self.out}: a folder, not a file; choose another output")
 
     @property
     def meta_path(self) -> Path:
@@ -274,16 +380,44 @@ class StageFile(StageDir):
     def _output_present(self) -> bool:
         return self.out.is_file()
 
-    def _foreign(self) -> bool:
-        return self.out.exists()
+    def _holds_work(self) -> bool:
+        return False
+
+    def _refuse_foreign(self) -> None:
+        if self.out.exists() and not self.meta_path.is_file():
+            raise ForeignFiles(
+                f"{self.out}: a file this stage did not write (there is no {self.meta_path.name} "
+                "beside it); move it away or choose another output. Nothing was changed (not "
+                "even with --overwrite: a stage removes only its own files)"
+            )
+
+    def _remove(self) -> None:
+        self.out.unlink(missing_ok=True)
+        self.meta_path.unlink(missing_ok=True)
 
     @contextlib.contextmanager
     def running(self, keep_if=None) -> Iterator[StageFile]:
-        if self._clear:
-            self.out.unlink(missing_ok=True)
-            self.meta_path.unlink(missing_ok=True)
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        yield self
+        try:
+            self._prepare()
+            yield self
+        finally:
+            self.release()
+
+
+def _recorded_owns(meta: Mapping[str, Any]) -> list[str]:
+    owns = meta.get("owns")
+    if isinstance(owns, list) and all(isinstance(p, str) for p in owns):
+        return owns
+    return []
+
+
+def _missing_folders(path: Path) -> list[Path]:
+    """`path` and those of its parents that do not exist yet (what a mkdir -p would make)."""
+    missing = []
+    while not path.exists() and not path.is_symlink() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
 
 
 def _without_inputs(plan: Any) -> Any:
@@ -295,7 +429,7 @@ def _without_inputs(plan: Any) -> Any:
 def _holds_nothing_but_the_plan(out: Path) -> bool:
     for root, _dirs, files in os.walk(out):
         for name in files:
-            if not (Path(root) == out and name == PLAN_NAME):
+            if not (Path(root) == out and name in (PLAN_NAME, LOCK_NAME)):
                 return False
     return True
 

@@ -112,6 +112,13 @@ def hub_target(spec: str) -> tuple[str, str, str | None, bool]:
     return prefix, name, revision, is_hub
 
 
+def spec_path(spec: str) -> Path | None:
+    """The local file or folder a spec names; None for a hub id (`hf:`, `based:` and `safari:`
+    take either; see `hub_target`)."""
+    _prefix, target, _revision, is_hub = hub_target(spec)
+    return None if is_hub else Path(target).expanduser()
+
+
 def spec_identity(spec: str) -> dict:
     """What identifies the weights a spec names, cheaply (no weights are read): a checkpoint
     this project wrote by its meta.json's digest, other local files by size and modification

@@ -40,20 +40,35 @@ def top_level_help() -> str:
     return "\n".join(lines) + "\n\n" + EPILOG
 
 
+# what every command that writes an output says in its --help (`ar_slicing.ownership`)
+OUTPUTS_NOTE = """\
+outputs:
+  One writer at a time: a second arslice writing the same output is refused at once (it does
+  not wait), naming the pid of the one writing it. A stage removes only the files it wrote:
+  any other file in its output folder makes it refuse, naming that file, --overwrite or not."""
+
+
 def build_parser(name: str):
     """The argparse parser of subcommand `name`, and its Command."""
     from pipeline.config import add_config_arguments
 
     stage = BY_COMMAND[name]
     command = importlib.import_module(stage.module).COMMAND
+    epilog = ["examples:\n" + command.examples.strip("\n")] if command.examples else []
+    if command.plan_settings is not None or name in ("mqar", "run"):
+        epilog.append(OUTPUTS_NOTE)
     parser = argparse.ArgumentParser(
         prog=f"arslice {name}",
         description=command.description or stage.summary,
-        epilog="examples:\n" + command.examples.strip("\n") if command.examples else None,
+        epilog="\n\n".join(epilog) or None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_arguments(parser, command.config_cls)
-    parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the config and that its inputs exist, print the resolved config, and exit",
+    )
     parser.add_argument(
         "--log-level",
         default="INFO",
@@ -102,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(name: str, command, ns) -> int:
     """Run the parsed command; an ArSliceError, an interrupt or a full disk become one line on
     stderr and an exit status."""
-    from pipeline.config import config_from_namespace, print_config
+    from ar_slicing.errors import BadInput
+    from pipeline.config import config_from_namespace, missing_inputs, print_config
 
     try:
         cfg = config_from_namespace(command.config_cls, ns)
@@ -112,6 +128,9 @@ def _run(name: str, command, ns) -> int:
                 return 0
             if command.validate is not None:
                 command.validate(cfg)
+            missing = missing_inputs(command, cfg)
+            if missing:
+                raise BadInput("; ".join(missing) + " (nothing was run)")
             print_config(cfg)
             return 0
         command.run(cfg)

@@ -22,9 +22,10 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import sys
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass
 from typing import Any
 
@@ -39,7 +40,9 @@ class Command:
     sources that must already exist) and raises ArSliceError; `--dry-run` and `arslice run` call
     it before anything runs. A stage with outputs says what decides them: `plan_settings(cfg)` is
     the settings part of its plan (`ar_slicing.plan`) for the output `cfg.out`, which `arslice
-    run` compares with a complete output's before the first stage starts.
+    run` compares with a complete output's before the first stage starts. `inputs(cfg)` lists
+    the files and folders it reads, as (flag, path): `--dry-run` refuses the missing ones, all
+    at once, and so does `arslice run` for those no earlier stage of the run writes.
     """
 
     config_cls: type
@@ -50,6 +53,21 @@ class Command:
     validate: Callable[[Any], None] | None = None
     plan_settings: Callable[[Any], dict] | None = None
     dry_run: Callable[[Any], None] | None = None  # instead of printing the config (`arslice run`)
+    inputs: Callable[[Any], list[tuple[str, str]]] | None = None
+
+
+def missing_inputs(command: Command, cfg: Any, made: Iterable[str] = ()) -> list[str]:
+    """`--flag PATH: no such file or directory` for each input of `cfg` that does not exist
+    and is not one of `made` (what an earlier stage of the same run writes)."""
+    if command.inputs is None:
+        return []
+    made = {os.path.abspath(os.path.expanduser(p)) for p in made}
+    return [
+        f"{flag} {path}: no such file or directory"
+        for flag, path in command.inputs(cfg)
+        if not os.path.exists(os.path.expanduser(path))
+        and os.path.abspath(os.path.expanduser(path)) not in made
+    ]
 
 
 # ---- the short summaries a person reads -------------------------------------------------------

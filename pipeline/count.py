@@ -37,6 +37,7 @@ from ar_slicing.counts.keys import (
 )
 from ar_slicing.counts.tasks import count_full, stream_pairs
 from ar_slicing.errors import BadInput
+from ar_slicing.layout import COUNT_WORK_DIR
 from pipeline.config import Command, config_to_dict, ray_address_option, say
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 # 32 M tokens (~220 MB per map worker at most): fewer, fuller partials leave the reduce less
 # to merge
 DEFAULT_SHARD_TOKENS = 1 << 25
-WORK_NAME = ".work"  # partials and reduced ranges of an unfinished count (kept for resuming)
+WORK_NAME = COUNT_WORK_DIR
 
 
 @dataclass(frozen=True)
@@ -311,6 +312,14 @@ def validate_count(cfg: CountConfig) -> None:
         raise BadInput("count: --tokens needs one or more token store directories (not empty)")
 
 
+def count_inputs(cfg: CountConfig) -> list[tuple[str, str]]:
+    return [
+        *(("--tokens", t) for t in cfg.tokens or ()),
+        *(("--only-bigrams-of", t) for t in cfg.only_bigrams_of or ()),
+        *(("--import", t) for t in cfg.import_parquet or ()),
+    ]
+
+
 def _plan_settings(cfg: CountConfig) -> dict:
     if cfg.import_parquet:
         from pipeline.count_import import import_settings
@@ -392,6 +401,7 @@ COMMAND = Command(
     run_count,
     validate=validate_count,
     plan_settings=_plan_settings,
+    inputs=count_inputs,
     summary="exact training bigram counts of token stores",
     examples="""\
   arslice count --tokens runs/pile/tokens/train --out runs/pile/counts

@@ -15,11 +15,12 @@ from pathlib import Path
 from ar_slicing.counts.keys import parse_unit
 from ar_slicing.counts.parquet import BIGRAMS_NAME
 from ar_slicing.errors import BadInput
+from ar_slicing.layout import COUNT_WORK_DIR
 
 log = logging.getLogger(__name__)
 
 IMPORT_FORMAT = 1  # bump when the import's work files change
-WORK_NAME = ".work"
+WORK_NAME = COUNT_WORK_DIR
 
 
 def check_import(paths, tokenizer: str | None, unit: str | None) -> None:

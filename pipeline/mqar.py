@@ -69,6 +69,7 @@ from ar_slicing.io import (
     write_json_atomic,
     write_meta,
 )
+from ar_slicing.ownership import output_lock
 from pipeline.config import Command, config_to_dict, say
 
 log = logging.getLogger(__name__)
@@ -484,11 +485,6 @@ def figure_png(rows: list[dict]) -> bytes:
 
 def run_mqar(cfg: MqarConfig) -> dict:
     """Train every missing cell of the sweep, then write the table, the figure and meta.json."""
-    from concurrent.futures import ProcessPoolExecutor
-    from multiprocessing import get_context
-
-    from tqdm.auto import tqdm
-
     unknown = sorted(set(cfg.archs) - set(ARCHITECTURES))
     if unknown:
         raise ArSliceError(
@@ -504,6 +500,16 @@ def run_mqar(cfg: MqarConfig) -> dict:
             1, seq_len, cfg.vocab_size, num_kv_pairs_for(seq_len), np.random.default_rng()
         )
     out = Path(cfg.out)
+    with output_lock(out):  # one sweep writes a folder at a time
+        return _run_sweep(cfg, out)
+
+
+def _run_sweep(cfg: MqarConfig, out: Path) -> dict:
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from tqdm.auto import tqdm
+
     t0 = time.time()
     if is_complete(out) and not cfg.overwrite:
         meta = read_json(out / "meta.json")

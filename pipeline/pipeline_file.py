@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import sysconfig
 
@@ -65,9 +66,9 @@ def load_pipeline_config(path: str | Path) -> dict:
         if name in raw and not isinstance(raw[name], dict):
             raise BadInput(f"pipeline config {path}: `{name}` must be a table ([{name}])")
     placeholders = {"stdlib": stdlib_dir()}
-    run_dir = resolve_placeholders(raw["run_dir"], placeholders)
+    run_dir = os.path.expanduser(resolve_placeholders(raw["run_dir"], placeholders))
     placeholders["run_dir"] = run_dir
-    return resolve_placeholders(raw, placeholders)
+    return {**resolve_placeholders(raw, placeholders), "run_dir": run_dir}
 
 
 # ---- writing the resolved config ----------------------------------------------------------------

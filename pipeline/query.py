@@ -120,12 +120,14 @@ FORMATTERS = {"table": format_table, "csv": format_csv, "json": format_json}
 
 def run_query(cfg: QueryConfig) -> dict:
     """Print the result of `queries/<cfg.name>.sql` on the run `cfg.run`."""
+    from ar_slicing.ownership import results_lock
     from ar_slicing.results import open_results
 
     if cfg.format not in FORMATTERS:
         raise ArSliceError(f"--format {cfg.format!r}: choose one of {', '.join(FORMATS)}")
     query, params = load_query(cfg.name), parse_params(cfg.param)
-    con = open_results(cfg.run)
+    with results_lock(cfg.run, wait=True):  # (a rebuild by another query: wait for it)
+        con = open_results(cfg.run)
     try:
         columns, rows = run_named_query(con, query, params)
     finally:

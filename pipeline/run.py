@@ -126,6 +126,7 @@ def prepare_pipeline(cfg: RunConfig) -> tuple[Pipeline, dict, list[str]]:
 
 def run_pipeline(cfg: RunConfig) -> dict:
     """Run `cfg.stage` of the pipeline config `cfg.config`, in pipeline order."""
+    from ar_slicing.ownership import output_lock
     from ar_slicing.plan import PlanMismatch, redoing_changed
 
     pipeline, all_configs, chosen = prepare_pipeline(cfg)
@@ -137,13 +138,16 @@ def run_pipeline(cfg: RunConfig) -> dict:
                 "asks for:\n  " + "\n  ".join(lines) + "\n  pass --overwrite or --redo-changed "
                 "to redo them (make: OVERWRITE=1), or restore the settings; nothing was run"
             )
-    pipeline.run_dir.mkdir(parents=True, exist_ok=True)
-    changed = pipeline.write_settings(all_configs)
+    # (the run's own files; each stage locks its output itself. `make -j` runs several
+    # `arslice run --stage X` at once: they wait here for each other a moment, not refuse)
+    with output_lock(pipeline.run_dir, wait=True):
+        changed = pipeline.write_settings(all_configs)
+        if not cfg.make_rules:
+            pipeline.write_resolved_config()
     if cfg.make_rules:
         if changed:
             log.info("settings changed for: %s", ", ".join(changed))
         return {"run_dir": str(pipeline.run_dir), "settings_changed": changed}
-    pipeline.write_resolved_config()
     timings = {}
     results = {}
     for k, stage in enumerate(chosen, 1):

@@ -6,6 +6,7 @@ commands (`pipeline.run_steps` trains models side by side and copies a pretraine
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -24,6 +25,7 @@ from pipeline.config import (
     Command,
     config_from_mapping,
     config_to_dict,
+    missing_inputs,
 )
 from pipeline.pipeline_file import dumps_toml
 from pipeline.run_steps import PretrainedTokenizer, copy_pretrained_tokenizer, train_side_by_side
@@ -359,6 +361,7 @@ class Pipeline:
         import os
 
         from ar_slicing.io import stable_meta, to_jsonable, write_meta
+        from ar_slicing.ownership import output_lock
 
         meta = build_meta(
             stage,
@@ -369,29 +372,65 @@ class Pipeline:
             **extra,
         )
         path = directory / "meta.json"
-        if path.is_file() and stable_meta(read_json(path)) == stable_meta(to_jsonable(meta)):
-            os.utime(path)
-            return
-        write_meta(directory, meta)
+        with output_lock(directory, wait=True):
+            if path.is_file() and stable_meta(read_json(path)) == stable_meta(to_jsonable(meta)):
+                os.utime(path)
+                return
+            write_meta(directory, meta)
 
     # -- checks before anything runs ---------------------------------------------------------
     def check(self, chosen) -> dict[str, dict[str, Any]]:
-        """Resolve and check the configs (keys, types, values, sources, specs) of every chosen
-        stage and of every stage the config file has a table for. Returns them by stage."""
-        stages = [s for s in PIPELINE_STAGES if s in chosen or s in self.config]
-        all_configs = {stage: self.configs(stage) for stage in stages}
-        for stage, configs in all_configs.items():
-            command = self.loader(stage)
-            for cfg in configs.values():
-                if command.validate is not None and not isinstance(cfg, PretrainedTokenizer):
-                    command.validate(cfg)
-        trained = {str(Path(c.out)) for c in all_configs.get("train", {}).values()}
-        for name, cfg in all_configs.get("eval", {}).items():
-            _check_external_spec(cfg.model, trained, f"{self.config_path} [eval.models.{name}]")
+        """Resolve and check the configs (keys, types, values, sources, inputs, specs, hub
+        names) of every chosen stage and of every stage the config file has a table for.
+        Returns them by stage; refuses every problem found, in one message."""
         from ar_slicing import hub
 
-        hub.require(self.hub_names(all_configs))
+        stages = [s for s in PIPELINE_STAGES if s in chosen or s in self.config]
+        problems = _Problems()
+        all_configs = {}
+        for stage in stages:
+            with problems.noted():
+                all_configs[stage] = self.configs(stage)
+        made = [c.out for cs in all_configs.values() for c in cs.values() if hasattr(c, "out")]
+        for stage, configs in all_configs.items():
+            command = self.loader(stage)
+            for name, cfg in configs.items():
+                if isinstance(cfg, PretrainedTokenizer):
+                    continue
+                table = f"{self.config_path} {_table_of(stage, name)}"
+                with problems.noted(table):
+                    if command.validate is not None:
+                        command.validate(cfg)
+                    problems.add(*(f"{table}: {m}" for m in missing_inputs(command, cfg, made)))
+        with problems.noted():
+            hub.require(self.hub_names(all_configs))
+        with problems.noted():
+            self.refuse_foreign(all_configs)
+        problems.refuse(f"{self.config_path}: {{n}} problems, found before anything ran:")
         return all_configs
+
+    def refuse_foreign(self, all_configs) -> None:
+        """Refuse a run directory (or a stage output the configs name) holding files the
+        project did not write: a run writes nowhere it could overwrite or remove a user's file."""
+        from ar_slicing.ownership import ForeignFiles, foreign_in_run
+
+        outputs = {}
+        for stage, configs in all_configs.items():
+            if stage not in ("tokenizer", "report"):
+                outputs.update({Path(c.out): stage for c in configs.values()})
+        found = foreign_in_run(self.layout, outputs)
+        for cfg in all_configs.get("tokenizer", {}).values():  # a one-file output: its meta beside
+            out = Path(cfg.out)
+            if out.exists() and not out.with_name(out.stem + ".meta.json").is_file():
+                found.append(out)
+        if found:
+            found = sorted(set(found))
+            more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+            raise ForeignFiles(
+                f"{self.config_path}: run_dir {self.run_dir} holds {found[0]}{more}, which this "
+                "project did not write; nothing was written. Point run_dir at a new folder (or "
+                "one an earlier `arslice run` made), or move those files out"
+            )
 
     @staticmethod
     def hub_names(all_configs) -> list[tuple[str, str, str]]:
@@ -476,16 +515,37 @@ class Pipeline:
         return out
 
 
-def _check_external_spec(spec: str, trained: set[str], context: str) -> None:
-    """A spec of a checkpoint outside the run must name something that exists already."""
-    from models.loaders import parse_spec
+class _Problems:
+    """What a check found, to be refused all at once: one problem as it was raised, several as
+    one message listing each (with the config table it came from)."""
 
-    try:
-        prefix, target = parse_spec(spec)
-    except ArSliceError as e:
-        raise ArSliceError(f"{context}: {e}") from None
-    # hf: and based: also take hub ids; the others name files
-    local = target.startswith((".", "/", "~")) or prefix not in ("hf", "based")
-    path = Path(target).expanduser()
-    if local and str(path) not in trained and not path.exists():
-        raise BadInput(f"{context}: {spec}: {path} does not exist")
+    def __init__(self):
+        self.found: list[tuple[str, ArSliceError]] = []
+
+    def add(self, *messages: str) -> None:
+        self.found += [(m, BadInput(m)) for m in messages]
+
+    @contextlib.contextmanager
+    def noted(self, context: str = ""):
+        """Note an ArSliceError raised in the block, and go on."""
+        try:
+            yield
+        except ArSliceError as e:
+            text = str(e)
+            shown = text if not context or text.startswith(context) else f"{context}: {text}"
+            self.found.append((shown, e))
+
+    def refuse(self, heading: str) -> None:
+        if len(self.found) == 1:
+            raise self.found[0][1]
+        if self.found:
+            raise BadInput(
+                heading.format(n=len(self.found)) + "\n  " + "\n  ".join(m for m, _ in self.found)
+            )
+
+
+def _table_of(stage: str, name: str) -> str:
+    """The config table a stage's config `name` comes from: `[tag]`, `[tokenize.val]`, ..."""
+    if name == stage:
+        return f"[{stage}]"
+    return f"[{stage}.models.{name}]" if stage in ("train", "eval") else f"[{stage}.{name}]"

@@ -442,6 +442,7 @@ COMMAND = Command(
     run_tag,
     validate=validate_tag,
     plan_settings=tag_settings,
+    inputs=lambda cfg: [("--tokens", cfg.tokens), ("--counts", cfg.counts)],
     summary="evaluation windows, in-context repeats and AR hits",
     examples="""\
   arslice tag --tokens runs/pile/tokens/val --counts runs/pile/counts --out runs/pile/tags

@@ -183,6 +183,7 @@ def test_dry_run_prints_the_resolved_config_and_does_nothing(tmp_path, capsys):
     from pipeline.cli import main
 
     out = tmp_path / "counts"
+    (tmp_path / "store").mkdir()  # (a dry run checks that its inputs exist, and reads nothing)
     assert main(["count", "--tokens", str(tmp_path / "store"), "--out", str(out), "--dry-run"]) == 0
     printed = json.loads(capsys.readouterr().out)
     (config,) = printed.values()

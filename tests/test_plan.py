@@ -7,6 +7,7 @@ import os
 import pytest
 
 from ar_slicing.io import atomic_dir, read_json, sweep_temporaries, write_json_atomic
+from ar_slicing.ownership import ForeignFiles
 from ar_slicing.plan import (
     PlanMismatch,
     StagePlan,
@@ -15,6 +16,8 @@ from ar_slicing.plan import (
     recorded_plan,
     redoing_changed,
 )
+
+PART = "tags-00000.parquet"  # a file the tag stage writes (ar_slicing.layout.STAGE_FILES)
 
 
 def plan(**settings) -> StagePlan:
@@ -26,7 +29,7 @@ def plan(**settings) -> StagePlan:
 def finish(out, p: StagePlan, payload: str = "data") -> dict:
     stage = open_stage(out, p)
     with stage.running():
-        (out / "part").write_text(payload)
+        (out / PART).write_text(payload)
         return stage.finish({"stage": "tag"})
 
 
@@ -53,7 +56,7 @@ def test_another_plan_is_refused_naming_every_field_and_touching_nothing(tmp_pat
         and "inputs.counts: cccccccccccc… -> dddddddddddd…" in text
     )
     assert "threshold" not in text and "--overwrite" in text
-    assert (out / "part").read_text() == "data"
+    assert (out / PART).read_text() == "data"
 
 
 def test_overwrite_redoes_even_the_same_plan(tmp_path):
@@ -62,7 +65,7 @@ def test_overwrite_redoes_even_the_same_plan(tmp_path):
     stage = open_stage(out, plan(), overwrite=True)
     assert not stage.complete
     with stage.running():
-        assert not (out / "part").exists()  # cleared before the stage writes again
+        assert not (out / PART).exists()  # cleared before the stage writes again
         stage.finish({})
 
 
@@ -71,13 +74,13 @@ def test_unfinished_run_resumes_under_its_plan_only(tmp_path):
     stage = open_stage(out, plan())
     with pytest.raises(KeyboardInterrupt):
         with stage.running():
-            (out / "part-0").write_text("done")
+            (out / PART).write_text("done")
             raise KeyboardInterrupt
-    assert (out / ".plan.json").is_file() and (out / "part-0").is_file()  # work kept
+    assert (out / ".plan.json").is_file() and (out / PART).is_file()  # work kept
     again = open_stage(out, plan())
     assert not again.complete
     with again.running():
-        assert (out / "part-0").read_text() == "done"  # resumed, not cleared
+        assert (out / PART).read_text() == "done"  # resumed, not cleared
     with pytest.raises(PlanMismatch, match="unfinished run(?s:.*)settings.threshold: 2 -> 3"):
         open_stage(out, plan(threshold=3))
 
@@ -95,9 +98,9 @@ def test_a_directory_of_other_files_is_never_taken_over(tmp_path):
     out = tmp_path / "mine"
     out.mkdir()
     (out / "notes.txt").write_text("not the stage's")
-    with pytest.raises(PlanMismatch, match="did not write"):
+    with pytest.raises(ForeignFiles, match="did not write"):
         open_stage(out, plan())
-    with redoing_changed(), pytest.raises(PlanMismatch, match="did not write"):
+    with redoing_changed(), pytest.raises(ForeignFiles, match="did not write"):
         open_stage(out, plan())  # redoing what changed is not a licence to delete others' files
     assert (out / "notes.txt").exists()
 

@@ -69,8 +69,9 @@ def check_sources(sources: Sequence[str]) -> None:
                 f"--source {s!r}: an empty path (an unset variable?); give a file, a directory "
                 "or hf://OWNER/NAME"
             )
-        if not str(s).startswith(HF_PREFIX) and not Path(s).exists():
-            raise BadInput(f"source {s}: no such file or directory")
+    missing = [s for s in sources if not str(s).startswith(HF_PREFIX) and not Path(s).exists()]
+    if missing:  # all of them at once
+        raise BadInput("; ".join(f"source {s}: no such file or directory" for s in missing))
 
 
 def is_pretokenized(spec: str, source_format: str | None = None) -> bool:

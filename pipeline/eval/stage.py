@@ -37,6 +37,20 @@ def validate_eval(cfg: EvalConfig) -> None:
     resolve_batch_size(cfg.batch_size, "cpu", 1)  # refuses what is neither a number nor auto
 
 
+def eval_inputs(cfg: EvalConfig) -> list[tuple[str, str]]:
+    """What the evaluation reads: the tags, the store (when given), the checkpoint when it is a
+    local one, and its model config."""
+    from models.loaders import spec_path
+
+    model = spec_path(cfg.model)
+    return [
+        ("--tags", cfg.tags),
+        *([("--tokens", cfg.tokens)] if cfg.tokens else []),
+        *([("--model", str(model))] if model is not None else []),
+        *([("--model-config", cfg.model_config)] if cfg.model_config else []),
+    ]
+
+
 def eval_settings(cfg: EvalConfig, device: str | None = None, dtype: str | None = None) -> dict:
     """What decides the loss files' bytes besides the inputs. Without `device`/`dtype` they are
     resolved here as a local run would (a Ray run resolves them on the cluster: None here)."""
@@ -178,23 +192,27 @@ def run_eval(cfg: EvalConfig) -> dict:
 
     # Loaded before OUT is made, so a bad spec or a model that does not fit leaves nothing behind.
     # With Ray the model is loaded here only for the checks and meta.json; the actors load their own.
-    loaded = load_model(
-        cfg.model,
-        device=device if executor is None else "cpu",
-        fast_path=cfg.fast_path,
-        model_config=cfg.model_config,
-    )
-    if loaded.settings:
-        say(f"eval {name}: {describe_settings(loaded.settings)}")
-    prefix = prefix_source = None
-    lead, lead_source = harness_lead(cfg, loaded)
-    if cfg.windowing == "rolling":
-        prefix, prefix_source = rolling_prefix(cfg, loaded, tags.store)
-        say(f"eval {name}: each document read after token {prefix} ({prefix_source})")
-    if lead_source:
-        say(f"eval {name}: {lead_source}")
-    check_model_fits(loaded, tags, n_windows, cfg, prefix)
-    batch_size = resolve_batch_size(cfg.batch_size, device, tags.window)
+    try:
+        loaded = load_model(
+            cfg.model,
+            device=device if executor is None else "cpu",
+            fast_path=cfg.fast_path,
+            model_config=cfg.model_config,
+        )
+        if loaded.settings:
+            say(f"eval {name}: {describe_settings(loaded.settings)}")
+        prefix = prefix_source = None
+        lead, lead_source = harness_lead(cfg, loaded)
+        if cfg.windowing == "rolling":
+            prefix, prefix_source = rolling_prefix(cfg, loaded, tags.store)
+            say(f"eval {name}: each document read after token {prefix} ({prefix_source})")
+        if lead_source:
+            say(f"eval {name}: {lead_source}")
+        check_model_fits(loaded, tags, n_windows, cfg, prefix)
+        batch_size = resolve_batch_size(cfg.batch_size, device, tags.window)
+    except BaseException:
+        stage.release()  # (an existing OUT is locked from the plan check on)
+        raise
     with stage.running():
         if extend:
             stage.reopen()  # incomplete again until its meta.json is rewritten
@@ -328,6 +346,7 @@ COMMAND = Command(
     run_eval,
     validate=validate_eval,
     plan_settings=eval_settings,
+    inputs=eval_inputs,
     summary="per-token losses of one model over the tagged windows",
     examples="""\
   arslice eval --model hf:EleutherAI/pythia-160m --tags runs/pile/tags --out runs/pile/losses/pythia-160m  # needs the hub

@@ -39,16 +39,24 @@ def report_settings(cfg: ReportConfig, reference: str | None = None) -> dict:
 
 def run_report(cfg: ReportConfig) -> dict:
     """Write results.duckdb and report/ for the run `cfg.run`; print Table 1 and the HTML path."""
-    import duckdb
-
-    from ar_slicing.plan import StagePlan, identity, open_stage
-    from ar_slicing.results import ensure_results, run_info
-    from ar_slicing.table1 import models_table, resolve_reference
+    from ar_slicing.ownership import results_lock
+    from ar_slicing.results import ensure_results
 
     t0 = time.time()
     validate_report(cfg)
-    # (rebuilt whenever its inputs change, so --overwrite has nothing more to redo there)
-    layout, _ = ensure_results(cfg.run)
+    with results_lock(cfg.run):  # one writer of results.duckdb
+        # (rebuilt whenever its inputs change, so --overwrite has nothing more to redo there)
+        layout, _ = ensure_results(cfg.run)
+        return _report_from(cfg, layout, t0)
+
+
+def _report_from(cfg: ReportConfig, layout, t0: float) -> dict:
+    import duckdb
+
+    from ar_slicing.plan import StagePlan, identity, open_stage
+    from ar_slicing.results import run_info
+    from ar_slicing.table1 import models_table, resolve_reference
+
     out = layout.layout.report
     con = duckdb.connect(str(layout.results_path), read_only=True)
     try:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from ar_slicing.layout import TRAIN_STATE_DIR
+
 log = logging.getLogger(__name__)
 
 
 ARCHITECTURES = ["attention", "base_conv", "hyena", "rwkv"]
-STATE_DIR = ".train-state"
+STATE_DIR = TRAIN_STATE_DIR
 # Fields that change how a run is executed or reported but not what it computes, so a run may
 # be resumed after changing them.
 _RESUMABLE_CHANGES = {
