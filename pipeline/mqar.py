@@ -484,10 +484,11 @@ def figure_png(rows: list[dict]) -> bytes:
 
 def run_mqar(cfg: MqarConfig) -> dict:
     """Train every missing cell of the sweep, then write the table, the figure and meta.json."""
-    from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
     from tqdm.auto import tqdm
+
+    from ar_slicing.executor import process_pool
 
     unknown = sorted(set(cfg.archs) - set(ARCHITECTURES))
     if unknown:
@@ -528,7 +529,7 @@ def run_mqar(cfg: MqarConfig) -> dict:
             cells += run_group(cfg, str(cells_dir), *g)
             bar.update(1)
     else:
-        with ProcessPoolExecutor(cfg.workers, mp_context=get_context("spawn")) as pool:
+        with process_pool(cfg.workers, get_context("spawn")) as pool:
             futures = [pool.submit(run_group, cfg, str(cells_dir), *g) for g in groups]
             for f in futures:
                 cells += f.result()
