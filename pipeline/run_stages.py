@@ -382,9 +382,12 @@ class Pipeline:
         all_configs = {stage: self.configs(stage) for stage in stages}
         for stage, configs in all_configs.items():
             command = self.loader(stage)
-            for cfg in configs.values():
+            for name, cfg in configs.items():
                 if command.validate is not None and not isinstance(cfg, PretrainedTokenizer):
-                    command.validate(cfg)
+                    try:
+                        command.validate(cfg)
+                    except ArSliceError as e:  # named as the config file's other errors are
+                        raise type(e)(f"{self.config_path} {_table(stage, name)}: {e}") from None
         trained = {str(Path(c.out)) for c in all_configs.get("train", {}).values()}
         for name, cfg in all_configs.get("eval", {}).items():
             _check_external_spec(cfg.model, trained, f"{self.config_path} [eval.models.{name}]")
@@ -474,6 +477,13 @@ class Pipeline:
         with atomic_path(out) as tmp:
             tmp.write_text(header + dumps_toml(self.config), encoding="utf-8")
         return out
+
+
+def _table(stage: str, name: str) -> str:
+    """The config file's table that `configs(stage)[name]` was built from."""
+    if name == stage:
+        return f"[{stage}]"
+    return f"[tokenize.{name}]" if stage == "tokenize" else f"[{stage}.models.{name}]"
 
 
 def _check_external_spec(spec: str, trained: set[str], context: str) -> None:

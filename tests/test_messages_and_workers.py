@@ -1,8 +1,11 @@
-"""The worker processes of a stage die with it when it is killed."""
+"""Inputs that are not what they claim to be get a one-line message saying what they are, and the
+worker processes of a stage die with it when it is killed."""
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,6 +14,79 @@ from pathlib import Path
 
 import pytest
 from reliability import REPO, WINDOW, arslice_argv, cli, tiny_run  # noqa: F401  (a fixture)
+
+CONFIGS = REPO / "pipeline" / "configs"
+
+
+def refused(capsys, *argv) -> str:
+    """The one line `arslice ARGV` printed, with exit status 2 and no traceback."""
+    rc = cli(*map(str, argv))
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err.strip()
+
+
+# ---- files that are not what their place says --------------------------------------------------
+
+
+def random_bytes(path: Path, n: int = 4096) -> Path:
+    """`n` random bytes (seeded) at `path`."""
+    import random
+
+    data = random.Random(23).randbytes(n)
+    assert not data.startswith((b"PK", b"\x80"))  # neither a zip archive nor a pickle
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def test_random_bytes_as_a_zoology_checkpoint(tiny_run, tmp_path, capsys):  # noqa: F811
+    ckpt = random_bytes(tmp_path / "model.pt")
+    err = refused(capsys, "eval", "--model", f"zoology:{ckpt}", "--tags", tiny_run["run"] / "tags",
+                  "--device", "cpu", "--out", tmp_path / "losses")  # fmt: skip
+    assert f"{ckpt}: not a PyTorch checkpoint" in err and "nor a pickle" in err
+    assert "pickle holds objects" not in err
+
+
+def test_garbage_pytorch_model_bin_in_a_transformers_directory(
+    tiny_run,  # noqa: F811
+    tmp_path,
+    capsys,
+    bpe_tokenizer_path,
+):
+    from transformers import GPTNeoXConfig
+
+    model_dir = tmp_path / "hf"
+    GPTNeoXConfig(vocab_size=1024, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=64, max_position_embeddings=128).save_pretrained(model_dir)  # fmt: skip
+    shutil.copy(bpe_tokenizer_path, model_dir / "tokenizer.json")
+    weights = random_bytes(model_dir / "pytorch_model.bin")
+    err = refused(capsys, "eval", "--model", f"hf:{model_dir}", "--tags", tiny_run["run"] / "tags",
+                  "--device", "cpu", "--out", tmp_path / "losses")  # fmt: skip
+    assert f"{weights}: not a PyTorch checkpoint" in err
+    assert "Unsupported operand" not in err
+
+
+@pytest.mark.parametrize("command", ["report", "query", "verify"])
+def test_a_file_given_as_the_run_directory(tmp_path, capsys, command):
+    a_file = tmp_path / "passwd"
+    a_file.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    argv = {"query": ["query", "slice_perplexity"]}.get(command, [command])
+    err = refused(capsys, *argv, "--run", a_file)
+    assert f"run directory {a_file}: a file, not a directory" in err
+
+
+def test_a_negative_window_names_the_config_file_and_table(tmp_path, capsys):
+    text = (CONFIGS / "demo.toml").read_text()
+    text = re.sub(r'^run_dir = ".*"$', f'run_dir = "{tmp_path / "run"}"', text, flags=re.M)
+    text, n = re.subn(r"^window = 256$", "window = -5", text, flags=re.M)
+    assert n == 1
+    config = tmp_path / "demo.toml"
+    config.write_text(text)
+    err = refused(capsys, "run", "--config", config, "--dry-run")
+    assert f"{config} [tag]: window length must be a positive integer, got -5" in err
+
 
 # ---- workers die with their stage --------------------------------------------------------------
 
