@@ -51,7 +51,7 @@ from ar_slicing.layout import (
     looks_like_run_dir,
     require_dir,
 )
-from ar_slicing.parts import part_rows
+from ar_slicing.parts import require_whole
 from ar_slicing.tokenizer import require_same_fingerprint
 
 log = logging.getLogger(__name__)
@@ -97,9 +97,6 @@ class RunInputs:
     # the same tokens. None when every model covers every window.
     scored_windows: int | None = None
     partial_models: dict[str, int] = field(default_factory=dict)  # name -> windows it scored
-    # rows of every part, from the footers (read once here: a damaged part is refused by name)
-    tag_rows: int = 0
-    loss_rows: dict[str, int] = field(default_factory=dict)  # losses folder name -> rows
 
     @property
     def layout(self) -> RunInputs:
@@ -152,8 +149,8 @@ def find_run(run_dir: str | os.PathLike) -> RunInputs:
         counts_dir=counts_dir,
         tags_meta=tags_meta,
         tag_shards=shards,
-        tag_rows=sum(part_rows(shards)),
     )
+    require_whole(shards)  # (cheap: here on every query, so a part cut short is named at once)
     losses_root = paths.losses_root
     for d in sorted(losses_root.iterdir()) if losses_root.is_dir() else []:
         if not d.is_dir():
@@ -164,7 +161,7 @@ def find_run(run_dir: str | os.PathLike) -> RunInputs:
             layout.skipped_losses[d.name] = f"no {LOSS_PART_GLOB}"
         else:
             layout.models[d.name] = d
-            layout.loss_rows[d.name] = sum(part_rows(sorted(d.glob(LOSS_PART_GLOB))))
+            require_whole(d.glob(LOSS_PART_GLOB))
             meta = read_json(d / META_NAME)
             check_losses_belong(d, meta, layout)
             if meta.get("partial"):
@@ -311,18 +308,22 @@ def _window_filter(layout: RunInputs) -> str:
 def _check_coverage(con, layout: RunInputs) -> None:
     """Every model must have exactly one loss per tag row of the compared windows.
 
-    With complete losses the footers' row counts (read by `find_run`) decide; with partial ones
-    it counts rows of the compared windows.
+    With complete losses this reads only Parquet footers; with partial ones it counts rows of
+    the compared windows.
     """
 
     def n_rows(paths: list[Path]) -> int:
-        sql = f"SELECT count(*) FROM read_parquet({_parquet_list(paths)}){_window_filter(layout)}"
+        if layout.scored_windows is None:
+            sql = f"SELECT sum(num_rows)::BIGINT FROM parquet_file_metadata({_parquet_list(paths)})"
+        else:
+            sql = (
+                f"SELECT count(*) FROM read_parquet({_parquet_list(paths)}){_window_filter(layout)}"
+            )
         return int(con.execute(sql).fetchone()[0] or 0)
 
-    partial = layout.scored_windows is not None
-    n_tags = n_rows(layout.tag_shards) if partial else layout.tag_rows
-    for name, d in layout.models.items():
-        n = n_rows(sorted(d.glob(LOSS_PART_GLOB))) if partial else layout.loss_rows[name]
+    n_tags = n_rows(layout.tag_shards)
+    for d in layout.models.values():
+        n = n_rows(sorted(d.glob(LOSS_PART_GLOB)))
         if n != n_tags:
             scope = (
                 ""

@@ -360,6 +360,30 @@ def test_truncated_part(run_copy, tiny_run, capsys, part):  # noqa: F811
     assert not (run_copy / "results.duckdb").exists() and not (run_copy / "losses/again").exists()
 
 
+def test_the_cheap_whole_part_check_agrees_with_reading_the_footer(tiny_run, tmp_path):  # noqa: F811
+    """`require_whole` (8 bytes at each end, run on every query) refuses exactly the cuts of a
+    real part whose footer pyarrow cannot read."""
+    from ar_slicing.errors import BadInput
+    from ar_slicing.parts import part_footer, require_whole
+
+    data = (tiny_run["run"] / "tags/tags-00000.parquet").read_bytes()
+    footer = int.from_bytes(data[-8:-4], "little")
+    cuts = {0, 3, 4, 11, 12, len(data) - footer - 8, len(data) // 2, len(data) - 9, len(data) - 1}
+    cut_dir = tmp_path
+    for n in sorted(cuts):
+        part = cut_dir / f"tags-{n:05d}.parquet"
+        part.write_bytes(data[:n])
+        with pytest.raises(BadInput, match="not a whole Parquet file"):
+            part_footer(part)
+        with pytest.raises(BadInput, match="not a whole Parquet file"):
+            require_whole([part])
+    # a whole file passes both, and a corrupt middle is left to the readers
+    whole = cut_dir / "tags-99999.parquet"
+    whole.write_bytes(data)
+    require_whole([whole])
+    assert part_footer(whole).num_rows > 0
+
+
 # ---- checkpoints carrying code -----------------------------------------------------------------
 
 
