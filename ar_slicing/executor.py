@@ -32,7 +32,9 @@ def process_pool(
     )
 
 
-# prctl(2): the signal the kernel sends this process when the thread that started it exits
+# prctl(2): the signal the kernel sends this process when the thread that started it exits.
+# (The thread, not the process: pools are used from the thread that makes them, which outlives
+# them; ProcessPoolExecutor starts its workers from the submitting thread.)
 _PR_SET_PDEATHSIG = 1
 
 

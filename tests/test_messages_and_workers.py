@@ -41,11 +41,20 @@ def random_bytes(path: Path, n: int = 4096) -> Path:
     return path
 
 
-def test_random_bytes_as_a_zoology_checkpoint(tiny_run, tmp_path, capsys):  # noqa: F811
+@pytest.mark.parametrize(
+    "head, words",
+    [
+        (b"", "not a PyTorch checkpoint (neither the zip archive torch.save writes nor a pickle)"),
+        (b"\x80\x02", "not a readable PyTorch checkpoint (a damaged pickle: Unsupported operand"),
+    ],
+    ids=["random-bytes", "pickle-header-then-random-bytes"],
+)
+def test_random_bytes_as_a_zoology_checkpoint(tiny_run, tmp_path, capsys, head, words):  # noqa: F811
     ckpt = random_bytes(tmp_path / "model.pt")
+    ckpt.write_bytes(head + ckpt.read_bytes())
     err = refused(capsys, "eval", "--model", f"zoology:{ckpt}", "--tags", tiny_run["run"] / "tags",
                   "--device", "cpu", "--out", tmp_path / "losses")  # fmt: skip
-    assert f"{ckpt}: not a PyTorch checkpoint" in err and "nor a pickle" in err
+    assert f"{ckpt}: {words}" in err
     assert "pickle holds objects" not in err
 
 
