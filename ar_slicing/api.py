@@ -30,19 +30,29 @@ from ar_slicing.tags import TAG_COLUMNS
 TOKEN_LOSS_COLUMNS = ("model", *TAG_COLUMNS, "nll")
 
 
-def open_run(run_dir: str | os.PathLike) -> Run:
-    """The run in `run_dir` (its tags and every complete `losses/<model>/`)."""
+def open_run(run_dir: str | os.PathLike, read_only_files: bool = False) -> Run:
+    """The run in `run_dir` (its tags and every complete `losses/<model>/`).
+
+    `Run.sql` runs any SQL DuckDB accepts, with the rights of the calling user: by default it
+    can read any file on the machine (`read_csv_auto('/etc/passwd')`) and write one (`COPY ...
+    TO`), as DuckDB itself can. That is what a notebook on one's own runs wants; a service that
+    passes other people's SQL to a run opens it with `read_only_files=True`: then DuckDB may open
+    only the run's own Parquet files that the views read (`allowed_paths`, external access off,
+    the configuration locked against `SET`), and `sql()` runs only SELECT (and EXPLAIN)
+    statements, so no file is written.
+    """
     from ar_slicing.results import ensure_results
 
     inputs, _ = ensure_results(run_dir)
-    return Run(inputs)
+    return Run(inputs, read_only_files=read_only_files)
 
 
 class Run:
     """One run's results: `table1()`, `query(name)`, `sql(text)`, `token_losses()`."""
 
-    def __init__(self, inputs: RunInputs):
+    def __init__(self, inputs: RunInputs, read_only_files: bool = False):
         self.inputs = inputs
+        self.read_only_files = read_only_files
 
     def __repr__(self) -> str:
         return f"Run({str(self.path)!r}, models={list(self.models)})"
@@ -54,7 +64,27 @@ class Run:
     def _connect(self):
         import duckdb
 
-        return duckdb.connect(str(self.inputs.results_path), read_only=True)
+        con = duckdb.connect(str(self.inputs.results_path), read_only=True)
+        if self.read_only_files:
+            # (in this order: once external access is off, only these files can be opened, and
+            # once the configuration is locked no statement can change that)
+            con.execute("SET allowed_paths = $paths", {"paths": self._view_files()})
+            con.execute("SET enable_external_access = false")
+            con.execute("SET autoload_known_extensions = false")
+            con.execute("SET lock_configuration = true")
+        return con
+
+    def _view_files(self) -> list[str]:
+        """Every file the views of results.duckdb read, as the views name them."""
+        from ar_slicing.layout import BIGRAMS_NAME, WINDOWS_NAME
+
+        inputs = self.inputs
+        files = [inputs.tags_dir / WINDOWS_NAME, *inputs.tag_shards]
+        for d in inputs.models.values():
+            files += sorted(d.glob(LOSS_PART_GLOB))
+        if inputs.counts_dir is not None:
+            files.append(inputs.counts_dir / BIGRAMS_NAME)
+        return [str(f) for f in files]
 
     @cached_property
     def _info(self) -> dict[str, str | None]:
@@ -87,11 +117,14 @@ class Run:
     def sql(self, text: str, **params: Any):
         """A polars DataFrame of the SQL `text` over results.duckdb (views `tags`, `losses`,
         `token_losses`, `windows`, `counts`, tables `models`, `run_info`); `$name` in the
-        text is bound to `params[name]`, never formatted in."""
-        from ar_slicing.sql import frame
+        text is bound to `params[name]`, never formatted in. It can read and write any file the
+        user can unless the run was opened with `open_run(..., read_only_files=True)`."""
+        from ar_slicing.sql import frame, require_select
 
         con = self._connect()
         try:
+            if self.read_only_files:
+                require_select(con, text)
             return frame(con, text, params)
         finally:
             con.close()

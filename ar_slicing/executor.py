@@ -8,9 +8,58 @@ so the order results arrive in never matters: a stage's final output is assemble
 from __future__ import annotations
 
 import os
+import signal
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from typing import Any
+
+
+def process_pool(
+    workers: int,
+    mp_context: Any = None,
+    initializer: Callable[..., Any] | None = None,
+    initargs: tuple = (),
+) -> ProcessPoolExecutor:
+    """A `ProcessPoolExecutor` whose workers die with the process that made it. Every pool of
+    the project is made here: a stage killed with SIGKILL would otherwise leave its workers
+    blocked on the task queue for ever (the queue's other end stays open in each of them)."""
+    return ProcessPoolExecutor(
+        workers,
+        mp_context=mp_context,
+        initializer=_start_worker,
+        initargs=(os.getpid(), initializer, initargs),
+    )
+
+
+# prctl(2): the signal the kernel sends this process when the thread that started it exits.
+# (The thread, not the process: pools are used from the thread that makes them, which outlives
+# them; ProcessPoolExecutor starts its workers from the submitting thread.)
+_PR_SET_PDEATHSIG = 1
+
+
+def _start_worker(parent: int, initializer: Callable[..., Any] | None, initargs: tuple) -> None:
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if not process_alive(parent):  # it died before the kernel knew to tell us
+        os._exit(1)
+    if initializer is not None:
+        initializer(*initargs)
+
+
+def process_alive(pid: int) -> bool:
+    """True while the process `pid` exists (another user's included)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def default_workers() -> int:
@@ -36,7 +85,7 @@ class LocalExecutor:
             for task in tasks:
                 yield task, fn(task)
             return
-        with ProcessPoolExecutor(max_workers=self.workers) as pool:
+        with process_pool(self.workers) as pool:
             pending = {}
             for task in tasks:
                 pending[pool.submit(fn, task)] = task

@@ -159,8 +159,16 @@ def is_cached(repo_id: str, repo_type: str = "model") -> bool:
 
 def files_only() -> dict:
     """`from_pretrained` keyword arguments: read the local cache only when the hub is unreachable
-    (no retries), nothing otherwise."""
-    return {"local_files_only": True} if unreachable() else {}
+    (no retries), nothing otherwise. huggingface_hub is told the same: besides the files it
+    would ask the hub for its agent registry, even with local_files_only."""
+    offline = bool(unreachable())
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        pass
+    else:
+        constants.HF_HUB_OFFLINE = offline  # (read at each request, so it follows the probe)
+    return {"local_files_only": True} if offline else {}
 
 
 def require(names: Iterable[tuple[str, str, str]]) -> None:

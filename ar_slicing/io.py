@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ar_slicing import __version__
-from ar_slicing.layout import META_NAME, TMP_SUFFIX, is_complete
+from ar_slicing.layout import META_NAME, TMP_SUFFIX, is_complete, is_temporary
 
 __all__ = ["META_NAME", "is_complete"]  # (their home is ar_slicing.layout)
 # Keys of meta.json that legitimately differ between two identical runs.
@@ -52,8 +52,7 @@ def sweep_temporaries(directory: str | os.PathLike) -> int:
         if old.is_dir() and not original.exists():
             old.replace(original)
     found = sorted(
-        (p for p in directory.rglob(f".*{TMP_SUFFIX}") if p.name != TMP_SUFFIX),
-        key=lambda p: len(p.parts),
+        (p for p in directory.rglob(".*") if is_temporary(p.name)), key=lambda p: len(p.parts)
     )
     removed = 0
     for p in found:

@@ -23,6 +23,7 @@ a stage runs, its `.plan.json` says with which settings and inputs (see `ar_slic
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,9 @@ PLAN_NAME = ".plan.json"
 LOCK_NAME = ".arslice.lock"
 # Temporary names end so (`ar_slicing.io.tmp_path_for`); one sweep removes those a kill left.
 TMP_SUFFIX = ".tmp"
+# ... with what a library adds to a temporary it writes: DuckDB keeps `<db>.wal` and spills to
+# `<db>.tmp/` beside the database it builds under a temporary name.
+_TEMPORARY = re.compile(r"\..+" + re.escape(TMP_SUFFIX) + r"(\.[A-Za-z]+)*")
 
 # token stores
 TOKENS_NAME = "tokens.bin"
@@ -80,6 +84,12 @@ RUN_FILES = (
     f"{RESULTS_NAME}.wal",
     SETTINGS_DIR + "/*",
 )
+
+
+def is_temporary(name: str) -> bool:
+    """True for the name of a temporary file or directory of the project (`.x.parquet.123.tmp`,
+    `.results.duckdb.123.tmp.wal`, `.tags.old.tmp`); a user's `notes.tmp` is not one."""
+    return _TEMPORARY.fullmatch(name) is not None
 
 
 def is_complete(out_dir: str | os.PathLike) -> bool:
@@ -165,6 +175,19 @@ class RunLayout:
             "eval": [self.losses_root / META_NAME],
             "report": [self.report / META_NAME],
         }[stage]
+
+
+def require_dir(path: str | os.PathLike, what: str) -> None:
+    """Refuse `path`, given as the directory `what` ("run directory", "token store", ...), when
+    it is missing or is a file."""
+    from ar_slicing.errors import BadInput
+
+    path = Path(path)
+    if path.is_dir():
+        return
+    if path.exists():
+        raise BadInput(f"{what} {path}: a file, not a directory")
+    raise BadInput(f"{what} {path}: no such directory")
 
 
 def looks_like_run_dir(path: str | os.PathLike) -> bool:

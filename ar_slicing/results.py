@@ -23,28 +23,35 @@ anywhere, the `duckdb` shell, a notebook). If the run directory is moved or a mo
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ar_slicing import __version__
 from ar_slicing.errors import BadInput
+from ar_slicing.executor import process_alive
 from ar_slicing.io import atomic_path, read_json, sha256_file
 from ar_slicing.layout import (
     BIGRAMS_NAME,
     LOSS_PART_GLOB,
     META_NAME,
     TAG_PART_GLOB,
+    TMP_SUFFIX,
     WINDOWS_NAME,
     RunLayout,
     is_complete,
+    is_temporary,
     looks_like_run_dir,
+    require_dir,
 )
+from ar_slicing.parts import require_whole
 from ar_slicing.tokenizer import require_same_fingerprint
 
 log = logging.getLogger(__name__)
@@ -110,9 +117,8 @@ def _first_existing(*candidates: str | os.PathLike | None, marker: str) -> Path 
 def find_run(run_dir: str | os.PathLike) -> RunInputs:
     """Locate tags, losses, counts and the validation store of the run in `run_dir`."""
     given = Path(run_dir)
+    require_dir(given, "run directory")
     run_dir = given.resolve()
-    if not run_dir.is_dir():
-        raise BadInput(f"run directory {given}: no such directory")
     paths = RunLayout(run_dir)
     tags_dir = paths.tags
     if not is_complete(tags_dir):
@@ -144,6 +150,7 @@ def find_run(run_dir: str | os.PathLike) -> RunInputs:
         tags_meta=tags_meta,
         tag_shards=shards,
     )
+    require_whole(shards)  # (cheap: here on every query, so a part cut short is named at once)
     losses_root = paths.losses_root
     for d in sorted(losses_root.iterdir()) if losses_root.is_dir() else []:
         if not d.is_dir():
@@ -154,6 +161,7 @@ def find_run(run_dir: str | os.PathLike) -> RunInputs:
             layout.skipped_losses[d.name] = f"no {LOSS_PART_GLOB}"
         else:
             layout.models[d.name] = d
+            require_whole(d.glob(LOSS_PART_GLOB))
             meta = read_json(d / META_NAME)
             check_losses_belong(d, meta, layout)
             if meta.get("partial"):
@@ -330,78 +338,118 @@ def _check_coverage(con, layout: RunInputs) -> None:
 
 
 def build_results(layout: RunInputs) -> Path:
-    """Write `<run>/results.duckdb` atomically (built under a temporary name, then renamed)."""
+    """Write `<run>/results.duckdb` atomically (built under a temporary name, then renamed).
+
+    A full disk raises the `OSError` (ENOSPC) every stage's writes raise, other DuckDB errors a
+    `BadInput` naming the file; either way no temporary is left behind, and those of a build
+    that was killed are removed first."""
     import duckdb
 
     path = layout.results_path
     rows = model_rows(layout)
     reference = default_reference([(r[0], r[1], r[3]) for r in rows])
+    _remove_orphaned_temporaries(path)
     with atomic_path(path) as tmp:
-        con = duckdb.connect(str(tmp))
         try:
-            _check_coverage(con, layout)
-            where = _window_filter(layout)
-            con.execute(
-                "CREATE VIEW windows AS SELECT * FROM "
-                f"read_parquet({sql_string(layout.tags_dir / WINDOWS_NAME)}){where}"
-            )
-            con.execute(
-                f"CREATE VIEW tags AS SELECT * FROM read_parquet({_parquet_list(layout.tag_shards)}){where}"
-            )
-            selects = [
-                f"SELECT {sql_string(name)} AS model, window_id, pos, nll "
-                f"FROM read_parquet({_parquet_list(sorted(d.glob(LOSS_PART_GLOB)))}){where}"
-                for name, d in layout.models.items()
-            ]
-            con.execute("CREATE VIEW losses AS " + "\nUNION ALL\n".join(selects))
-            if layout.counts_dir is not None:
-                con.execute(
-                    f"CREATE VIEW counts AS SELECT * FROM read_parquet({sql_string(layout.counts_dir / BIGRAMS_NAME)})"
-                )
-            else:
-                log.warning(
-                    "no counts dir with %s found; the `counts` view is left out", BIGRAMS_NAME
-                )
-            con.execute(
-                """
-                CREATE VIEW token_losses AS
-                SELECT l.model, t.window_id, t.pos, t.doc_id, t.token, t.prev, t.train_count,
-                       t.prev_pos, t.is_repeat, t.is_ar_hit, t.subset, l.nll
-                FROM tags AS t JOIN losses AS l ON l.window_id = t.window_id AND l.pos = t.pos
-                """
-            )
-            con.execute(
-                "CREATE TABLE models (" + ", ".join(f"{c} {t}" for c, t in MODEL_COLUMNS) + ")"
-            )
-            con.executemany(
-                "INSERT INTO models VALUES (" + ", ".join("?" for _ in MODEL_COLUMNS) + ")", rows
-            )
-            info = {
-                "run_dir": str(layout.run_dir),
-                "tags_dir": str(layout.tags_dir),
-                "tokens_dir": str(layout.tokens_dir) if layout.tokens_dir else None,
-                "counts_dir": str(layout.counts_dir) if layout.counts_dir else None,
-                "fingerprint": layout.tags_meta.get("fingerprint"),
-                "window": layout.tags_meta.get("window"),
-                "threshold": layout.tags_meta.get("threshold"),
-                "reset_at_doc_boundary": layout.tags_meta.get("reset_at_doc_boundary"),
-                "default_reference": reference,
-                "scored_windows": layout.scored_windows,
-                "signature": inputs_signature(layout),
-                "version": __version__,
-            }
-            con.execute("CREATE TABLE run_info (key VARCHAR PRIMARY KEY, value VARCHAR)")
-            con.executemany(
-                "INSERT INTO run_info VALUES (?, ?)",
-                [(k, None if v is None else str(v)) for k, v in info.items()],
-            )
-            con.execute("CHECKPOINT")
+            con = duckdb.connect(str(tmp))
+            try:
+                _write_results(con, layout, rows, reference)
+            finally:
+                con.close()
+        except duckdb.Error as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if "no space left on device" in first.lower():
+                raise OSError(
+                    errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({first})", str(path)
+                ) from None
+            raise BadInput(f"{path}: could not be built ({first})") from None
         finally:
-            con.close()
+            _remove_sidecars(tmp)
         # A write-ahead log left by a crashed writer of the old file would be replayed onto the new one.
         Path(str(path) + ".wal").unlink(missing_ok=True)
     log.info("wrote %s (%d models, reference %s)", path, len(rows), reference)
     return path
+
+
+def _write_results(con, layout: RunInputs, rows: list[tuple], reference: str) -> None:
+    """The views and the two tables of results.duckdb, into the open connection `con`."""
+    _check_coverage(con, layout)
+    where = _window_filter(layout)
+    con.execute(
+        "CREATE VIEW windows AS SELECT * FROM "
+        f"read_parquet({sql_string(layout.tags_dir / WINDOWS_NAME)}){where}"
+    )
+    con.execute(
+        f"CREATE VIEW tags AS SELECT * FROM read_parquet({_parquet_list(layout.tag_shards)}){where}"
+    )
+    selects = [
+        f"SELECT {sql_string(name)} AS model, window_id, pos, nll "
+        f"FROM read_parquet({_parquet_list(sorted(d.glob(LOSS_PART_GLOB)))}){where}"
+        for name, d in layout.models.items()
+    ]
+    con.execute("CREATE VIEW losses AS " + "\nUNION ALL\n".join(selects))
+    if layout.counts_dir is not None:
+        con.execute(
+            f"CREATE VIEW counts AS SELECT * FROM read_parquet({sql_string(layout.counts_dir / BIGRAMS_NAME)})"
+        )
+    else:
+        log.warning("no counts dir with %s found; the `counts` view is left out", BIGRAMS_NAME)
+    con.execute(
+        """
+        CREATE VIEW token_losses AS
+        SELECT l.model, t.window_id, t.pos, t.doc_id, t.token, t.prev, t.train_count,
+               t.prev_pos, t.is_repeat, t.is_ar_hit, t.subset, l.nll
+        FROM tags AS t JOIN losses AS l ON l.window_id = t.window_id AND l.pos = t.pos
+        """
+    )
+    con.execute("CREATE TABLE models (" + ", ".join(f"{c} {t}" for c, t in MODEL_COLUMNS) + ")")
+    con.executemany(
+        "INSERT INTO models VALUES (" + ", ".join("?" for _ in MODEL_COLUMNS) + ")", rows
+    )
+    info = {
+        "run_dir": str(layout.run_dir),
+        "tags_dir": str(layout.tags_dir),
+        "tokens_dir": str(layout.tokens_dir) if layout.tokens_dir else None,
+        "counts_dir": str(layout.counts_dir) if layout.counts_dir else None,
+        "fingerprint": layout.tags_meta.get("fingerprint"),
+        "window": layout.tags_meta.get("window"),
+        "threshold": layout.tags_meta.get("threshold"),
+        "reset_at_doc_boundary": layout.tags_meta.get("reset_at_doc_boundary"),
+        "default_reference": reference,
+        "scored_windows": layout.scored_windows,
+        "signature": inputs_signature(layout),
+        "version": __version__,
+    }
+    con.execute("CREATE TABLE run_info (key VARCHAR PRIMARY KEY, value VARCHAR)")
+    con.executemany(
+        "INSERT INTO run_info VALUES (?, ?)",
+        [(k, None if v is None else str(v)) for k, v in info.items()],
+    )
+    con.execute("CHECKPOINT")
+
+
+def _remove_sidecars(db: Path) -> None:
+    """DuckDB's own files beside the database `db` (its write-ahead log, its spill directory)."""
+    for sidecar in (Path(f"{db}.wal"), Path(f"{db}.tmp")):
+        _remove(sidecar)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _remove_orphaned_temporaries(path: Path) -> None:
+    """The temporaries of `path` (`.<name>.<pid>.tmp` and DuckDB's `.wal`/`.tmp` beside it) whose
+    builder, the process `pid`, is gone: a report killed while it built the file. A live
+    builder's are kept."""
+    own = re.compile(re.escape(f".{path.name}.") + r"(\d+)" + re.escape(TMP_SUFFIX) + r"(\..*)?")
+    for tmp in path.parent.glob(f".{path.name}.*"):
+        found = own.fullmatch(tmp.name)
+        if found and is_temporary(tmp.name) and not process_alive(int(found.group(1))):
+            _remove(tmp)
 
 
 def recorded_signature(path: Path) -> str | None:

@@ -123,6 +123,24 @@ def execute(con, sql: str, params: dict[str, Any] | None = None, where: str = "S
         raise ArSliceError(f"{where}: {e}") from None
 
 
+def require_select(con, sql: str) -> None:
+    """Refuse `sql` unless every statement in it only reads (SELECT, EXPLAIN): what a run opened
+    with `read_only_files=True` runs, as `COPY ... TO` could overwrite the run's own files."""
+    import duckdb
+
+    try:
+        statements = con.extract_statements(sql)
+    except duckdb.Error as e:
+        raise ArSliceError(f"SQL: {e}") from None
+    reading = (duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN)
+    for stmt in statements:
+        if stmt.type not in reading:
+            raise ArSliceError(
+                f"SQL: a {stmt.type.name} statement is refused; this run was opened with "
+                "read_only_files=True, which runs SELECT statements only"
+            )
+
+
 def frame(con, sql: str, params: dict[str, Any] | None = None, where: str = "SQL"):
     """`execute`, the result as a polars DataFrame (DuckDB's column types, through Arrow)."""
     import duckdb

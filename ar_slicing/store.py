@@ -26,6 +26,7 @@ import numpy as np
 
 from ar_slicing.errors import BadInput
 from ar_slicing.io import atomic_path, build_meta, is_complete, read_json, sha256_file, write_meta
+from ar_slicing.layout import require_dir
 
 TOKENS_NAME = "tokens.bin"
 DOCS_NAME = "docs.parquet"
@@ -60,8 +61,7 @@ class TokenStore:
     @classmethod
     def open(cls, path: str | Path) -> TokenStore:
         path = Path(path)
-        if not path.is_dir():
-            raise BadInput(f"token store {path}: no such directory")
+        require_dir(path, "token store")
         if not is_complete(path):
             raise BadInput(
                 f"token store {path}: incomplete (no meta.json); rerun `arslice tokenize` to finish it"

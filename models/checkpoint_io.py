@@ -66,6 +66,11 @@ def safe_torch_load(path) -> Any:
     path = Path(path)
     if not path.is_file():
         raise ArSliceError(f"{path}: checkpoint file not found")
+    if not _written_by_torch_save(path):
+        raise ArSliceError(
+            f"{path}: not a PyTorch checkpoint (neither the zip archive torch.save writes nor a "
+            "pickle); name a file written by torch.save, or a .safetensors file"
+        )
     try:
         with torch.serialization.safe_globals(_config_globals()):
             return torch.load(path, map_location="cpu", weights_only=True)
@@ -73,6 +78,11 @@ def safe_torch_load(path) -> Any:
         if _RESOLVER_CACHE.search(_ANSI.sub("", str(e))):
             raise ArSliceError(resolver_cache_refusal(path)) from None
         name = refused_global(str(e))
+        if name is None and "Unsupported operand" in str(e):  # a pickle's header, then garbage
+            raise ArSliceError(
+                f"{path}: not a readable PyTorch checkpoint (a damaged pickle: "
+                f"{_unsupported_operand(str(e))}); save it again with torch.save"
+            ) from None
         what = f"names {name}, a class or function" if name else "holds objects"
         hint = (
             " (an omegaconf config: pip install omegaconf to read it)"
@@ -106,6 +116,21 @@ def resolver_cache_refusal(path: Path) -> str:
         "['state_dict'], 'model.pt'), and pass the run's config (its .hydra/config.yaml) with "
         "--model-config"
     )
+
+
+def _written_by_torch_save(path: Path) -> bool:
+    """The file starts as torch.save's output does: a zip archive, or (the format before torch
+    1.6) a pickle's PROTO opcode."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return head.startswith(b"PK\x03\x04") or (
+        len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5
+    )
+
+
+def _unsupported_operand(message: str) -> str:
+    found = re.search(r"Unsupported operand \d+", _ANSI.sub("", message))
+    return found.group(0) if found else "unreadable"
 
 
 def find_weights_file(path: Path, spec_prefix: str) -> Path:

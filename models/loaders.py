@@ -392,10 +392,22 @@ def _load_transformers(spec: str, target: str, dtype, commit: str | None):
             target, revision=commit, dtype=dtype or torch.float32, **hub.files_only()
         )
     except Exception as e:
+        _refuse_local_pickles(Path(target))
+        first = str(e).strip().splitlines()[:1] or [""]
         raise ArSliceError(
-            f"{spec}: could not load the weights ({type(e).__name__}: {e})"
+            f"{spec}: could not load the weights ({type(e).__name__}: {first[0]})"
         ) from None
     return model, config.model_type
+
+
+def _refuse_local_pickles(model_dir: Path) -> None:
+    """After transformers failed to load `model_dir`: the one-line diagnosis of its pickled
+    weights (`pytorch_model*.bin`, read by it with weights_only) when one of them is at fault."""
+    from models.checkpoint_io import safe_torch_load
+
+    if model_dir.is_dir() and not any(model_dir.glob("*.safetensors")):
+        for weights in sorted(model_dir.glob("pytorch_model*.bin")):
+            safe_torch_load(weights)  # raises ArSliceError naming the file when it is unreadable
 
 
 TOKENIZER_FILES = [

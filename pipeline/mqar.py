@@ -505,10 +505,11 @@ def run_mqar(cfg: MqarConfig) -> dict:
 
 
 def _run_sweep(cfg: MqarConfig, out: Path) -> dict:
-    from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
     from tqdm.auto import tqdm
+
+    from ar_slicing.executor import process_pool
 
     t0 = time.time()
     if is_complete(out) and not cfg.overwrite:
@@ -534,7 +535,7 @@ def _run_sweep(cfg: MqarConfig, out: Path) -> dict:
             cells += run_group(cfg, str(cells_dir), *g)
             bar.update(1)
     else:
-        with ProcessPoolExecutor(cfg.workers, mp_context=get_context("spawn")) as pool:
+        with process_pool(cfg.workers, get_context("spawn")) as pool:
             futures = [pool.submit(run_group, cfg, str(cells_dir), *g) for g in groups]
             for f in futures:
                 cells += f.result()

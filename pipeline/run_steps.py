@@ -46,15 +46,14 @@ def train_side_by_side(command: Command, configs: Mapping[str, Any], workers: in
     Models are independent (each its own output directory, batch order and seed), so this
     changes only the wall time; a worker's error is raised here once the others have finished.
     """
-    from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
+
+    from ar_slicing.executor import process_pool
 
     ctx = get_context("spawn")  # a fresh interpreter: no torch thread pool inherited via fork
     counter = ctx.Value("i", 0)
     say(f"train: {len(configs)} models, {workers} side by side")
-    with ProcessPoolExecutor(
-        workers, mp_context=ctx, initializer=_train_worker, initargs=(counter, summaries_printed())
-    ) as pool:
+    with process_pool(workers, ctx, _train_worker, (counter, summaries_printed())) as pool:
         futures = [pool.submit(command.run, cfg) for cfg in configs.values()]
         errors = [f.exception() for f in futures]
     for error in errors:

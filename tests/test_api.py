@@ -154,3 +154,42 @@ def test_open_run_refuses_a_folder_that_is_not_a_run(tmp_path):
         open_run(tmp_path / "nowhere")
     with pytest.raises(ArSliceError, match="no complete tags"):
         open_run(tmp_path)
+
+
+def test_read_only_files_keeps_sql_to_the_runs_own_files(tiny_run, tmp_path):  # noqa: F811
+    """By default `sql()` reads any file, as DuckDB does; `read_only_files=True` refuses every
+    file but the run's own Parquet (and any write, even to those), and answers the same."""
+    from ar_slicing import open_run
+
+    secret = tmp_path / "secret.csv"
+    secret.write_text("user,password\nroot,hunter2\n")
+    notebook = open_run(tiny_run)
+    assert notebook.sql("SELECT * FROM read_csv_auto($f)", f=str(secret)).rows() == [
+        ("root", "hunter2")
+    ]
+    served = open_run(tiny_run, read_only_files=True)
+    part = sorted((tiny_run / "tags").glob("tags-*.parquet"))[0]
+    before = part.read_bytes()
+    refused = {
+        "SELECT * FROM read_csv_auto($f)": ({"f": str(secret)}, "disabled by configuration"),
+        "SELECT * FROM read_csv_auto('/etc/passwd')": ({}, "disabled by configuration"),
+        "SELECT * FROM read_text($f)": ({"f": str(secret)}, "disabled by configuration"),
+        "SET enable_external_access = true": ({}, "SET statement is refused"),
+        "COPY (SELECT 1 AS x) TO $f (FORMAT csv, USE_TMP_FILE false)": (
+            {"f": str(part)},
+            "COPY statement is refused",
+        ),
+        "SELECT 1; COPY (SELECT 1 AS x) TO 'out.csv'": ({}, "COPY statement is refused"),
+    }
+    for sql, (params, why) in refused.items():
+        with pytest.raises(ArSliceError, match=why):
+            served.sql(sql, **params)
+    assert part.read_bytes() == before
+    # what the views read still works, with the same answers
+    count = "SELECT model, count(*) AS n, avg(nll) AS m FROM token_losses GROUP BY model ORDER BY 1"
+    assert served.sql(count).equals(notebook.sql(count))
+    assert served.sql("SELECT count(*) AS n FROM counts").equals(
+        notebook.sql("SELECT count(*) AS n FROM counts")
+    )
+    assert served.query("slice_perplexity").equals(notebook.query("slice_perplexity"))
+    assert served.table1(bootstrap=0).equals(notebook.table1(bootstrap=0))

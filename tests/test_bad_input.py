@@ -234,7 +234,8 @@ def test_file_without_read_permission(run_copy, capsys):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 32 KiB tmpfs (root may mount one here), grown by `grow()` to let the rerun finish."""
+    """A 32 KiB tmpfs (root may mount one here), grown by `grow()` to let the rerun finish
+    (`grow("300k")`: to that size)."""
     mount = tmp_path / "disk"
     mount.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32k", "tmpfs", str(mount)],
@@ -242,8 +243,8 @@ def small_disk(tmp_path):
     if done.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.strip()})")
 
-    def grow():
-        subprocess.run(["mount", "-o", "remount,size=64m", str(mount)], check=True)
+    def grow(size: str = "64m"):
+        subprocess.run(["mount", "-o", f"remount,size={size}", str(mount)], check=True)
 
     try:
         yield mount, grow
@@ -286,6 +287,101 @@ def test_full_disk_then_rerun(tiny_run, small_disk, stage):  # noqa: F811
     for rel in got:
         if rel != "meta.json":
             assert got[rel].read_bytes() == ref[rel].read_bytes(), rel
+
+
+def test_full_disk_while_report_builds_results_duckdb(tiny_run, small_disk):  # noqa: F811
+    """DuckDB runs out of space building results.duckdb: exit 2 with the disk-full message and
+    no temporary left (DuckDB's write-ahead log of it included); the temporaries of a report
+    killed earlier are swept by the next one."""
+    mount, grow = small_disk
+    grow("1m")
+    run = mount / "run"
+    for stage in ("tags", "losses"):
+        shutil.copytree(tiny_run["run"] / stage, run / stage)
+    used_kib = (
+        (os.statvfs(mount).f_blocks - os.statvfs(mount).f_bfree)
+        * os.statvfs(mount).f_frsize
+        // 1024
+    )
+    grow(f"{used_kib + 64}k")  # room for the report's small files, not for a DuckDB block
+    argv = ["report", "--run", run, "--bootstrap", "0", "--passages", "0"]
+    done = run_subprocess(*argv)
+    assert_refused(
+        done.returncode, done.stderr, "disk is full", "results.duckdb", "rerun the same command"
+    )
+    assert sorted(p.name for p in run.iterdir()) == ["losses", "tags"]
+
+    grow()
+    orphans = [run / ".results.duckdb.4194305.tmp", run / ".results.duckdb.4194305.tmp.wal"]
+    for orphan in orphans:  # (no process has that id: it is above Linux's largest pid)
+        orphan.write_bytes(b"left by a killed report")
+    (run / ".results.duckdb.4194305.tmp.tmp").mkdir()  # DuckDB's spill folder of it
+    done = run_subprocess(*argv)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in run.iterdir()) == ["losses", "report", "results.duckdb", "tags"]
+
+
+# ---- damaged parts ------------------------------------------------------------------------------
+
+
+def truncate(path) -> None:
+    """Cut a file in half, as a copy or a write cut short leaves it."""
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize(
+    "part", ["tags/tags-00000.parquet", "losses/attention/losses-00003.parquet"]
+)
+def test_truncated_part(run_copy, tiny_run, capsys, part):  # noqa: F811
+    """Every reader of the parts names the damaged one and the command that rewrites it."""
+    from ar_slicing import open_run
+    from ar_slicing.errors import ArSliceError
+
+    path = run_copy / part
+    truncate(path)
+    redo = "arslice tag" if part.startswith("tags") else "arslice eval"
+    words = (str(path), "not a whole Parquet file", "magic bytes", redo, "--overwrite")
+    commands = [
+        ["report", "--run", run_copy, "--bootstrap", "0", "--passages", "0"],
+        ["query", "slice_perplexity", "--run", run_copy],
+    ]
+    if part.startswith("tags"):
+        commands.append(["eval", "--model", f"native:{tiny_run['model']}", "--tags",
+                         run_copy / "tags", "--out", run_copy / "losses/again", "--device", "cpu"])  # fmt: skip
+    for argv in commands:
+        rc, err = run_cli(capsys, *argv)
+        assert_refused(rc, err, *words)
+        assert len(err.strip().splitlines()) == 1, err
+    with pytest.raises(ArSliceError) as raised:
+        open_run(run_copy)
+    for w in words:
+        assert w in str(raised.value)
+    assert not (run_copy / "results.duckdb").exists() and not (run_copy / "losses/again").exists()
+
+
+def test_the_cheap_whole_part_check_agrees_with_reading_the_footer(tiny_run, tmp_path):  # noqa: F811
+    """`require_whole` (8 bytes at each end, run on every query) refuses exactly the cuts of a
+    real part whose footer pyarrow cannot read."""
+    from ar_slicing.errors import BadInput
+    from ar_slicing.parts import part_footer, require_whole
+
+    data = (tiny_run["run"] / "tags/tags-00000.parquet").read_bytes()
+    footer = int.from_bytes(data[-8:-4], "little")
+    cuts = {0, 3, 4, 11, 12, len(data) - footer - 8, len(data) // 2, len(data) - 9, len(data) - 1}
+    cut_dir = tmp_path
+    for n in sorted(cuts):
+        part = cut_dir / f"tags-{n:05d}.parquet"
+        part.write_bytes(data[:n])
+        with pytest.raises(BadInput, match="not a whole Parquet file"):
+            part_footer(part)
+        with pytest.raises(BadInput, match="not a whole Parquet file"):
+            require_whole([part])
+    # a whole file passes both, and a corrupt middle is left to the readers
+    whole = cut_dir / "tags-99999.parquet"
+    whole.write_bytes(data)
+    require_whole([whole])
+    assert part_footer(whole).num_rows > 0
 
 
 # ---- checkpoints carrying code -----------------------------------------------------------------

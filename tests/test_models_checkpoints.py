@@ -130,7 +130,7 @@ def test_zoology_shape_mismatch_lists_the_keys(tmp_path):
         ("two_weights", "several weights files"),
         ("mamba", "'zoology.mixers.mamba.Mamba' is not supported"),
         ("unknown_field", "unknown Zoology ModelConfig field.*num_layer"),
-        ("not_a_checkpoint", "not a readable PyTorch checkpoint"),
+        ("not_a_checkpoint", "model.pt: not a PyTorch checkpoint .neither the zip archive"),
         ("config_not_a_mapping", "config.json: expected a mapping of config fields, found list"),
     ],
 )

@@ -183,3 +183,15 @@ def test_sweep_removes_every_temporary_below_and_nothing_else(tmp_path):
     (tmp_path / "final.parquet").write_text("done")
     assert sweep_temporaries(tmp_path) == 2
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["final.parquet", "keep.tmp", "sub"]
+
+
+def test_sweep_removes_what_duckdb_leaves_beside_a_temporary(tmp_path):
+    """DuckDB writes `<db>.wal` and spills to `<db>.tmp/` beside a database being built under a
+    temporary name: they are temporaries too. A user's `notes.tmp.wal` is not."""
+    (tmp_path / ".results.duckdb.77.tmp.wal").write_text("log")
+    (tmp_path / ".results.duckdb.77.tmp.tmp").mkdir()
+    (tmp_path / ".results.duckdb.77.tmp.tmp" / "spill.block").write_text("spilled")
+    (tmp_path / "notes.tmp.wal").write_text("a user's file")
+    (tmp_path / ".config").write_text("a user's file")
+    assert sweep_temporaries(tmp_path) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".config", "notes.tmp.wal"]

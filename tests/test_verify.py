@@ -185,6 +185,27 @@ def test_missing_loss_rows_and_non_finite_losses(run_copy):
     assert "one loss row per tag row" not in message
 
 
+def test_truncated_parts_are_failures_naming_each_file(run_copy, capsys):
+    """A part cut short is a FAIL line naming it and why, for every such part; verify goes on to
+    the other checks (the losses are still checked against the window table)."""
+    tag_part = run_copy / "tags/tags-00000.parquet"
+    loss_part = sorted((run_copy / "losses/attention").glob("losses-*.parquet"))[2]
+    for part in (tag_part, loss_part):
+        data = part.read_bytes()
+        part.write_bytes(data[: len(data) // 2])
+    assert cli("verify", "--run", run_copy) == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    fails = [line for line in captured.out.splitlines() if "FAIL" in line]
+    assert [line.split("FAIL  ")[1].split(":")[0] for line in fails] == [
+        str(tag_part),
+        str(loss_part),
+    ]
+    for line in fails:
+        assert "not a whole Parquet file (Parquet magic bytes not found in footer)" in line
+    assert "one tokenizer fingerprint" in captured.out  # the checks after them still ran
+
+
 def test_fingerprint_disagreement_names_both(run_copy):
     meta_path = run_copy / "losses/attention/meta.json"
     meta = json.loads(meta_path.read_text())

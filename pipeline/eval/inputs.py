@@ -10,6 +10,8 @@ import numpy as np
 
 from ar_slicing.errors import BadInput
 from ar_slicing.io import META_NAME, is_complete, read_json
+from ar_slicing.layout import TAG_PART_GLOB
+from ar_slicing.parts import part_rows
 from ar_slicing.tokenizer import require_same_fingerprint
 from ar_slicing.windows import WINDOWS_NAME
 from pipeline.eval.config import CHECKPOINT_SUFFIXES
@@ -90,11 +92,11 @@ def open_tags(tags_dir: str | Path, tokens: str | None = None) -> TagsInput:
             f"{path}: {len(window_id)} windows cover {int(n_targets.sum())} targets but the store "
             f"{store.path} has {store.n_tokens - 1}; rerun `arslice tag --overwrite`"
         )
-    parts = sorted(tags_dir.glob("tags-*.parquet"))
-    n_tag_rows = sum(pq.ParquetFile(p).metadata.num_rows for p in parts)
+    parts = sorted(tags_dir.glob(TAG_PART_GLOB))
+    n_tag_rows = sum(part_rows(parts))
     if n_tag_rows != int(n_targets.sum()):
         raise BadInput(
-            f"tags {tags_dir}: {len(parts)} tags-*.parquet files hold {n_tag_rows} rows but "
+            f"tags {tags_dir}: {len(parts)} {TAG_PART_GLOB} files hold {n_tag_rows} rows but "
             f"{WINDOWS_NAME} has {int(n_targets.sum())} targets; rerun `arslice tag --overwrite`"
         )
     return TagsInput(tags_dir, meta, window, starts, n_targets, store, n_tag_rows)

@@ -27,10 +27,10 @@ def _complete_dirs(root: Path, checks: Checks, what: str) -> list[Path]:
 
 def verify_run(cfg: VerifyConfig) -> dict:
     from ar_slicing.io import is_complete, read_json
+    from ar_slicing.layout import require_dir
 
     run = Path(cfg.run)
-    if not run.is_dir():
-        raise ArSliceError(f"run directory {run}: no such directory")
+    require_dir(run, "run directory")
     checks = Checks()
     fingerprints: dict[str, str | None] = {}
 

@@ -6,7 +6,17 @@ from pathlib import Path
 
 import numpy as np
 
+from ar_slicing.layout import LOSS_PART_GLOB, TAG_PART_GLOB
+from ar_slicing.parts import damage
 from pipeline.verify.checks import BATCH_ROWS, Checks
+
+
+def _parts_whole(parts: list[Path], checks: Checks) -> bool:
+    """FAIL for every part without a readable footer; True when there is none."""
+    problems = [problem for problem in map(damage, parts) if problem]
+    for problem in problems:
+        checks.fail(problem)
+    return not problems
 
 
 def _covering_keys(batches, n_targets: np.ndarray, window: int):
@@ -106,7 +116,7 @@ def verify_tags(
             return meta, None
     starts = np.asarray(windows["start"], dtype=np.int64)
     n_targets = np.asarray(windows["n_targets"], dtype=np.int64)
-    parts = sorted(path.glob("tags-*.parquet"))
+    parts = sorted(path.glob(TAG_PART_GLOB))
     listed = meta.get("parts")
     if listed is not None:
         checks.check(
@@ -114,6 +124,8 @@ def verify_tags(
             f"{path}: the {len(listed)} tag parts meta.json lists",
             f"found {[p.name for p in parts]}",
         )
+    if not _parts_whole(parts, checks):
+        return meta, windows  # (the window table is sound: the losses are still checked)
 
     tokens = counts = None
     if scan_tokens and val_dir is not None and val_meta is not None:
@@ -212,7 +224,9 @@ def verify_losses(path: Path, windows: dict, window: int, checks: Checks) -> dic
     n_targets = np.asarray(windows["n_targets"], dtype=np.int64)
     evaluated = int(meta.get("windows_evaluated", n_targets.size))
     scored = n_targets[:evaluated]
-    parts = sorted(path.glob("losses-*.parquet"))
+    parts = sorted(path.glob(LOSS_PART_GLOB))
+    if not _parts_whole(parts, checks):
+        return meta
     nonfinite = 0
     first_bad = None
 
