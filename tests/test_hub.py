@@ -404,15 +404,15 @@ def test_a_hub_model_that_changed_under_its_name_is_a_changed_input(
     env = cache_env(tmp_path)
     args = ["eval", "--model", "hf:tiny/gpt", "--tags", str(tiny_run / "tags"),
             "--out", str(tmp_path / "losses"), "--device", "cpu", "--dtype", "fp32"]  # fmt: skip
-    first, _ = arslice(args, env)
+    first = arslice(args, env)
     assert first.returncode == 0, first.stderr
     meta = json.loads((tmp_path / "losses" / "meta.json").read_text())
     assert meta["hub_commit"] == commits["main"]
-    again, _ = arslice(args, env)
+    again = arslice(args, env)
     assert again.returncode == 0 and "skipped" in again.stdout, again.stderr
     refs = tmp_path / "cache" / "models--tiny--gpt" / "refs" / "main"
     refs.write_text(commits["step1"])  # the hub's main moved on
-    moved, _ = arslice(args, env)
+    moved = arslice(args, env)
     assert moved.returncode == 2, moved.stderr
     assert commits["main"] in moved.stderr and commits["step1"] in moved.stderr
     assert "commit" in moved.stderr and "Traceback" not in moved.stderr
