@@ -144,7 +144,9 @@ def tag_batch_kernel(
                 chain[j] = earlier
                 if pp == 0:
                     run_m = 0
-                elif run_m > 0 and tokens[k0 + run_e + 2] == tokens[k + 1]:
+                elif run_m == 0:
+                    run_m, run_e = 1, earlier  # after a non-repeat, a bigram is the longest
+                elif tokens[k0 + run_e + 2] == tokens[k + 1]:
                     run_m += 1  # the previous target's copy goes on: the longest possible
                     run_e += 1
                 else:

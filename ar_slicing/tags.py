@@ -240,23 +240,18 @@ def span_train_counts(columns, tokens, span_order: int, spans, out=None) -> np.n
     """Training count of each target's `(min(match_len, K) + 1)`-gram (0 for non-repeats).
 
     Target k's n-gram ends at tokens[k + 1]. Order 2 is the bigram's `train_count`; orders 3..K+1
-    are looked up in `spans`, an `NgramTable` that must hold every one of them (the tag stage
-    builds it from the same windows, so a missing n-gram is a bug, not bad input).
+    come from `spans`, an `NgramTable` that must hold every one of them (the tag stage builds it
+    from the same windows, so a missing n-gram is a bug, not bad input).
     """
-    from ar_slicing.counts.ngrams import span_lengths
-
     match_len = columns["match_len"]
-    lengths = span_lengths(match_len, span_order)
-    out = np.empty(len(match_len), np.int64) if out is None else out
-    np.multiply(columns["train_count"], match_len > 0, out=out)
-    longer = np.flatnonzero(lengths >= 3)
-    if longer.size:
-        if spans is None:
+    if span_order < 2 or spans is None:
+        if span_order >= 2 and match_len.max(initial=0) >= 2:
             raise ValueError(f"span order {span_order}: n-gram counts of order 3 and up needed")
-        found = spans.lookup(tokens, longer + 1, lengths[longer])
-        if (found < 0).any():
-            raise RuntimeError("n-gram counts lack a span the tagger needs")
-        out[longer] = found
+        out = np.empty(len(match_len), np.int64) if out is None else out
+        return np.multiply(columns["train_count"], match_len > 0, out=out)
+    out = spans.span_counts(tokens, match_len, columns["train_count"], out=out)
+    if out.min(initial=0) < 0:
+        raise RuntimeError("n-gram counts lack a span the tagger needs")
     return out
 
 

@@ -190,16 +190,24 @@ def test_ngram_counts_match_a_plain_counter(case, engine, tmp_path_factory):
     for r, gram in enumerate(table.grams[: table.n_rows]):
         gram = tuple(int(x) for x in gram if x >= 0)
         assert counts[r] == naive[len(gram)][gram], gram
-    looked_up = table.lookup(val_arr, ends, lengths)
-    assert looked_up.tolist() == [
-        naive[int(n)][tuple(val[t - n + 1 : t + 1])] for t, n in zip(ends, lengths)
-    ]
-    # a span the table does not hold reads as -1, never as another one's count
-    if len(val) >= 3:
-        absent = np.array([len(val) - 1], np.int64)
-        three = np.array([3], np.int64)
-        if tuple(val[-3:]) not in needed:
-            assert table.lookup(val_arr, absent, three).tolist() == [-1]
+    # span counts of a batch whose targets copy those n-grams: target t - 1 ends at val[t]
+    match_len = np.zeros(len(val) - 1, np.int32)
+    match_len[ends - 1] = lengths - 1
+    train_count = np.arange(len(val) - 1, dtype=np.int64) + 100
+    got = table.span_counts(val_arr, match_len, train_count)
+    for k in range(len(val) - 1):
+        m = int(match_len[k])
+        want = naive[m + 1][tuple(val[k + 1 - m : k + 2])] if m else 0
+        assert got[k] == want, k
+    # a one-bigram copy reads the bigram count; a span the table lacks reads -1, never another's
+    if len(val) >= 4:
+        match_len[:] = 0
+        match_len[0] = 1
+        absent = tuple(val[1:4]) not in needed
+        match_len[2] = 2 if absent else 0
+        got = table.span_counts(val_arr, match_len, train_count)
+        assert got[0] == 100
+        assert got[2] == (-1 if absent else 0)
 
 
 def test_ngram_counts_match_tokengrams(tmp_path, bpe_tokenizer, stdlib_texts, engine):

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ar_slicing.counts import regions
+from ar_slicing.counts.regions import PREFETCH, prefetch
 from ar_slicing.jit import lazily_compiled
 
 _FIB = 0x9E3779B97F4A7C15
@@ -41,7 +43,8 @@ def _find(slots, grams, orders, K, bits, h, tokens, t, n):
         r = slots[s, 1]
         if r < 0:
             return -1
-        if np.uint64(slots[s, 0]) == h and orders[r] == n:
+        # a row of order n has -1 just before its n tokens (unless it fills the row)
+        if np.uint64(slots[s, 0]) == h and (n == K + 1 or grams[r, K - n] < 0):
             same = True
             for q in range(n):
                 if grams[r, K - q] != tokens[t - q]:
@@ -93,27 +96,69 @@ def count_kernel(slots, grams, orders, K, bits, tokens, first, offset, row, coun
             counts[r] += 1
 
 
-def lookup_kernel(slots, grams, orders, counts, K, bits, tokens, ends, lengths, out):
-    """out[k] = training count of the n-gram of order lengths[k] (>= 3) ending at tokens[ends[k]]
-    (-1 if the table lacks it)."""
-    for k in range(ends.size):
-        t = ends[k]
-        n = lengths[k]
-        h = gram_hash(np.uint64(0), tokens[t])
-        for q in range(1, n):
-            h = gram_hash(h, tokens[t - q])
-        r = _find(slots, grams, orders, K, bits, h, tokens, t, n)
+def span_counts_kernel(
+    slots,
+    grams,
+    orders,
+    K,
+    bits,
+    counts,
+    tokens,
+    match_len,
+    train_count,
+    span_order,
+    out,
+    at,
+    hashes,
+):
+    """out[k] = span count of target k (its n-gram ends at tokens[k + 1]): 0 for a non-repeat,
+    train_count[k] for a copy of one bigram (or span order 1), else the table's count of the
+    (min(match_len, K) + 1)-gram (-1 if it lacks it). The targets needing the table are listed
+    and hashed first, so that the home slot of the one 2 PREFETCH ahead and then the row and count
+    its slot names (PREFETCH ahead) are asked for early: the cache misses overlap."""
+    n_q = 0
+    for k in range(match_len.size):
+        m = min(match_len[k], span_order)
+        if m == 0:
+            out[k] = 0
+        elif m == 1:
+            out[k] = train_count[k]
+        else:
+            t = k + 1
+            h = gram_hash(np.uint64(0), tokens[t])
+            for q in range(1, m + 1):
+                h = gram_hash(h, tokens[t - q])
+            at[n_q] = k
+            hashes[n_q] = h
+            n_q += 1
+    shift = np.uint64(64 - bits)
+    flat_slots = slots.reshape(-1)
+    flat_grams = grams.reshape(-1)
+    for j in range(n_q):
+        if j + 2 * PREFETCH < n_q:
+            prefetch(flat_slots, 2 * np.int64(hashes[j + 2 * PREFETCH] >> shift))
+        if j + PREFETCH < n_q:
+            r = slots[np.int64(hashes[j + PREFETCH] >> shift), 1]
+            if r >= 0:
+                prefetch(flat_grams, r * (K + 1))
+                prefetch(counts, r)
+        k = at[j]
+        n = min(match_len[k], span_order) + 1
+        r = _find(slots, grams, orders, K, bits, hashes[j], tokens, k + 1, n)
         out[k] = counts[r] if r >= 0 else -1
 
 
 def _jit_all(jit) -> dict:
-    global gram_hash, _find
+    global gram_hash, _find, prefetch
+    if regions.compiled() is None:
+        return {}
+    prefetch = regions.prefetch  # the region table's compiled prefetch
     gram_hash = jit(gram_hash)
     _find = jit(_find)
     return {
         "insert": jit(insert_kernel),
         "count": jit(count_kernel),
-        "lookup": jit(lookup_kernel),
+        "span_counts": jit(span_counts_kernel),
     }
 
 
@@ -137,6 +182,7 @@ class NgramTable:
     bits: int
     n_rows: int = 0
     counts: np.ndarray | None = None  # (n_rows,) int64
+    scratch: tuple | None = None  # `span_counts`' query space
 
     @classmethod
     def empty(cls, span_order: int, capacity: int) -> NgramTable:
@@ -251,34 +297,52 @@ class NgramTable:
             counts += np.bincount(order_of_key[at[hit]], minlength=self.n_rows)
         return counts
 
-    def lookup(self, tokens: np.ndarray, ends: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Training count of the n-gram of order lengths[k] (3..K+1) ending at tokens[ends[k]];
-        -1 for one the table does not hold."""
-        out = np.empty(ends.size, np.int64)
-        if not ends.size:
-            return out
+    def span_counts(self, tokens, match_len, train_count, out=None) -> np.ndarray:
+        """Span count of every target of a batch (target k's n-gram ends at tokens[k + 1]): 0 for
+        a non-repeat, `train_count` for a copy of one bigram, else the table's count of the
+        (min(match_len, K) + 1)-gram; -1 for one the table does not hold."""
+        n = len(match_len)
+        out = np.empty(n, np.int64) if out is None else out
         counts = self.counts if self.counts is not None else np.zeros(self.n_rows, np.int64)
         kernels = compiled()
         if kernels is not None:
-            kernels["lookup"](
-                *self._table[:3],
+            kernels["span_counts"](
+                *self._table,
                 counts,
-                *self._table[3:],
                 np.ascontiguousarray(tokens),
-                ends.astype(np.int64),
-                lengths.astype(np.int64),
+                np.ascontiguousarray(match_len, np.int32),
+                np.ascontiguousarray(train_count, np.int64),
+                self.span_order,
                 out,
+                *self._scratch(n),
             )
             return out
+        lengths = span_lengths(match_len, self.span_order)
+        np.multiply(train_count, match_len > 0, out=out)
+        longer = np.flatnonzero(lengths >= 3)
+        out[longer] = self.lookup(tokens, longer + 1, lengths[longer])
+        return out
+
+    def _scratch(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Query space for `span_counts`, kept between batches (fresh pages cost more than the
+        lookups of a batch)."""
+        if self.scratch is None or len(self.scratch[0]) < n:
+            self.scratch = (np.empty(n, np.int64), np.empty(n, np.uint64))
+        return self.scratch
+
+    def lookup(self, tokens: np.ndarray, ends: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Training count of the n-gram of order lengths[k] (3..K+1) ending at tokens[ends[k]];
+        -1 for one the table does not hold (numpy; the compiled path is `span_counts`)."""
+        out = np.full(ends.size, -1, np.int64)
+        if not ends.size or not self.n_rows:
+            return out
+        counts = self.counts if self.counts is not None else np.zeros(self.n_rows, np.int64)
         keys = _row_keys(self.grams[: self.n_rows])
         order_of_key = np.argsort(keys)
         sorted_keys = keys[order_of_key]
-        out[:] = -1
         for n in np.unique(lengths):
             sel = np.flatnonzero(lengths == n)
             probe = _row_keys(_rows_ending_at(tokens, ends[sel], int(n), self.span_order))
-            if not sorted_keys.size:
-                continue
             at = np.minimum(np.searchsorted(sorted_keys, probe), sorted_keys.size - 1)
             hit = sorted_keys[at] == probe
             out[sel[hit]] = counts[order_of_key[at[hit]]]
