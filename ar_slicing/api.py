@@ -5,6 +5,7 @@ polars frames, the same numbers `arslice report` and `arslice query` print.
     >>> run = open_run("runs/demo")
     >>> run.models, run.window, run.threshold
     >>> run.table1()                                        # Table 1, intervals included
+    >>> run.copy_length()                                   # ppl per copy length x span count
     >>> run.query("gap_vs_reference", reference="rwkv")     # any queries/*.sql
     >>> run.sql("SELECT model, avg(nll) FROM token_losses WHERE is_ar_hit GROUP BY model")
     >>> run.token_losses().filter(pl.col("is_repeat")).collect()   # lazy, straight from Parquet
@@ -22,6 +23,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from ar_slicing.errors import ArSliceError
 from ar_slicing.layout import LOSS_PART_GLOB
 from ar_slicing.results import RunInputs
 from ar_slicing.tags import TAG_COLUMNS
@@ -158,6 +160,25 @@ class Run:
         # (a statistic without a value, such as the reference's own AR share, is null)
         rows = [[_none_if_nan(r[c]) for c in t1.columns] for r in t1.records()]
         return pl.DataFrame(rows, schema=_table1_schema(t1.columns), orient="row")
+
+    def copy_length(self, bootstrap: int = 1000, seed: int = 0, spans: str = "split"):
+        """Perplexity per copy-length bucket (match_len 1, 2-3, 4-7, 8-15, 16+; 'none' = the
+        non-repeats) x span-count bucket (0, 1..threshold, above), per model, as a polars
+        DataFrame with 95% bootstrap bounds (`ppl_lo`, `ppl_hi`; windows resampled as for
+        `table1`). `spans="all"` merges the span buckets, `"novel_seen"` splits them into count 0
+        and the rest (docs/copy-length.md)."""
+        import polars as pl
+
+        from ar_slicing.copy_length import copy_length_rows
+
+        if spans not in ("split", "all", "novel_seen"):
+            raise ArSliceError(f"spans={spans!r}: expected 'split', 'all' or 'novel_seen'")
+        con = self._connect()
+        try:
+            rows = copy_length_rows(con, n_bootstrap=bootstrap, seed=seed, spans=spans)
+        finally:
+            con.close()
+        return pl.DataFrame(rows, infer_schema_length=None)
 
     def token_losses(self):
         """A polars LazyFrame of every scored token joined with every model's loss (the

@@ -138,6 +138,11 @@ def find_run(run_dir: str | os.PathLike) -> RunInputs:
         )
     if not (tags_dir / WINDOWS_NAME).is_file():
         raise BadInput(f"{tags_dir}: no {WINDOWS_NAME}; rerun `arslice tag --overwrite`")
+    if "span_order" not in tags_meta:
+        raise BadInput(
+            f"{tags_dir}: tags without copy lengths (match_len, span_train_count), made by an "
+            "older version; rerun `arslice tag --overwrite` (or `make tags`)"
+        )
 
     # The tags record absolute paths; when the run was moved since, the run layout finds them.
     tokens_dir = _first_existing(tags_meta.get("tokens"), paths.store("val"), marker=META_NAME)
@@ -398,7 +403,8 @@ def _write_results(con, layout: RunInputs, rows: list[tuple], reference: str) ->
         """
         CREATE VIEW token_losses AS
         SELECT l.model, t.window_id, t.pos, t.doc_id, t.token, t.prev, t.train_count,
-               t.prev_pos, t.is_repeat, t.is_ar_hit, t.subset, l.nll
+               t.prev_pos, t.is_repeat, t.is_ar_hit, t.subset, t.match_len,
+               t.span_train_count, l.nll
         FROM tags AS t JOIN losses AS l ON l.window_id = t.window_id AND l.pos = t.pos
         """
     )

@@ -35,6 +35,7 @@ from ar_slicing.errors import BadInput
 
 if TYPE_CHECKING:
     from ar_slicing.counts.lookup import BigramCounts
+    from ar_slicing.counts.ngrams import NgramTable
 
 # (prev, next) -> training count, int64, 0 for pairs never seen (BigramCounts.lookup).
 Lookup = Callable[[np.ndarray, np.ndarray], np.ndarray]
@@ -50,12 +51,16 @@ TAG_COLUMNS = (
     "is_repeat",
     "is_ar_hit",
     "subset",
+    "match_len",
+    "span_train_count",
 )
+# the columns the compiled kernel writes, in its argument order
+_KERNEL_COLUMNS = ("train_count", "prev_pos", "is_repeat", "is_ar_hit", "subset")
 
 
 def tags_schema():
-    """The tag table's schema (DESIGN.md "Tags"): `prev_pos` is null for non-repeats and `subset`
-    for documents without one; every other column is never null (REQUIRED in Parquet, which
+    """The tag table's schema (DESIGN.md "Tags"): `prev_pos` and `span_train_count` are null for
+    non-repeats and `subset` for documents without one; every other column is never null (REQUIRED in Parquet, which
     also spares the writer a definition level per value)."""
     import pyarrow as pa
 
@@ -71,6 +76,8 @@ def tags_schema():
             pa.field("is_repeat", pa.bool_(), nullable=False),
             pa.field("is_ar_hit", pa.bool_(), nullable=False),
             pa.field("subset", pa.string()),
+            pa.field("match_len", pa.int32(), nullable=False),
+            pa.field("span_train_count", pa.int64()),
         ]
     )
 
@@ -133,7 +140,10 @@ def tag_windows(
     threshold: int,
     vocab_size: int,
     reset_at_doc_boundary: bool = False,
+    span_order: int = 1,
+    spans: NgramTable | None = None,
     out: dict[str, np.ndarray] | None = None,
+    copy_lengths: bool = True,
 ) -> dict[str, np.ndarray]:
     """Tag every target of consecutive windows starting at `first_window`.
 
@@ -144,10 +154,16 @@ def tag_windows(
     where there is no earlier occurrence and `subset` as codes into `docs.subset_names`
     (-1 = none). `out` (from `column_buffers`) is where the compiled path writes them: a caller
     tagging batch after batch reuses memory instead of having fresh pages mapped for each one.
+    `match_len` is each target's copy length and `span_train_count` the training count of its
+    `(min(match_len, span_order) + 1)`-gram (0 for a non-repeat, whose column is null): order 2
+    is the bigram's `train_count`, orders 3 and up come from `spans` (`ar_slicing.counts.ngrams`),
+    which must hold them when `span_order >= 2`. `copy_lengths=False` leaves `match_len` and the
+    span counts out of the compiled pass (the benchmark's baseline; the columns are then zeros).
 
     Example (DESIGN.md), `L = 8`, stream `5 6 7 8 5 6 9 5 6`: targets at pos 1..8 are
     `6 7 8 5 6 9 5 6`; pos 5 and 8 repeat bigram (5, 6) with prev_pos 1 and 5; with a training
-    count of 10 for (5, 6) and threshold 1250 both are AR hits.
+    count of 10 for (5, 6) and threshold 1250 both are AR hits. Stream `1 2 3 4 1 2 3 9 2`:
+    match_len 1 at pos 5, 2 at pos 6 (`1 2 3` occurred at stream indices 0..2), 0 elsewhere.
     """
     from ar_slicing.counts.lookup import BigramCounts
     from ar_slicing.tag_kernels import compiled
@@ -161,9 +177,11 @@ def tag_windows(
     table = lookup.region_table if isinstance(lookup, BigramCounts) else None
     lookup_fn = lookup.lookup if isinstance(lookup, BigramCounts) else lookup
     if kernels is None:
-        return _tag_windows_numpy(
+        columns = _tag_windows_numpy(
             tokens, first_window, L, docs, lookup_fn, threshold, vocab_size, reset_at_doc_boundary
         )
+        columns["span_train_count"] = span_train_counts(columns, tokens, span_order, spans)
+        return columns
     use_table = table is not None and tokens.dtype == np.uint16
     starts, slots = (
         (table.starts, table.slots)
@@ -176,6 +194,8 @@ def tag_windows(
         out["pos"][:] = np.resize(np.arange(1, L + 1, dtype=np.int32), len(out["pos"]))
         out["pos_window"][0] = L
     columns = {name: out[name][:n] for name in TAG_COLUMNS if name not in ("token", "prev")}
+    if not copy_lengths:
+        columns["match_len"][:] = 0
     # the batch's ids as int32 once: `prev` and `token` are the same memory, one apart
     columns["prev"], columns["token"] = out["ids"][:n], out["ids"][1 : n + 1]
     head_of = out["head_of"][:n] if not use_table else out["head_of"][:1]
@@ -194,8 +214,11 @@ def tag_windows(
         columns["window_id"],
         columns["doc_id"],
         out["ids"][: n + 1],
-        *(columns[name] for name in TAG_COLUMNS[5:]),
+        *(columns[name] for name in _KERNEL_COLUMNS),
         head_of,
+        bool(copy_lengths),
+        out["chain"],
+        columns["match_len"],
     )
     if not use_table:
         # counts of each window's first occurrences, spread to the later ones
@@ -204,7 +227,32 @@ def tag_windows(
         count[heads] = lookup_fn(columns["prev"][heads], columns["token"][heads])
         count[:] = count[head_of]
         columns["is_ar_hit"] = columns["is_repeat"] & (count <= threshold)
+    if copy_lengths:
+        columns["span_train_count"] = span_train_counts(
+            columns, tokens, span_order, spans, out=columns["span_train_count"]
+        )
+    else:
+        columns["span_train_count"][:] = 0
     return columns
+
+
+def span_train_counts(columns, tokens, span_order: int, spans, out=None) -> np.ndarray:
+    """Training count of each target's `(min(match_len, K) + 1)`-gram (0 for non-repeats).
+
+    Target k's n-gram ends at tokens[k + 1]. Order 2 is the bigram's `train_count`; orders 3..K+1
+    come from `spans`, an `NgramTable` that must hold every one of them (the tag stage builds it
+    from the same windows, so a missing n-gram is a bug, not bad input).
+    """
+    match_len = columns["match_len"]
+    if span_order < 2 or spans is None:
+        if span_order >= 2 and match_len.max(initial=0) >= 2:
+            raise ValueError(f"span order {span_order}: n-gram counts of order 3 and up needed")
+        out = np.empty(len(match_len), np.int64) if out is None else out
+        return np.multiply(columns["train_count"], match_len > 0, out=out)
+    out = spans.span_counts(tokens, match_len, columns["train_count"], out=out)
+    if out.min(initial=0) < 0:
+        raise RuntimeError("n-gram counts lack a span the tagger needs")
+    return out
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:
@@ -224,6 +272,7 @@ def column_buffers(n: int) -> dict[str, np.ndarray]:
             if name not in ("token", "prev")
         },
         "ids": np.empty(n + 1, np.int32),  # `prev` and `token`, one apart
+        "chain": np.empty(max(n, 1), np.int32),  # earlier target of each one's bigram
         "head_of": np.empty(max(n, 1), np.int64),
         "pos_window": np.zeros(1, np.int64),  # the window length `pos` holds positions for
     }
@@ -267,6 +316,10 @@ def _tag_windows_numpy(
     del order, sorted_prev, sorted_token, run_head
 
     is_repeat = prev_pos > 0
+    origin = docs.offsets[doc_rows] - first_window * L - 1 if reset_at_doc_boundary else None
+    match_len = copy_lengths_numpy(tokens, L, origin)
+    if np.any((match_len > 0) != is_repeat):
+        raise RuntimeError("copy lengths and repeats disagree")
     n_rows = -(-n // L)
     return {
         "window_id": np.repeat(np.arange(first_window, first_window + n_rows, dtype=np.int32), L)[
@@ -281,7 +334,55 @@ def _tag_windows_numpy(
         "is_repeat": is_repeat,
         "is_ar_hit": is_repeat & (train_count <= threshold),
         "subset": docs.subset_code[doc_rows],
+        "match_len": match_len,
     }
+
+
+def copy_lengths_numpy(tokens, L: int, doc_origin=None) -> np.ndarray:
+    """match_len of every target of a batch, level by level, without a loop over tokens.
+
+    `tokens` holds whole windows from a window start (`tag_windows`' stream); target k's copy of
+    m covers tokens[k+1-m .. k+1]; none starts before its window's first token
+    (tokens index (k // L) * L), nor, with `doc_origin` (the reset: per target, the index of the
+    token before its document's first), before that. Level m gives every target whose copy of m
+    may exist a class id: equal ids = the same m+1 tokens in the same window (and document). A
+    class of two or more targets has a copy of m at each but its first; only such targets can
+    start a class of level m+1, whose id is (class at level m of target k, tokens[k+2]) for
+    target k+1. Level 1 is the bigram in its window, so the first level holds the repeats.
+    """
+    n = len(tokens) - 1
+    k = np.arange(n, dtype=np.int64)
+    origin = (k // L) * L
+    if doc_origin is not None:
+        origin = np.maximum(origin, doc_origin)
+    reach = k + 1 - origin  # the longest copy that could end at each target
+    match_len = np.zeros(n, np.int32)
+    ids = tokens.astype(np.int64)
+    vocab = int(ids.max()) + 1 if n else 1
+    group = k // L if doc_origin is None else np.unique(origin, return_inverse=True)[1]
+    group = np.asarray(group, np.int64) + (k // L) * (n + 1)
+    cls = _ranks(_ranks(group) * vocab + ids[:-1]) * vocab + ids[1:]
+    at, m = k, 1
+    while at.size:
+        cls = _ranks(cls)
+        sizes = np.bincount(cls)
+        _, first = np.unique(cls, return_index=True)
+        later = np.ones(at.size, bool)
+        later[first] = False
+        match_len[at[later]] = m
+        keep = sizes[cls] >= 2
+        at, cls = at[keep], cls[keep]
+        nxt = at + 1
+        ok = (nxt < n) & (nxt // L == at // L)
+        ok[ok] = reach[nxt[ok]] >= m + 1
+        at, cls = nxt[ok], cls[ok] * vocab + ids[nxt[ok] + 1]
+        m += 1
+    return match_len
+
+
+def _ranks(keys: np.ndarray) -> np.ndarray:
+    """Dense ids 0.. of `keys` (equal keys, equal ids)."""
+    return np.unique(keys, return_inverse=True)[1].astype(np.int64).ravel()
 
 
 def _checked_tokens(stream: np.ndarray, vocab_size: int, first_window: int) -> np.ndarray:
@@ -336,6 +437,8 @@ _DTYPES = {
     "is_repeat": np.bool_,
     "is_ar_hit": np.bool_,
     "subset": np.int32,
+    "match_len": np.int32,
+    "span_train_count": np.int64,
 }
 
 
@@ -346,8 +449,8 @@ def _empty_columns() -> dict[str, np.ndarray]:
 def to_arrow(columns: dict[str, np.ndarray], subset_names: tuple[str, ...]):
     """A pyarrow table of `tags_schema()` columns (subset dictionary-encoded; see write_part).
 
-    The numpy columns are wrapped, not copied; `is_repeat`'s bitmap doubles as `prev_pos`'s
-    validity (a target has a `prev_pos` exactly when it repeats).
+    The numpy columns are wrapped, not copied; `is_repeat`'s bitmap doubles as the validity of
+    `prev_pos` and `span_train_count` (a target has them exactly when it repeats).
     """
     import pyarrow as pa
 
@@ -378,6 +481,8 @@ def to_arrow(columns: dict[str, np.ndarray], subset_names: tuple[str, ...]):
             indices, pa.array(list(subset_names), pa.string()), safe=False
         )
     )
+    arrays.append(array("match_len"))
+    arrays.append(array("span_train_count", repeat_bits))
     return pa.Table.from_arrays(arrays, schema=arrow_write_schema())
 
 
@@ -413,6 +518,8 @@ PARQUET_OPTIONS = {
         "is_repeat": "none",
         "is_ar_hit": "none",
         "subset": "none",
+        "match_len": "lz4",
+        "span_train_count": "snappy",
     },
     "use_dictionary": ["subset"],
     "column_encoding": {
@@ -425,6 +532,8 @@ PARQUET_OPTIONS = {
         "prev_pos": "PLAIN",
         "is_repeat": "PLAIN",
         "is_ar_hit": "PLAIN",
+        "match_len": "PLAIN",
+        "span_train_count": "BYTE_STREAM_SPLIT",
     },
     # min/max of the keys lets readers skip row groups when they join on a window range
     "write_statistics": ["window_id", "doc_id"],

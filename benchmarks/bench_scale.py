@@ -13,7 +13,11 @@ Stages, each in its own process, as the pipeline runs them:
   full count        `count_stores` of the training store (and of its first 10%, for the
                     memory-flatness check)
   restricted count  `count_stores --only-bigrams-of` the validation store
-  tag               `run_tag` of the validation store with the restricted counts
+  tag               `run_tag` of the validation store with the restricted counts (span order 4:
+                    its first pass collects the span n-grams, which are counted over the 2 B
+                    training tokens, then the parts are written; each part timed on its own)
+  tag kernel        the tag kernel alone on one core, with and without copy lengths, batch by
+                    batch in turn (`bench_tag.copy_length_cost`): their throughput ratio
 Each prints wall time, tokens/s, peak memory (the proportional set size of the stage's process
 and its workers, sampled; pages the workers share count once) and peak temporary disk (the
 most bytes the stage had under its output directory beyond what it leaves there), then the
@@ -248,7 +252,16 @@ def run_stage(stage: str, root: Path, workers: int) -> dict:
             "tokens": tokens,
             "repeats": c["repeats"] / tokens,
             "ar_hits": c["ar_hits"] / tokens,
+            "tagging_tokens_per_s": meta["throughput"]["tokens_per_s"],
+            "span_counts": meta["span_counts"],
+            "span_collect_s": meta["throughput"]["span_collect_s"],
+            "span_count_s": meta["throughput"]["span_count_s"],
         }
+    elif stage == "tag-kernel":
+        from bench_tag import copy_length_cost
+
+        r = copy_length_cost(root / "val", root / "count-only")
+        return {"seconds": time.perf_counter() - t0, **r}
     else:
         raise SystemExit(f"unknown stage {stage}")
     return {"seconds": time.perf_counter() - t0, "tokens": tokens}
@@ -374,7 +387,7 @@ def main() -> None:
     info = json.loads((root / "train" / "meta.json").read_text())["tokenizer"]
     write_val_store(root / "val", root / "val.u16", val_ends, info)
     results["import-small"] = measured("import-small", root, workers, root / "train-small")
-    for stage in ("count-small", "count", "count-only", "tag"):
+    for stage in ("count-small", "count", "count-only", "tag", "tag-kernel"):
         out = root / ("tags" if stage == "tag" else stage)
         results[stage] = measured(stage, root, workers, out)
     print(f"  (load average after: {os.getloadavg()[0]:.2f})")
@@ -432,6 +445,20 @@ def main() -> None:
         f"output {tag['final_bytes'] / tag['tokens']:.1f} B/token x {PILE_VAL:.3g} = "
         f"{tag['final_bytes'] / tag['tokens'] * PILE_VAL / 1e9:.1f} GB",
     )
+    spans = tag["span_counts"]
+    grams = sum(v["ngrams"] for v in spans["by_order"].values())
+    print(
+        f"\n  copy spans: {grams:,} distinct span n-grams (orders 3..{spans['span_order'] + 1}) "
+        f"collected in {tag['span_collect_s']:.1f} s and counted over the "
+        f"{full['tokens']:,} training tokens in {tag['span_count_s']:.1f} s, against "
+        f"{only['seconds']:.1f} s for the restricted bigram count (ratio "
+        f"{tag['span_count_s'] / only['seconds']:.2f}); tagging itself "
+        f"{tag['tagging_tokens_per_s'] / 1e6:.1f} M tokens/s, the whole stage "
+        f"{tag['tokens'] / tag['seconds'] / 1e6:.1f} M tokens/s"
+    )
+    from bench_tag import print_copy_length_cost
+
+    print_copy_length_cost(results["tag-kernel"])
     flat = full["peak_pss"] / small_r["peak_pss"]
     print(
         f"\n  targets: restricted count peak {only['peak_pss'] / 2**30:.2f} GiB (<= 1.5), temp disk "

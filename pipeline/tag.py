@@ -5,6 +5,14 @@ Reads a validation token store and the training bigram counts; writes into `--ou
   tags-00000.parquet ... one row per scored target, sorted by (window_id, pos); each part holds
                          whole windows, is written atomically and is the unit of resumption
   meta.json              parameters, input fingerprints, counts overall and per subset (last)
+
+Copy spans (docs/copy-length.md): with `--span-order K` >= 2 the windows are tagged twice. The
+first pass only collects the n-grams of orders 3..K+1 that end at the repeats (for a repeat
+with match_len m, those of orders 3..min(m, K)+1), the training stores the bigram counts were
+made from are then read once to count exactly those (`ar_slicing.counts.ngrams`), and the second
+pass writes the parts with each repeat's span count. Both full and restricted bigram counts name
+their training stores in their meta.json; counts imported from elsewhere do not, and need
+`--span-order 1` (span count = the bigram's count).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from pipeline.config import Command, say
 log = logging.getLogger(__name__)
 
 BATCH_TOKENS = 1 << 20  # targets tagged at once (one Parquet row group): bounds worker memory
+MAX_SPAN_ORDER = 32  # n-grams of up to 33 tokens (the table keeps orders in int8)
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,13 @@ class TagConfig:
     reset_at_doc_boundary: bool = field(
         default=False,
         metadata={"help": "count only earlier occurrences in the same document as repeats"},
+    )
+    span_order: int = field(
+        default=4,
+        metadata={
+            "help": "K: span_train_count is the training count of the (min(match_len, K) + 1)-gram "
+            "ending at a repeat (1 = the bigram's count)"
+        },
     )
     workers: int = field(default=0, metadata={"help": "worker processes (0 = all cores)"})
     part_tokens: int = field(
@@ -63,6 +79,7 @@ class PartTask:
     window: int
     threshold: int
     reset_at_doc_boundary: bool
+    span_order: int = 1
 
     @property
     def path(self) -> Path:
@@ -84,6 +101,7 @@ def part_tasks(
             window=cfg.window,
             threshold=cfg.threshold,
             reset_at_doc_boundary=cfg.reset_at_doc_boundary,
+            span_order=cfg.span_order,
         )
         for k, first in enumerate(range(0, n_windows, per_part))
     ]
@@ -112,6 +130,59 @@ def _opened(kind: str, path: str):
 
 
 _BUFFERS: dict[str, np.ndarray] = {}
+# The span n-gram counts of the run, set before the workers that read them are forked.
+_SPANS: dict[str, object] = {}
+
+
+def _batches(task: PartTask):
+    """(first window, stream, columns) of each batch of a part's windows, tagged."""
+    from ar_slicing.tags import column_buffers, tag_windows
+
+    store = _opened("store", task.tokens)
+    docs = _opened("docs", task.tokens)
+    counts = _opened("counts", task.counts)
+    L = task.window
+    batch_windows = max(1, BATCH_TOKENS // L)
+    # column memory reused by every batch of every part this worker tags
+    if len(_BUFFERS.get("pos", ())) < batch_windows * L:
+        _BUFFERS.update(column_buffers(batch_windows * L))
+    end_window = task.first_window + task.n_windows
+    spans = _SPANS.get("table")
+    for w in range(task.first_window, end_window, batch_windows):
+        w_end = min(w + batch_windows, end_window)
+        stream = store.slice(w * L, min(w_end * L + 1, store.n_tokens))
+        columns = tag_windows(
+            stream,
+            w,
+            L,
+            docs=docs,
+            lookup=counts,
+            threshold=task.threshold,
+            vocab_size=store.vocab_size,
+            reset_at_doc_boundary=task.reset_at_doc_boundary,
+            span_order=task.span_order if spans is not None else 1,
+            spans=spans,
+            out=_BUFFERS,
+        )
+        yield stream, columns
+
+
+def span_grams_of_part(task: PartTask) -> np.ndarray:
+    """The distinct n-grams (rows of `NgramTable.grams`) a part's repeats need counted."""
+    from ar_slicing.counts.ngrams import NgramTable, span_lengths
+
+    table = NgramTable.empty(task.span_order, 1 << 16)
+    for stream, columns in _batches(task):
+        lengths = span_lengths(columns["match_len"], task.span_order)
+        longer = np.flatnonzero(lengths >= 3)
+        table.add(stream, longer + 1, lengths[longer])
+    return table.grams[: table.n_rows].copy()
+
+
+def count_spans(task) -> np.ndarray:
+    from ar_slicing.counts.ngrams import count_span_task
+
+    return count_span_task(task, _SPANS["table"])
 
 
 def tag_part(task: PartTask) -> dict:
@@ -122,23 +193,9 @@ def tag_part(task: PartTask) -> dict:
     import pyarrow.parquet as pq
 
     from ar_slicing.io import atomic_path
-    from ar_slicing.tags import (
-        PARQUET_OPTIONS,
-        arrow_write_schema,
-        column_buffers,
-        slice_counts,
-        tag_windows,
-        to_arrow,
-    )
+    from ar_slicing.tags import PARQUET_OPTIONS, arrow_write_schema, slice_counts, to_arrow
 
-    store = _opened("store", task.tokens)
     docs = _opened("docs", task.tokens)
-    counts = _opened("counts", task.counts)
-    L = task.window
-    batch_windows = max(1, BATCH_TOKENS // L)
-    # column memory reused by every batch of every part this worker tags
-    if len(_BUFFERS.get("pos", ())) < batch_windows * L:
-        _BUFFERS.update(column_buffers(batch_windows * L))
     n_subsets = len(docs.subset_names)
     totals = {
         "tokens": [0] * (n_subsets + 1),
@@ -148,21 +205,7 @@ def tag_part(task: PartTask) -> dict:
     n_rows = 0
     with atomic_path(task.path) as tmp:
         with pq.ParquetWriter(tmp, arrow_write_schema(), **PARQUET_OPTIONS) as writer:
-            end_window = task.first_window + task.n_windows
-            for w in range(task.first_window, end_window, batch_windows):
-                w_end = min(w + batch_windows, end_window)
-                stream = store.slice(w * L, min(w_end * L + 1, store.n_tokens))
-                columns = tag_windows(
-                    stream,
-                    w,
-                    L,
-                    docs=docs,
-                    lookup=counts,
-                    threshold=task.threshold,
-                    vocab_size=store.vocab_size,
-                    reset_at_doc_boundary=task.reset_at_doc_boundary,
-                    out=_BUFFERS,
-                )
+            for _, columns in _batches(task):
                 writer.write_table(to_arrow(columns, docs.subset_names))
                 for name, values in slice_counts(columns, n_subsets).items():
                     totals[name] = [a + b for a, b in zip(totals[name], values)]
@@ -232,6 +275,11 @@ def validate_tag(cfg: TagConfig) -> None:
         raise ArSliceError(f"--part-tokens must be >= 1, got {cfg.part_tokens}")
     if cfg.workers < 0:
         raise ArSliceError(f"--workers must be >= 0 (0 = all cores), got {cfg.workers}")
+    if not 1 <= cfg.span_order <= MAX_SPAN_ORDER:
+        raise ArSliceError(
+            f"--span-order must be between 1 and {MAX_SPAN_ORDER}, got {cfg.span_order} "
+            "(1: the span count is the bigram's count; the default 4 counts up to 5-grams)"
+        )
 
 
 def tag_settings(cfg: TagConfig) -> dict:
@@ -240,6 +288,7 @@ def tag_settings(cfg: TagConfig) -> dict:
         "window": cfg.window,
         "threshold": cfg.threshold,
         "reset_at_doc_boundary": cfg.reset_at_doc_boundary,
+        "span_order": cfg.span_order,
         "part_tokens": cfg.part_tokens,
     }
 
@@ -253,6 +302,43 @@ def _counted_sources(counts_meta: dict, store) -> list[str]:
         for s in counts_meta.get("sources", [])
         if isinstance(s, dict) and s.get("path") == here and s.get("n_tokens") == store.n_tokens
     ]
+
+
+def span_training_stores(
+    counts_meta: dict, counts_dir: str, span_order: int
+) -> tuple[list, int | None]:
+    """The training token stores the counts were made from (and their counting unit's row
+    length), opened, for counting span n-grams the same way; none for span order 1."""
+    from ar_slicing.counts.keys import parse_unit
+    from ar_slicing.store import TokenStore
+
+    if span_order < 2:
+        return [], None
+    sources = counts_meta.get("sources") or []
+    if not sources or any(not isinstance(s, dict) or "dtype" not in s for s in sources):
+        raise ArSliceError(
+            f"counts {counts_dir} name no training token stores (imported or hand-made counts), so "
+            f"the n-grams of span order {span_order} cannot be counted: pass --span-order 1 (span "
+            "count = the bigram's count) or count the training stores with `arslice count`"
+        )
+    stores = []
+    for source in sources:
+        try:
+            store = TokenStore.open(source["path"])
+        except ArSliceError as e:
+            raise ArSliceError(
+                f"counts {counts_dir}: training store {source['path']} is needed for span counts "
+                f"but cannot be opened ({e}); restore it or pass --span-order 1"
+            ) from None
+        if store.n_tokens != source.get("n_tokens") or store.fingerprint != source.get(
+            "fingerprint"
+        ):
+            raise ArSliceError(
+                f"counts {counts_dir} were made from {source['path']} with {source.get('n_tokens'):,} "
+                f"tokens, which now has {store.n_tokens:,} (or another tokenizer): recount it"
+            )
+        stores.append(store)
+    return stores, parse_unit(str(counts_meta.get("unit") or "stream"))
 
 
 def _run_tag(cfg: TagConfig) -> dict:
@@ -280,6 +366,7 @@ def _run_tag(cfg: TagConfig) -> dict:
         f"counts {cfg.counts}",
     )
     check_covers(counts_meta, cfg.counts, store)
+    training = span_training_stores(counts_meta, cfg.counts, cfg.span_order)
     plan = StagePlan(
         "tag",
         settings=tag_settings(cfg),
@@ -298,10 +385,44 @@ def _run_tag(cfg: TagConfig) -> dict:
         )
         log.warning(warnings[-1])
     with stage.running():
-        return _tag_into(stage, cfg, store, counts_meta, warnings, t0)
+        return _tag_into(stage, cfg, store, counts_meta, training, warnings, t0)
 
 
-def _tag_into(stage, cfg: TagConfig, store, counts_meta: dict, warnings: list[str], t0: float):
+def _count_span_ngrams(cfg: TagConfig, parts: list[PartTask], training, workers: int):
+    """Collect the n-grams the parts' repeats need (`workers` processes),
+    count them over the training stores (split among all of --workers), and leave the table in
+    `_SPANS` for the tagging workers. Returns what meta.json records, and the times taken."""
+    from ar_slicing.counts.ngrams import NgramTable, span_count_tasks
+    from ar_slicing.executor import LocalExecutor, default_workers
+
+    stores, row = training
+    t0 = time.time()
+    table = NgramTable.empty(cfg.span_order, 1 << 16)
+    for _, grams in LocalExecutor(workers).map_unordered(span_grams_of_part, parts):
+        table.add_rows(grams)
+    t_collect = time.time() - t0
+    _SPANS["table"] = table
+    all_workers = cfg.workers or default_workers()
+    tasks = span_count_tasks(stores, row, cfg.span_order, all_workers)
+    counts = np.zeros(table.n_rows, np.int64)
+    t1 = time.time()
+    if table.n_rows:
+        for _, part in LocalExecutor(all_workers).map_unordered(count_spans, tasks):
+            counts += part
+    table.counts = counts
+    return {
+        "span_order": cfg.span_order,
+        "training_stores": [
+            {"path": str(s.path.resolve()), "n_tokens": s.n_tokens} for s in stores
+        ],
+        "unit": "stream" if row is None else f"row:{row}",
+        "by_order": table.order_summary(),
+    }, {"span_collect_s": t_collect, "span_count_s": time.time() - t1}
+
+
+def _tag_into(
+    stage, cfg: TagConfig, store, counts_meta: dict, training, warnings: list[str], t0: float
+):
     from tqdm import tqdm
 
     from ar_slicing.counts import BigramCounts
@@ -347,6 +468,13 @@ def _tag_into(stage, cfg: TagConfig, store, counts_meta: dict, warnings: list[st
             len(done),
             workers,
         )
+        span_counts, span_times = {"span_order": cfg.span_order, "by_order": {}}, {}
+        if cfg.span_order >= 2:
+            # of every part, finished ones too: the counts meta.json records are those of the
+            # whole output, whether or not an earlier run wrote some of its parts
+            say(f"tag: counting the span n-grams (orders 3..{cfg.span_order + 1}) in training")
+            span_workers = min(cfg.workers or default_workers(), len(tasks))
+            span_counts, span_times = _count_span_ngrams(cfg, tasks, training, span_workers)
         t_work = time.time()
         with tqdm(total=n_targets, unit="tok", unit_scale=True, desc="tag", disable=None) as bar:
             bar.update(sum(r["rows"] for r in results.values()))
@@ -358,6 +486,7 @@ def _tag_into(stage, cfg: TagConfig, store, counts_meta: dict, warnings: list[st
         for key in keys:
             _OPEN.pop(key, None)
         _BUFFERS.clear()
+        _SPANS.clear()
 
     names: list[str | None] = [None, *docs.subset_names]
     totals = {
@@ -397,7 +526,7 @@ def _tag_into(stage, cfg: TagConfig, store, counts_meta: dict, warnings: list[st
             "by_subset": by_subset,
         },
         wall_time_s=wall,
-        throughput={"tokens_per_s": tagged / work_s if work_s > 0 else 0.0},
+        throughput={"tokens_per_s": tagged / work_s if work_s > 0 else 0.0, **span_times},
         skipped={"parts_already_complete": len(done)},
         tokens=tokens_path,
         counts_dir=counts_path,
@@ -405,6 +534,8 @@ def _tag_into(stage, cfg: TagConfig, store, counts_meta: dict, warnings: list[st
         window=cfg.window,
         threshold=cfg.threshold,
         reset_at_doc_boundary=cfg.reset_at_doc_boundary,
+        span_order=cfg.span_order,
+        span_counts=span_counts,
         parts=[t.path.name for t in tasks],
         warnings=warnings,
     )
@@ -443,9 +574,11 @@ COMMAND = Command(
     validate=validate_tag,
     plan_settings=tag_settings,
     inputs=lambda cfg: [("--tokens", cfg.tokens), ("--counts", cfg.counts)],
-    summary="evaluation windows, in-context repeats and AR hits",
+    summary="evaluation windows, in-context repeats, AR hits and copy lengths",
     examples="""\
   arslice tag --tokens runs/pile/tokens/val --counts runs/pile/counts --out runs/pile/tags
   arslice tag --tokens runs/pile/tokens/val --counts runs/pile/counts --out runs/pile/tags-doc \\
-      --reset-at-doc-boundary --threshold 1250 --window 2048""",
+      --reset-at-doc-boundary --threshold 1250 --window 2048
+  arslice tag --tokens runs/pile/tokens/val --counts runs/pile/counts --out runs/pile/tags-k8 \
+      --span-order 8""",
 )

@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from test_tags import naive_match_len
 
 from ar_slicing.errors import ArSliceError, BadInput, TokenizerMismatch
 from ar_slicing.io import build_meta, write_meta
@@ -46,6 +47,7 @@ def naive_tags(stream, doc_of, subsets, counts, window, threshold=1250):
     """Tag rows of DESIGN.md's definitions, written as plainly as possible (a reference, not fast)."""
     rows, windows = [], []
     n = len(stream)
+    match_len = naive_match_len([int(t) for t in stream], doc_of, window, False)
     w = 0
     while w * window < n - 1:
         start = w * window
@@ -69,6 +71,8 @@ def naive_tags(stream, doc_of, subsets, counts, window, threshold=1250):
                     "is_repeat": prev_pos is not None,
                     "is_ar_hit": prev_pos is not None and c <= threshold,
                     "subset": subsets[doc_of[i]],
+                    "match_len": match_len[i - 1],
+                    "span_train_count": c if prev_pos is not None else None,
                 }
             )
             seen[bigram] = pos
@@ -163,6 +167,7 @@ def write_run(
             window=window,
             threshold=1250,
             reset_at_doc_boundary=False,
+            span_order=1,  # span_train_count = the bigram's count
         ),
     )
     for name, nll in losses.items():
@@ -441,6 +446,7 @@ def test_every_query_file_runs_and_is_tested():
     names = sorted(p.stem for p in QUERIES.glob("*.sql"))
     assert names == [
         "by_subset",
+        "copy_length",  # tests/test_copy_length.py
         "examples",
         "frequency_curve",
         "gap_vs_reference",

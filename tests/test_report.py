@@ -234,6 +234,8 @@ def test_report_files_tables_and_html(text_run, capsys):
         "frequency_curve.png",
         "slice_bars.png",
         "recall_gain.png",
+        "copy_length.png",
+        "copy_length.csv",
         "table1.csv",
         "recall_gain.csv",
         "slice_perplexity.csv",
@@ -246,7 +248,7 @@ def test_report_files_tables_and_html(text_run, capsys):
     for name in names:
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     assert (run / "results.duckdb").is_file()
-    for name in ("frequency_curve.png", "slice_bars.png", "recall_gain.png"):
+    for name in ("frequency_curve.png", "slice_bars.png", "recall_gain.png", "copy_length.png"):
         img = mpimg.imread(out / name)
         assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
         assert img[..., :3].std() > 0.01  # not a blank canvas
@@ -299,7 +301,7 @@ def test_report_files_tables_and_html(text_run, capsys):
     text = "".join(facts.text)
     for model in MODELS:
         assert model in text
-    assert len(facts.imgs) == 3 and all(s.startswith("data:image/png;base64,") for s in facts.imgs)
+    assert len(facts.imgs) == 4 and all(s.startswith("data:image/png;base64,") for s in facts.imgs)
     assert facts.external == []
     assert len(facts.passages) == 3
     for w, spans in zip(facts.passages, facts.spans):

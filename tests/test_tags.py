@@ -29,13 +29,54 @@ FP = "f" * 64
 # ---- the reference, written plainly --------------------------------------------------------------
 
 
-def naive_tags(documents, subsets, eos, window, counts, threshold, reset_at_doc_boundary):
-    """One dict per target, straight from DESIGN.md: scan the earlier targets of each window."""
+def naive_match_len(stream, doc_of, window, reset_at_doc_boundary) -> list[int]:
+    """match_len of every target (index i - 1 for stream index i), in O(L^2) per window, straight
+    from docs/copy-length.md: the largest m >= 1 with some earlier j such that S[j-m..j] equals
+    S[i-m..i] and neither starts before the window (with the reset: before the token ahead of
+    i's document)."""
+    starts = {}
+    for k, d in enumerate(doc_of):
+        starts.setdefault(d, k)
+    out = []
+    for i in range(1, len(stream)):
+        lo = (i - 1) // window * window
+        if reset_at_doc_boundary:
+            lo = max(lo, starts[doc_of[i]] - 1)
+        best = 0
+        for j in range(lo + 1, i):
+            m = 0
+            while j - m - 1 >= lo and stream[j - m - 1 : j + 1] == stream[i - m - 1 : i + 1]:
+                m += 1
+            best = max(best, m)
+        out.append(best)
+    return out
+
+
+def naive_tags(
+    documents,
+    subsets,
+    eos,
+    window,
+    counts,
+    threshold,
+    reset_at_doc_boundary,
+    span_order=1,
+    train_stream=(),
+):
+    """One dict per target, straight from DESIGN.md: scan the earlier targets of each window.
+    `span_train_count` counts the (min(match_len, span_order) + 1)-gram ending at the target in
+    `train_stream` (the bigram's count from `counts` for order 2)."""
     stream, doc_of = [], []
     for d, doc in enumerate(documents):
         for t in [*doc, eos]:
             stream.append(t)
             doc_of.append(d)
+    match_len = naive_match_len(stream, doc_of, window, reset_at_doc_boundary)
+    grams = Counter(
+        tuple(train_stream[t - n + 1 : t + 1])
+        for n in range(3, span_order + 2)
+        for t in range(n - 1, len(train_stream))
+    )
     rows = []
     for i in range(1, len(stream)):
         w = (i - 1) // window
@@ -60,6 +101,12 @@ def naive_tags(documents, subsets, eos, window, counts, threshold, reset_at_doc_
                 "is_repeat": prev_pos is not None,
                 "is_ar_hit": prev_pos is not None and count <= threshold,
                 "subset": subsets[doc_of[i]],
+                "match_len": match_len[i - 1],
+                "span_train_count": None
+                if prev_pos is None
+                else count
+                if min(match_len[i - 1], span_order) == 1
+                else grams[tuple(stream[i - min(match_len[i - 1], span_order) : i + 1])],
             }
         )
     return rows
@@ -68,8 +115,9 @@ def naive_tags(documents, subsets, eos, window, counts, threshold, reset_at_doc_
 # ---- real inputs: a token store and a counts directory on disk ----------------------------------
 
 
-def write_counts(out_dir, pairs: Counter, fingerprint=FP):
-    """A counts directory as the count stage lays it out (bigrams.parquet sorted, meta.json)."""
+def write_counts(out_dir, pairs: Counter, fingerprint=FP, sources=()):
+    """A counts directory as the count stage lays it out (bigrams.parquet sorted, meta.json);
+    `sources`: the training stores it names (their span n-grams are counted by the tag stage)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     items = sorted(pairs.items())
@@ -92,7 +140,15 @@ def write_counts(out_dir, pairs: Counter, fingerprint=FP):
         total_pairs=total,
         distinct_bigrams=len(items),
         unit="stream",
-        sources=[],
+        sources=[
+            {
+                "path": str(s.path.resolve()),
+                "fingerprint": s.fingerprint,
+                "n_tokens": s.n_tokens,
+                "dtype": s.dtype.name,
+            }
+            for s in sources
+        ],
     )
     write_meta(out_dir, meta)
     return out_dir
@@ -173,6 +229,8 @@ def core_rows(
         for k in range(len(cols["pos"])):
             row = {name: cols[name][k].item() for name in TAG_COLUMNS}
             row["prev_pos"] = row["prev_pos"] or None
+            if not row["is_repeat"]:
+                row["span_train_count"] = None
             code = row["subset"]
             row["subset"] = docs.subset_names[code] if code >= 0 else None
             rows.append(row)
@@ -195,6 +253,7 @@ def test_design_example_through_the_stage(tmp_path, count, hits):
             out=str(tmp_path / "tags"),
             window=8,
             workers=1,
+            span_order=1,  # hand-made counts: no training store to count spans in
         )
     )
     rows = read_tags(tmp_path / "tags")
@@ -341,6 +400,7 @@ def test_stage_output_matches_naive_reference(case, part_tokens):
             reset_at_doc_boundary=reset,
             workers=1,
             part_tokens=part_tokens,
+            span_order=1,
         )
         if store.n_tokens < 2:  # no target at all: refused, and no output directory is left
             with pytest.raises(ArSliceError, match="nothing to tag"):
@@ -437,7 +497,11 @@ def test_streams_of_one_and_two_tokens(tmp_path):
     store = make_store(tmp_path / "two", [[5]], vocab_size=10, eos=0)
     out = tmp_path / "tags-two"
     cfg = TagConfig(
-        tokens=str(store.path), counts=str(tmp_path / "counts"), out=str(out), workers=1
+        tokens=str(store.path),
+        counts=str(tmp_path / "counts"),
+        out=str(out),
+        workers=1,
+        span_order=1,
     )
     meta = run_tag(cfg)
     assert meta["counts"]["tokens"] == 1 == len(read_tags(out))
@@ -459,14 +523,15 @@ def real_text_run(tmp_path_factory, bpe_tokenizer, stdlib_texts):
     subsets = ["code" if k % 3 else "docs" for k in range(len(val))]
     tmp_path = tmp_path_factory.mktemp("real-text")
     store = write_token_store(tmp_path / "val", val, tokenizer_info=info, subsets=subsets)
+    train_store = write_token_store(tmp_path / "train", train, tokenizer_info=info)
     train_stream = [t for doc in train for t in [*doc, info["eos_id"]]]
     pairs = Counter(zip(train_stream, train_stream[1:]))
-    write_counts(tmp_path / "counts", pairs, fingerprint=info["fingerprint"])
-    return store, tmp_path / "counts", val, subsets, pairs, info
+    write_counts(tmp_path / "counts", pairs, info["fingerprint"], sources=[train_store])
+    return store, tmp_path / "counts", val, subsets, pairs, info, train_stream
 
 
 def test_real_text_matches_reference_and_is_plausible(tmp_path, real_text_run):
-    store, counts_dir, val, subsets, pairs, info = real_text_run
+    store, counts_dir, val, subsets, pairs, info, train_stream = real_text_run
     out = tmp_path / "tags"
     meta = run_tag(
         TagConfig(
@@ -479,7 +544,8 @@ def test_real_text_matches_reference_and_is_plausible(tmp_path, real_text_run):
             part_tokens=4096,
         )
     )
-    expected = naive_tags(val, subsets, info["eos_id"], 512, pairs, 50, False)
+    expected = naive_tags(val, subsets, info["eos_id"], 512, pairs, 50, False, 4, train_stream)
+    assert max(r["match_len"] for r in expected) > 4  # spans of every order were counted
     assert read_tags(out) == expected
     repeats = meta["counts"]["repeats"] / meta["counts"]["tokens"]
     assert 0.05 < repeats < 0.9  # source code repeats itself, but not everywhere
@@ -501,7 +567,10 @@ def test_real_text_matches_reference_and_is_plausible(tmp_path, real_text_run):
         ("is_repeat", "bool"),
         ("is_ar_hit", "bool"),
         ("subset", "string"),
+        ("match_len", "int32"),
+        ("span_train_count", "int64"),
     ]
+    assert meta["span_order"] == 4 and meta["span_counts"]["unit"] == "stream"
     files = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
     assert files == sorted(["meta.json", "windows.parquet", *meta["parts"]])
 
@@ -637,6 +706,8 @@ def test_cli_prints_a_summary_and_refuses_mismatches_without_traceback(tmp_path)
             "8",
             "--workers",
             "1",
+            "--span-order",
+            "1",
         ],
         capture_output=True,
         text=True,
@@ -666,7 +737,7 @@ def test_cli_prints_a_summary_and_refuses_mismatches_without_traceback(tmp_path)
 def test_counts_made_by_the_count_stage_are_used_as_written(tmp_path, real_text_run):
     from pipeline.count import count_stores
 
-    store, _, val, subsets, _, info = real_text_run
+    store, _, val, subsets, _, info, _ = real_text_run
     # count the validation store itself: every bigram of the stream is then seen in "training"
     count_stores([store.path], tmp_path / "counts", workers=1, progress=False)
     stream = [t for doc in val for t in [*doc, info["eos_id"]]]
@@ -682,5 +753,5 @@ def test_counts_made_by_the_count_stage_are_used_as_written(tmp_path, real_text_
     )
     run_tag(cfg)
     rows = read_tags(tmp_path / "tags")
-    assert rows == naive_tags(val, subsets, info["eos_id"], 300, pairs, 3, True)
+    assert rows == naive_tags(val, subsets, info["eos_id"], 300, pairs, 3, True, 4, stream)
     assert all(r["train_count"] >= 1 for r in rows)

@@ -1,4 +1,5 @@
-"""Figures of the report as PNG bytes: Figure 1 (the frequency curve) and the slice bars."""
+"""Figures of the report as PNG bytes: Figure 1 (the frequency curve), the slice bars, the
+recall gain and the copy-length curve."""
 
 from __future__ import annotations
 
@@ -23,6 +24,22 @@ def _grid(n: int) -> tuple[int, int]:
     return math.ceil(n / cols), cols
 
 
+def _panels(plt, n: int):
+    """(figure, axes, columns) of Figure 1's grid: one panel per model, shared axes."""
+    n_rows, n_cols = _grid(n)
+    fig, axes = plt.subplots(
+        n_rows,
+        n_cols,
+        figsize=(4.2 * n_cols, 3.0 * n_rows + 0.9),
+        dpi=110,
+        sharex=True,
+        sharey=True,
+        squeeze=False,
+        layout="constrained",
+    )
+    return fig, axes, n_cols
+
+
 def bucket_x(bucket: int) -> float:
     """Where a training-count bucket sits on Figure 1's log axis: the geometric middle of its
     decade (bucket k >= 1 holds counts 10^(k-1) .. 10^k - 1), and count 0 one decade below 1."""
@@ -45,17 +62,7 @@ def frequency_curve_png(columns: list[str], rows: list[tuple], reference: str) -
         for model in models
         for repeat in (True, False)
     }
-    n_rows, n_cols = _grid(len(models))
-    fig, axes = plt.subplots(
-        n_rows,
-        n_cols,
-        figsize=(4.2 * n_cols, 3.0 * n_rows + 0.9),
-        dpi=110,
-        sharex=True,
-        sharey=True,
-        squeeze=False,
-        layout="constrained",
-    )
+    fig, axes, n_cols = _panels(plt, len(models))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     styles = ((True, "-", "o", "repeats"), (False, "--", "s", "non-repeats"))
     for i, model in enumerate(models):
@@ -93,6 +100,71 @@ def frequency_curve_png(columns: list[str], rows: list[tuple], reference: str) -
     handles.append(Line2D([], [], color="0.7", label=f"{reference} (reference)"))
     fig.suptitle("Loss vs training frequency: in-context repeats vs other tokens", fontsize=11)
     fig.legend(handles=handles, loc="outside lower center", ncol=3, fontsize=8, frameon=False)
+    return _png(fig)
+
+
+def copy_length_png(rows: list[dict], reference: str) -> bytes:
+    """Mean NLL vs copy length (`ar_slicing.copy_length` rows, spans "novel_seen"): one panel per
+    model as in Figure 1, copy-length buckets on a log axis, the copied span novel (training
+    count 0) or seen; the dotted line is the model's non-repeats, the reference grey in the
+    others. A point per bucket of at least 20 tokens."""
+    plt = _pyplot()
+    models = sorted({r["model"] for r in rows}, key=lambda m: (m != reference, m))
+
+    def curve(model, span):
+        return sorted(
+            (2 ** (r["copy_bucket"] - 1) * math.sqrt(2), r["mean_nll"])
+            for r in rows
+            if r["model"] == model
+            and r["copy_bucket"] > 0
+            and r["span_bucket"] == span
+            and r["n_tokens"] >= 20
+        )
+
+    def baseline(model):
+        return next(
+            (r["mean_nll"] for r in rows if r["model"] == model and not r["copy_bucket"]), None
+        )
+
+    fig, axes, n_cols = _panels(plt, len(models))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = ((0, "-", "o", "novel span (training count 0)"), (1, "--", "s", "seen span"))
+    top = max((r["copy_bucket"] for r in rows), default=1)
+    for i, model in enumerate(models):
+        ax = axes.flat[i]
+        if model != reference:
+            for span, style, marker, _ in styles:
+                pts = curve(reference, span)
+                if pts:
+                    ax.plot(*zip(*pts), style, marker=marker, ms=3, color="0.7", lw=1.2)
+        for span, style, marker, _ in styles:
+            pts = curve(model, span)
+            if pts:
+                ax.plot(*zip(*pts), style, marker=marker, ms=4, color=colours[i % len(colours)])
+        if baseline(model) is not None:
+            ax.axhline(baseline(model), ls=":", color=colours[i % len(colours)], lw=1)
+        ax.set_title(model + (" (reference)" if model == reference else ""), fontsize=10)
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(models) :]:
+        ax.set_visible(False)
+    ticks = [2**k for k in range(top)]
+    shown_below = [len(models) - 1 - k for k in range(n_cols)]
+    for i, ax in enumerate(axes.flat[: len(models)]):
+        ax.set_xticks(ticks, [str(t) for t in ticks], fontsize=8)
+        ax.minorticks_off()
+        if i in shown_below:
+            ax.xaxis.set_tick_params(labelbottom=True)
+            ax.set_xlabel("copy length match_len (buckets 1, 2-3, 4-7, ...)", fontsize=9)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("mean NLL (nats)")
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], ls=s, marker=m, color="k", label=lab) for _, s, m, lab in styles]
+    handles.append(Line2D([], [], ls=":", color="k", label="non-repeats"))
+    handles.append(Line2D([], [], color="0.7", label=f"{reference} (reference)"))
+    fig.suptitle("Loss vs copy length: how long a span is being copied", fontsize=11)
+    fig.legend(handles=handles, loc="outside lower center", ncol=4, fontsize=8, frameon=False)
     return _png(fig)
 
 

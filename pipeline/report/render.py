@@ -87,8 +87,18 @@ MQAR_TEXT = (
     "(`arslice mqar`, best over its learning rates): which mixers can recall a value paired "
     "with a key earlier in the context, by model dimension and sequence length."
 )
+COPY_TITLE = "Copy length: perplexity by how long a span is copied (`queries/copy_length.sql`)"
+COPY_TEXT = (
+    "Repeats by copy length `match_len` (the longest span ending at the token that already "
+    "occurred earlier in the window; 1 = the paper's bigram repeat) and by the training count of "
+    "the copied span (`span_train_count`, the (min(match_len, K) + 1)-gram: 0 = the span never "
+    "occurs in training, so predicting it is copying from the context; docs/copy-length.md). "
+    "Brackets: 95% bootstrap intervals over windows; n = scored tokens."
+)
+COPY_SUBSET_TITLE = "Copy length per subset"
 FIGURE_TITLES = {
     "frequency_curve.png": "frequency curve",
+    "copy_length.png": "copy-length curve",
     "slice_bars.png": "slice bars",
     "recall_gain.png": "recall gain",
 }
@@ -105,6 +115,10 @@ def render_markdown(context: dict, t1: Table1Text, tables: dict) -> str:
     parts = ["# AR slicing report", "", *(line + "\n" for line in _intro(context))]
     parts += ["## Table 1: perplexity per slice", "", markdown_table(t1.header, t1.rows), ""]
     parts += [f"![{alt}]({name})\n" for name, alt in FIGURE_TITLES.items()]
+    copies = context.get("copy_length")
+    if copies:
+        parts += [f"## {COPY_TITLE}", "", COPY_TEXT, "", markdown_table(*copies["table"]), ""]
+        parts += [f"## {COPY_SUBSET_TITLE}", "", markdown_table(*copies["by_subset"]), ""]
     for name, title in QUERY_TITLES.items():
         cols, rows = tables[name]
         table = markdown_table(cols, query_rows_as_text(cols, rows))
@@ -134,6 +148,12 @@ def render_html(context, t1, tables, figures, passages, order, vmax) -> str:
     ]
     body += ["<h2>Figures</h2>"]
     body += [_img(figures[name], alt) for name, alt in FIGURE_TITLES.items()]
+    copies = context.get("copy_length")
+    if copies:
+        body += [f"<h2>{inline_html(COPY_TITLE)}</h2>", f"<p>{inline_html(COPY_TEXT)}</p>"]
+        body += [_scroll(html_table(*copies["table"], "copy_length"))]
+        body += [f"<h2>{html.escape(COPY_SUBSET_TITLE)}</h2>"]
+        body += [_scroll(html_table(*copies["by_subset"], "copy_length_by_subset"))]
     for name, title in QUERY_TITLES.items():
         cols, rows = tables[name]
         body += [f"<h2>{html.escape(title)} <small>(queries/{name}.sql)</small></h2>"]

@@ -11,10 +11,20 @@ from ar_slicing.io import build_meta, write_bytes_atomic
 from pipeline.config import Command, config_to_dict, say
 from pipeline.mqar import mqar_results
 from pipeline.report.config import QUERY_TABLES, ReportConfig
-from pipeline.report.figures import frequency_curve_png, recall_gain_png, slice_bars_png
+from pipeline.report.figures import (
+    copy_length_png,
+    frequency_curve_png,
+    recall_gain_png,
+    slice_bars_png,
+)
 from pipeline.report.passages import choose_windows, load_passages
 from pipeline.report.render import MQAR_FIGURE, render_html, render_markdown
-from pipeline.report.tables import table1_text, write_csv
+from pipeline.report.tables import (
+    copy_length_by_subset_text,
+    copy_length_text,
+    table1_text,
+    write_csv,
+)
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +112,10 @@ def _write_report(stage, cfg, con, layout, info, reference, t0, mqar=None) -> di
     text = table1_text(t1)
     write_csv(out / "table1.csv", text.csv_columns, text.csv_rows)
 
+    copies = _copy_length(con, cfg, out)
     figures = {
         "frequency_curve.png": frequency_curve_png(*tables["frequency_curve"], reference),
+        "copy_length.png": copy_length_png(copies.pop("curve"), reference),
         "slice_bars.png": slice_bars_png(t1.slices, t1.order),
         "recall_gain.png": recall_gain_png(t1),
     }
@@ -129,6 +141,7 @@ def _write_report(stage, cfg, con, layout, info, reference, t0, mqar=None) -> di
         "info": info,
         "coverage": coverage_notes(layout),
         "mqar": mqar,
+        "copy_length": copies,
     }
     write_bytes_atomic(out / "report.md", render_markdown(context, text, tables).encode())
     page = render_html(context, text, tables, figures, passages, t1.order, vmax)
@@ -157,6 +170,26 @@ def _write_report(stage, cfg, con, layout, info, reference, t0, mqar=None) -> di
     say(console_summary(text, t1, context, cfg))
     say(str(out / "report.html"))
     return meta
+
+
+def _copy_length(con, cfg, out) -> dict:
+    """The copy-length table (with intervals), its rows per subset, and the figure's curve;
+    copy_length.csv holds every (model, copy bucket, span bucket) cell with its interval."""
+    from ar_slicing.copy_length import CURVE_MAX_BUCKET, copy_length_rows
+    from ar_slicing.sql import run_named_query
+
+    boot = {"n_bootstrap": cfg.bootstrap, "seed": cfg.seed}
+    split = copy_length_rows(con, **boot)
+    merged = copy_length_rows(con, spans="all", **boot)
+    columns = list(split[0]) if split else ["model"]
+    write_csv(out / "copy_length.csv", columns, [tuple(r.get(c) for c in columns) for r in split])
+    by_subset = run_named_query(con, "copy_length", {"by_subset": "true"})
+    curve = copy_length_rows(con, n_bootstrap=0, max_bucket=CURVE_MAX_BUCKET, spans="novel_seen")
+    return {
+        "table": copy_length_text(split, merged),
+        "by_subset": copy_length_by_subset_text(*by_subset),
+        "curve": curve,
+    }
 
 
 def coverage_notes(layout) -> list[str]:

@@ -161,3 +161,53 @@ def table1_text(t1) -> Table1Text:
     header = [h for h, *_ in TABLE1_COLUMNS]
     csv_rows = [tuple(rec[c] for c in t1.columns) for rec in t1.records()]
     return Table1Text(header, rows, t1.columns, csv_rows)
+
+
+# ---- copy length ------------------------------------------------------------------------------
+
+
+def copy_length_text(split: list[dict], merged: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """The copy-length table (`ar_slicing.copy_length` rows): one row per model and copy bucket,
+    the ppl over every span count, then per span-count bucket, each with its interval and tokens."""
+    spans = sorted({(r["span_bucket"], r["span_label"]) for r in split if r["copy_bucket"]})
+    header = ["model", "copy length", "tokens", "ppl (every span)"]
+    header += [f"ppl, span count {label}" for _, label in spans]
+
+    def cell(r):
+        if r is None:
+            return ""
+        ci = fmt_ci(r["ppl"], r.get("ppl_lo"), r.get("ppl_hi"), 2)
+        return f"{ci} n={r['n_tokens']:,}"
+
+    by = {(r["model"], r["copy_bucket"], r["span_bucket"]): r for r in split}
+    rows = []
+    for r in merged:
+        key = (r["model"], r["copy_bucket"])
+        row = [r["model"], r["copy_label"] if r["copy_bucket"] else "none (not a repeat)"]
+        row += [f"{r['n_tokens']:,}", fmt_ci(r["ppl"], r.get("ppl_lo"), r.get("ppl_hi"), 2)]
+        row += [cell(by.get((*key, b))) if r["copy_bucket"] else "" for b, _ in spans]
+        rows.append(row)
+    return header, rows
+
+
+def copy_length_by_subset_text(columns: list[str], rows: list[tuple]):
+    """Per subset: ppl per copy bucket (every span count), from `copy_length.sql` by subset."""
+    at = {c: k for k, c in enumerate(columns)}
+    sums: dict[tuple, list[float]] = {}
+    labels: dict[int, str] = {}
+    for r in rows:
+        key = (r[at["model"]], r[at["subset"]], r[at["copy_bucket"]])
+        acc = sums.setdefault(key, [0, 0.0])
+        acc[0] += r[at["n_tokens"]]
+        acc[1] += r[at["sum_nll"]]
+        labels[r[at["copy_bucket"]]] = r[at["copy_label"]]
+    buckets = sorted(labels)
+    header = ["model", "subset", *(f"ppl, copy {labels[b]}" for b in buckets)]
+    out = []
+    for model, subset in sorted({k[:2] for k in sums}):
+        row = [model, subset]
+        for b in buckets:
+            n, s = sums.get((model, subset, b), (0, 0.0))
+            row.append(f"{math.exp(s / n):.2f} n={n:,}" if n else "")
+        out.append(row)
+    return header, out

@@ -10,7 +10,9 @@ Checks, stage by stage (each prints `ok` or `FAIL` with the file and the numbers
                by (window_id, pos) and cover every target of the stream exactly once; token and
                prev equal the stream; train_count equals the counts; is_ar_hit follows its rule;
                a repeat's prev_pos is an earlier position of its window with the same bigram;
-               recomputed from the stream, every repeat is found and prev_pos is the latest
+               recomputed from the stream, every repeat is found and prev_pos is the latest;
+               match_len is >= 1 exactly for repeats and equals its recomputation from the
+               stream; span_train_count is set exactly for repeats, the bigram's count at 1
   models/*     each model was trained on a store of the run's tokenizer
   losses/*     exactly one loss row per tag row (of the windows evaluated), every nll finite
   everywhere   one tokenizer fingerprint across stores, counts, tags, models and losses

@@ -81,6 +81,20 @@ def expected_prev_pos(
     return np.split(latest, np.cumsum(n)[:-1])
 
 
+def expected_match_len(tokens, starts, n_targets, w0, w1, window, doc_offsets=None):
+    """The copy length of every target of windows w0..w1-1, in order, recomputed from the stream
+    by the level-by-level formulation (`copy_lengths_numpy`), not by the tag kernel."""
+    from ar_slicing.tags import copy_lengths_numpy
+
+    first = int(starts[w0])
+    stream = np.asarray(tokens[first : int(starts[w1 - 1] + n_targets[w1 - 1]) + 1])
+    origin = None
+    if doc_offsets is not None:
+        i = first + 1 + np.arange(len(stream) - 1, dtype=np.int64)
+        origin = doc_offsets[np.searchsorted(doc_offsets, i, side="right") - 1] - first - 1
+    return copy_lengths_numpy(stream, window, origin).astype(np.int64)
+
+
 def verify_tags(
     path: Path,
     val_meta: dict | None,
@@ -143,13 +157,15 @@ def verify_tags(
         "is_ar_hit": 0,
         "prev_pos": 0,
         "is_repeat and prev_pos (the latest earlier occurrence, from the stream)": 0,
+        "match_len and span_train_count (null, bigram count at 1, below pos)": 0,
+        "match_len (recomputed from the stream)": 0,
     }
     doc_offsets = None
     if tokens is not None and meta.get("reset_at_doc_boundary"):
         doc_offsets = pq.read_table(val_dir / "docs.parquet", columns=["offset"])
         doc_offsets = doc_offsets.column("offset").to_numpy().astype(np.int64)
     columns = ["window_id", "pos", "token", "prev", "train_count", "is_repeat", "is_ar_hit"]
-    columns.append("prev_pos")
+    columns += ["prev_pos", "match_len", "span_train_count"]
 
     def batches():
         for part in tqdm(parts, desc="verify tags", unit="part", leave=False):
@@ -171,6 +187,27 @@ def verify_tags(
                 mismatches["prev_pos"] += int(
                     np.sum(has_prev & ((prev_pos < 1) | (prev_pos >= pos)))
                 )
+                # copy lengths: >= 1 exactly for repeats and shorter than the context; a span
+                # count exactly for repeats, the bigram's count for a copy of one bigram
+                match_len = b.column(8).to_numpy().astype(np.int64)
+                has_span = ~b.column(9).is_null().to_numpy(zero_copy_only=False)
+                span = b.column(9).fill_null(0).to_numpy()
+                bad = ((match_len > 0) != rep) | (match_len >= pos) | (has_span != rep)
+                bad |= (match_len == 1) & (span != train_count)
+                mismatches[
+                    "match_len and span_train_count (null, bigram count at 1, below pos)"
+                ] += int(np.sum(bad))
+                if tokens is not None:
+                    lo, hi = int(wid.min()), int(wid.max()) + 1
+                    want = expected_match_len(
+                        tokens, starts, n_targets, lo, hi, window, doc_offsets
+                    )
+                    offsets = np.concatenate([[0], np.cumsum(n_targets[lo:hi])])
+                    in_range = (pos >= 1) & (pos <= n_targets[wid])
+                    idx = offsets[wid[in_range] - lo] + pos[in_range] - 1
+                    mismatches["match_len (recomputed from the stream)"] += int(
+                        np.sum(want[idx] != match_len[in_range])
+                    )
                 if tokens is not None:
                     i = starts[wid] + pos  # stream index of each target; keys were checked
                     mismatches["token"] += int(np.sum(tokens[i] != token))
