@@ -461,3 +461,28 @@ def test_report_names_models_left_out_or_on_fewer_windows(tiny_run, capsys):  # 
         assert "hyena (1 window)" in text and "windows 0..0" in text
         assert f"losses/{QUOTED} is left out: incomplete (no meta.json)" in text
     assert meta["counts"]["models"] == 2 and meta["skipped"] == {f"losses/{QUOTED}": 1}
+
+
+@pytest.mark.parametrize("n_models", [4, 5])
+def test_every_panel_of_figure_1_shows_its_tick_labels(monkeypatch, n_models):
+    """With four or five models in a 2 x 3 grid, the first panels sit above an empty slot: a
+    shared x axis would hide their tick labels, so each panel labels its own."""
+    from pipeline.report import figures
+
+    shown = []
+    monkeypatch.setattr(figures, "_png", lambda fig: shown.append(fig) or b"")
+    columns = ["model", "bucket", "is_repeat", "mean_nll"]
+    rows = [
+        (f"m{i}", bucket, repeat, 5.0 - bucket)
+        for i in range(n_models)
+        for bucket in (0, 1, 2, 3)
+        for repeat in (True, False)
+    ]
+    figures.frequency_curve_png(columns, rows, reference="m0")
+    (fig,) = shown
+    fig.canvas.draw()
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(panels) == n_models
+    for ax in panels:
+        labels = [t.get_text() for t in ax.get_xticklabels() if t.get_visible()]
+        assert labels[:3] == ["0", "1", "10"], (ax.get_title(), labels)

@@ -40,6 +40,18 @@ def _panels(plt, n: int):
     return fig, axes, n_cols
 
 
+def _label_x(axes, n: int, n_cols: int, ticks, labels, xlabel: str) -> None:
+    """Ticks and tick labels on every one of the `n` panels (a shared x axis would hide them
+    above an empty slot of the grid), the axis title under each column's lowest panel."""
+    lowest = {i % n_cols: i for i in range(n)}.values()
+    for i, ax in enumerate(axes.flat[:n]):
+        ax.set_xticks(ticks, labels, fontsize=8)
+        ax.minorticks_off()
+        ax.xaxis.set_tick_params(labelbottom=True)
+        if i in lowest:
+            ax.set_xlabel(xlabel, fontsize=9)
+
+
 def bucket_x(bucket: int) -> float:
     """Where a training-count bucket sits on Figure 1's log axis: the geometric middle of its
     decade (bucket k >= 1 holds counts 10^(k-1) .. 10^k - 1), and count 0 one decade below 1."""
@@ -85,13 +97,8 @@ def frequency_curve_png(columns: list[str], rows: list[tuple], reference: str) -
     edges = [0] + list(range(1, max(buckets) + 1))
     ticks = [10.0 ** (b - 1) for b in edges]
     tick_labels = ["0", "1", "10"] + [f"$10^{{{k}}}$" for k in range(2, max(buckets))]
-    shown_below = [len(models) - 1 - k for k in range(n_cols)]  # each column's lowest panel
-    for i, ax in enumerate(axes.flat[: len(models)]):
-        ax.set_xticks(ticks, tick_labels[: len(ticks)], fontsize=8)
-        ax.minorticks_off()
-        if i in shown_below:
-            ax.xaxis.set_tick_params(labelbottom=True)
-            ax.set_xlabel("training count of the bigram (decades)", fontsize=9)
+    _label_x(axes, len(models), n_cols, ticks, tick_labels[: len(ticks)],
+             "training count of the bigram (decades)")  # fmt: skip
     for ax in axes[:, 0]:
         ax.set_ylabel("mean NLL (nats)")
     from matplotlib.lines import Line2D
@@ -149,13 +156,8 @@ def copy_length_png(rows: list[dict], reference: str) -> bytes:
     for ax in axes.flat[len(models) :]:
         ax.set_visible(False)
     ticks = [2**k for k in range(top)]
-    shown_below = [len(models) - 1 - k for k in range(n_cols)]
-    for i, ax in enumerate(axes.flat[: len(models)]):
-        ax.set_xticks(ticks, [str(t) for t in ticks], fontsize=8)
-        ax.minorticks_off()
-        if i in shown_below:
-            ax.xaxis.set_tick_params(labelbottom=True)
-            ax.set_xlabel("copy length match_len (buckets 1, 2-3, 4-7, ...)", fontsize=9)
+    _label_x(axes, len(models), n_cols, ticks, [str(t) for t in ticks],
+             "copy length match_len (buckets 1, 2-3, 4-7, ...)")  # fmt: skip
     for ax in axes[:, 0]:
         ax.set_ylabel("mean NLL (nats)")
     from matplotlib.lines import Line2D
