@@ -43,9 +43,11 @@ def open_run(run_dir: str | os.PathLike, read_only_files: bool = False) -> Run:
     the configuration locked against `SET`), and `sql()` runs only SELECT (and EXPLAIN)
     statements, so no file is written.
     """
+    from ar_slicing.ownership import results_lock
     from ar_slicing.results import ensure_results
 
-    inputs, _ = ensure_results(run_dir)
+    with results_lock(run_dir, wait=True):  # a rebuild by `report` or `query`: wait for it
+        inputs, _ = ensure_results(run_dir)
     return Run(inputs, read_only_files=read_only_files)
 
 

@@ -193,3 +193,33 @@ def test_read_only_files_keeps_sql_to_the_runs_own_files(tiny_run, tmp_path):  #
     )
     assert served.query("slice_perplexity").equals(notebook.query("slice_perplexity"))
     assert served.table1(bootstrap=0).equals(notebook.table1(bootstrap=0))
+
+
+def test_open_run_waits_for_a_writer_of_results_duckdb(tiny_run):  # noqa: F811
+    """`report` or `query` rebuilding results.duckdb holds its lock: open_run waits for it
+    instead of building the same file beside it."""
+    import subprocess
+    import sys
+    import threading
+
+    from ar_slicing import open_run
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys; from ar_slicing.ownership import results_lock\n"
+         f"with results_lock({str(tiny_run)!r}):\n    print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        opened = []
+        opener = threading.Thread(target=lambda: opened.append(open_run(tiny_run)))
+        opener.start()
+        opener.join(timeout=2)
+        assert opener.is_alive() and not opened  # still waiting for the holder
+        holder.stdin.close()
+        opener.join(timeout=120)
+        assert opened and opened[0].table1() is not None
+    finally:
+        holder.kill()
+        holder.wait()
