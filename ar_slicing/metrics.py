@@ -1,6 +1,6 @@
 """Slice metrics with bootstrap intervals: per-slice perplexity, the gap to a reference, AR share.
 
-Definitions (DESIGN.md, Metrics): for a slice T, `mean_nll(T) = Σ nll / |T|`, `ppl = exp(mean_nll)`;
+Definitions (docs/design.md, Metrics): for a slice T, `mean_nll(T) = Σ nll / |T|`, `ppl = exp(mean_nll)`;
 against reference r, `Δ_T = mean_nll_m(T) − mean_nll_r(T)` and the AR share of the gap
 `Σ_AR (nll_m − nll_r) / Σ_all (nll_m − nll_r)` (as is: it may exceed 1 or be negative; NaN when
 the denominator is 0).

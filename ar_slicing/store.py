@@ -1,6 +1,6 @@
 """The token store: one flat token stream on disk plus a document table.
 
-Layout of a store directory (see DESIGN.md):
+Layout of a store directory (see docs/design.md):
   tokens.bin     little-endian uint16 when the vocabulary fits in 2**16 (half the disk and page
                  cache of uint32, as nanoGPT's prepare.py does), else uint32. Documents in order,
                  each followed by the EOS id, so the file is the stream a packed-training model sees.

@@ -1,6 +1,6 @@
 """AR tags: for every target of a run of windows, its in-context repeat and its training count.
 
-Definitions (DESIGN.md, "Exact definitions"): target `i` (stream index, `pos = i - w*L` in 1..L)
+Definitions (docs/design.md, "Exact definitions"): target `i` (stream index, `pos = i - w*L` in 1..L)
 has bigram `(S[i-1], S[i])`. It is a *repeat* when an earlier target `j` of the same window
 (`w*L+1 <= j < i`) has the same bigram; `prev_pos` is the position of the most recent such `j`.
 With `reset_at_doc_boundary`, only `j` in the same document as `i` count (the document whose span,
@@ -59,7 +59,7 @@ _KERNEL_COLUMNS = ("train_count", "prev_pos", "is_repeat", "is_ar_hit", "subset"
 
 
 def tags_schema():
-    """The tag table's schema (DESIGN.md "Tags"): `prev_pos` and `span_train_count` are null for
+    """The tag table's schema (docs/design.md "Tags"): `prev_pos` and `span_train_count` are null for
     non-repeats and `subset` for documents without one; every other column is never null (REQUIRED in Parquet, which
     also spares the writer a definition level per value)."""
     import pyarrow as pa
@@ -160,7 +160,7 @@ def tag_windows(
     which must hold them when `span_order >= 2`. `copy_lengths=False` leaves `match_len` and the
     span counts out of the compiled pass (the benchmark's baseline; the columns are then zeros).
 
-    Example (DESIGN.md), `L = 8`, stream `5 6 7 8 5 6 9 5 6`: targets at pos 1..8 are
+    Example (docs/design.md), `L = 8`, stream `5 6 7 8 5 6 9 5 6`: targets at pos 1..8 are
     `6 7 8 5 6 9 5 6`; pos 5 and 8 repeat bigram (5, 6) with prev_pos 1 and 5; with a training
     count of 10 for (5, 6) and threshold 1250 both are AR hits. Stream `1 2 3 4 1 2 3 9 2`:
     match_len 1 at pos 5, 2 at pos 6 (`1 2 3` occurred at stream indices 0..2), 0 elsewhere.

@@ -1,4 +1,4 @@
-"""Non-overlapping evaluation windows over a token stream (DESIGN.md, "Stream and windows").
+"""Non-overlapping evaluation windows over a token stream (docs/design.md, "Stream and windows").
 
 Window `w` of length `L` covers stream indices `w*L .. w*L+L` (L+1 tokens): the model reads
 `S[w*L : w*L+L]` and predicts `S[w*L+1 : w*L+L+1]`. Every stream token but the first is a target

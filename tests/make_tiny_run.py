@@ -1,4 +1,4 @@
-"""Write the tiny hand-built run of tests/test_queries.py (DESIGN.md's worked example, three
+"""Write the tiny hand-built run of tests/test_queries.py (docs/design.md's worked example, three
 models) to a directory, for trying `arslice query` and `arslice report` on numbers worked out
 by hand:
 

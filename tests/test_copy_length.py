@@ -56,7 +56,7 @@ def naive_ngram_counts(stream, n, row=None) -> Counter:
 
 
 def test_design_example(engine):
-    """DESIGN.md: L = 8, stream 1 2 3 4 1 2 3 9 2; pos 5 copies 1 span, pos 6 two."""
+    """docs/copy-length.md: L = 8, stream 1 2 3 4 1 2 3 9 2; pos 5 copies 1 span, pos 6 two."""
     documents = [[1, 2, 3, 4, 1, 2, 3, 9]]  # + EOS 2
     stream = np.array([1, 2, 3, 4, 1, 2, 3, 9, 2])
     columns = tag_windows(

@@ -1,6 +1,6 @@
 """queries/*.sql and `arslice query` on a run built by hand (tags and losses written here).
 
-The tiny run is DESIGN.md's worked example plus a second document, window length 8:
+The tiny run is docs/design.md's worked example plus a second document, window length 8:
 
   stream   5 6 7 8 5 6 9 5 6 | 0 | 7 8 7 8 3 | 0        (0 is the tokenizer's EOS)
   window 0 targets pos 1..8: 6 7 8 5 6 9 5 6   repeats of (5,6) at pos 5, 8 (train count 10: AR hits)
@@ -44,7 +44,7 @@ LOSS_SCHEMA = pa.schema([("window_id", pa.int32()), ("pos", pa.int32()), ("nll",
 
 
 def naive_tags(stream, doc_of, subsets, counts, window, threshold=1250):
-    """Tag rows of DESIGN.md's definitions, written as plainly as possible (a reference, not fast)."""
+    """Tag rows of docs/design.md's definitions, written as plainly as possible (a reference, not fast)."""
     rows, windows = [], []
     n = len(stream)
     match_len = naive_match_len([int(t) for t in stream], doc_of, window, False)
@@ -295,7 +295,7 @@ def run_sql(run: Path, name: str, params=None, cwd: Path | None = None):
     return out
 
 
-# ---- the tags themselves match DESIGN.md's worked example -----------------------------------------
+# ---- the tags themselves match docs/design.md's worked example -----------------------------------------
 
 
 def test_tiny_run_tags_follow_the_worked_example(tiny_run):

@@ -229,7 +229,7 @@ def test_statistics_skip_buckets_missing_a_kind_and_weight_by_repeats():
 
 
 def test_sql_and_report_agree_on_the_tiny_run(tiny_run):  # noqa: F811
-    """DESIGN.md's worked example: hyena loses 1 nat on every repeat; attention is flat."""
+    """docs/design.md's worked example: hyena loses 1 nat on every repeat; attention is flat."""
     from ar_slicing.results import open_results
 
     got = {

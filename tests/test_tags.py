@@ -1,4 +1,4 @@
-"""AR tags against a naive reference: the DESIGN.md example, property tests, edge cases, the stage."""
+"""AR tags against a naive reference: the docs/design.md example, property tests, edge cases, the stage."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def naive_tags(
     span_order=1,
     train_stream=(),
 ):
-    """One dict per target, straight from DESIGN.md: scan the earlier targets of each window.
+    """One dict per target, straight from docs/design.md: scan the earlier targets of each window.
     `span_train_count` counts the (min(match_len, span_order) + 1)-gram ending at the target in
     `train_stream` (the bigram's count from `counts` for order 2)."""
     stream, doc_of = [], []
@@ -237,7 +237,7 @@ def core_rows(
     return rows
 
 
-# ---- the DESIGN.md worked example -------------------------------------------------------------------
+# ---- the docs/design.md worked example -------------------------------------------------------------------
 
 EXAMPLE = [5, 6, 7, 8, 5, 6, 9, 5]  # + EOS 6 gives the stream 5 6 7 8 5 6 9 5 6
 

@@ -16,7 +16,7 @@ ROW_GROUP_ROWS = 1 << 21
 
 
 def bigrams_schema():
-    """prev int32, next int32, count int64 (DESIGN.md "Counts")."""
+    """prev int32, next int32, count int64 (docs/design.md "Counts")."""
     import pyarrow as pa
 
     return pa.schema([("prev", pa.int32()), ("next", pa.int32()), ("count", pa.int64())])

@@ -35,7 +35,7 @@ class TagsInput:
 
 
 def open_tags(tags_dir: str | Path, tokens: str | None = None) -> TagsInput:
-    """Read and check a tag directory: complete, window table as DESIGN.md defines it, tag rows
+    """Read and check a tag directory: complete, window table as docs/design.md defines it, tag rows
     one per target, and a token store of the same tokenizer and length."""
     import pyarrow.parquet as pq
 

@@ -1,4 +1,4 @@
-"""`arslice tokenize`: text sources (or pre-tokenized data) -> a token store (DESIGN.md).
+"""`arslice tokenize`: text sources (or pre-tokenized data) -> a token store (docs/design.md).
 
 Text sources are read in order by `ar_slicing.readers` and cut into shards of consecutive
 documents (at most `shard_docs` documents or `shard_mb` MB of text, so the cut points depend only

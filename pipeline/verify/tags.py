@@ -53,7 +53,7 @@ def expected_prev_pos(
     w1: int,
     doc_offsets: np.ndarray | None = None,
 ) -> list[np.ndarray]:
-    """DESIGN.md's repeat definition, computed from the stream alone (not from the tagger's
+    """docs/design.md's repeat definition, computed from the stream alone (not from the tagger's
     tables): for each window w0..w1-1, per target position 1..n, the latest earlier position of
     its window with the same bigram (0: none). With `doc_offsets` (reset_at_doc_boundary) only
     earlier targets of the same document count."""
