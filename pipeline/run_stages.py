@@ -537,7 +537,10 @@ class _Problems:
 
     def refuse(self, heading: str) -> None:
         if len(self.found) == 1:
-            raise self.found[0][1]
+            shown, error = self.found[0]
+            if shown == str(error):
+                raise error
+            raise type(error)(shown) from None  # the same kind, named with its config table
         if self.found:
             raise BadInput(
                 heading.format(n=len(self.found)) + "\n  " + "\n  ".join(m for m, _ in self.found)
