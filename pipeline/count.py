@@ -237,15 +237,7 @@ def _count(
 
     out = stage.out
     shift = max(key_shift_for(s.dtype) for s in stores + evaluated)
-    sources = [
-        {
-            "path": str(s.path.resolve()),
-            "fingerprint": s.fingerprint,
-            "n_tokens": s.n_tokens,
-            "dtype": s.dtype.name,
-        }
-        for s in stores
-    ]
+    sources = [store_record(s) for s in stores]
     work = out / WORK_NAME  # partials kept by an unfinished run of the same plan, else new
     (work / "partials").mkdir(parents=True, exist_ok=True)
     (work / "reduced").mkdir(parents=True, exist_ok=True)
@@ -411,3 +403,14 @@ COMMAND = Command(
   arslice count --import pile_bigrams/*.parquet --tokenizer EleutherAI/gpt-neox-20b --unit row:2048 --out runs/pythia/counts  # needs the hub
   arslice count --tokens /shared/pile/tokens/train --out /shared/pile/counts --executor ray --ray-address auto  # needs a Ray cluster""",
 )
+
+
+def store_record(store) -> dict:
+    """How counts' meta.json names a training store it counted (tag reads the stores back from
+    these records to count span n-grams)."""
+    return {
+        "path": str(store.path.resolve()),
+        "fingerprint": store.fingerprint,
+        "n_tokens": store.n_tokens,
+        "dtype": store.dtype.name,
+    }

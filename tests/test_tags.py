@@ -21,6 +21,7 @@ from ar_slicing.errors import ArSliceError, BadInput, TokenizerMismatch
 from ar_slicing.io import build_meta, read_json, stable_meta, write_json_atomic, write_meta
 from ar_slicing.store import write_token_store
 from ar_slicing.tags import TAG_COLUMNS, DocTable, tag_windows
+from pipeline.count import store_record
 from pipeline.tag import TagConfig, run_tag
 
 FP = "f" * 64
@@ -140,15 +141,7 @@ def write_counts(out_dir, pairs: Counter, fingerprint=FP, sources=()):
         total_pairs=total,
         distinct_bigrams=len(items),
         unit="stream",
-        sources=[
-            {
-                "path": str(s.path.resolve()),
-                "fingerprint": s.fingerprint,
-                "n_tokens": s.n_tokens,
-                "dtype": s.dtype.name,
-            }
-            for s in sources
-        ],
+        sources=[store_record(s) for s in sources],
     )
     write_meta(out_dir, meta)
     return out_dir
