@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ar_slicing import __version__
-from ar_slicing.layout import META_NAME, TMP_SUFFIX, is_complete, is_temporary
+from ar_slicing.layout import META_NAME, TMP_SUFFIX, is_complete, is_temporary, meta_path
 
 __all__ = ["META_NAME", "is_complete"]  # (their home is ar_slicing.layout)
 # Keys of meta.json that legitimately differ between two identical runs.
@@ -244,7 +244,7 @@ def build_meta(
 
 def write_meta(out_dir: str | os.PathLike, meta: Mapping[str, Any]) -> Path:
     """Write `meta.json` last: it marks the directory complete."""
-    path = Path(out_dir) / META_NAME
+    path = meta_path(out_dir)
     write_json_atomic(path, meta)
     return path
 

@@ -13,11 +13,13 @@
       losses/<model>/            losses-*.parquet, meta.json (one folder per evaluated model)
       results.duckdb             views over all of the above
       report/                    report.md, report.html, *.png, *.csv, meta.json
-      mqar/                      `arslice mqar`'s probe (optional): cells/, mqar.md, mqar.png
+      mqar/                      `arslice mqar` (optional): cells/, mqar.csv, mqar.md, mqar.png
       .settings/                 each stage's resolved settings, rewritten only when they change
 
 A stage's output directory is complete exactly when its `meta.json` exists (written last); while
 a stage runs, its `.plan.json` says with which settings and inputs (see `ar_slicing.plan`).
+`RunLayout` also finds what a run holds (its token stores, the tags' counts and store, the tag
+and loss parts, the complete and unfinished folders), for `results`, `verify` and the API.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 META_NAME = "meta.json"
 PLAN_NAME = ".plan.json"
@@ -37,6 +40,12 @@ TMP_SUFFIX = ".tmp"
 # `<db>.tmp/` beside the database it builds under a temporary name.
 _TEMPORARY = re.compile(r"\..+" + re.escape(TMP_SUFFIX) + r"(\.[A-Za-z]+)*")
 
+# the stage folders of a run directory
+TOKENS_DIR = "tokens"
+COUNTS_DIR = "counts"
+TAGS_DIR = "tags"
+MODELS_DIR = "models"
+LOSSES_DIR = "losses"
 # token stores
 TOKENS_NAME = "tokens.bin"
 DOCS_NAME = "docs.parquet"
@@ -46,6 +55,8 @@ STORE_WORK_DIR = ".parts"  # the shards of an unfinished tokenize (kept for resu
 # counts
 BIGRAMS_NAME = "bigrams.parquet"
 COUNT_WORK_DIR = ".work"  # partials and reduced ranges of an unfinished count (kept for resuming)
+COUNT_PARTIALS_DIR = "partials"  # in COUNT_WORK_DIR: the map step's partial files
+COUNT_REDUCED_DIR = "reduced"  # in COUNT_WORK_DIR: the reduce ranges and their Parquet parts
 # tags
 WINDOWS_NAME = "windows.parquet"
 TAG_PART = "tags-{:05d}.parquet"
@@ -53,8 +64,23 @@ TAG_PART_GLOB = "tags-*.parquet"
 # losses
 LOSS_PART = "losses-{:05d}.parquet"
 LOSS_PART_GLOB = "losses-*.parquet"
-# a trained model
+# a trained model, in this project's checkpoint format (`models.native`)
+MODEL_CONFIG_NAME = "config.json"
+MODEL_WEIGHTS_NAME = "model.safetensors"
 TRAIN_STATE_DIR = ".train-state"  # the last periodic checkpoint of an unfinished training run
+# the report
+REPORT_MD_NAME = "report.md"
+REPORT_HTML_NAME = "report.html"
+FREQUENCY_CURVE_FIGURE = "frequency_curve.png"
+COPY_LENGTH_FIGURE = "copy_length.png"
+SLICE_BARS_FIGURE = "slice_bars.png"
+RECALL_GAIN_FIGURE = "recall_gain.png"
+TABLE_CSV = "{}.csv"  # one per table: table1, copy_length and each query of queries/
+# the MQAR probe
+MQAR_CELLS_DIR = "cells"
+MQAR_CSV_NAME = "mqar.csv"
+MQAR_MD_NAME = "mqar.md"
+MQAR_FIGURE = "mqar.png"  # also shown in the report, under the same name
 # the run directory
 CONFIG_NAME = "config.toml"
 RESULTS_NAME = "results.duckdb"
@@ -62,6 +88,19 @@ REPORT_DIR = "report"
 MQAR_DIR = "mqar"
 SETTINGS_DIR = ".settings"
 MAKE_RULES_NAME = "stages.mk"
+
+
+def meta_path(out_dir: str | os.PathLike) -> Path:
+    """The `meta.json` of a stage's output directory (written last: the output is complete when
+    it exists)."""
+    return Path(out_dir) / META_NAME
+
+
+def file_meta_path(path: str | os.PathLike) -> Path:
+    """The meta of a one-file output, beside it: `<stem>.meta.json` (`tokenizer.meta.json`)."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.{META_NAME}")
+
 
 # What each stage writes in its output folder, by the stage name of its plan (globs relative to
 # the folder; `*` also matches across `/`): the only files it removes, and the only ones it
@@ -71,15 +110,15 @@ STAGE_FILES: dict[str, tuple[str, ...]] = {
     "count": (BIGRAMS_NAME, COUNT_WORK_DIR + "/*"),
     "tag": (WINDOWS_NAME, TAG_PART_GLOB),
     "eval": (LOSS_PART_GLOB,),
-    "train": ("config.json", "model.safetensors", TOKENIZER_NAME, TRAIN_STATE_DIR + "/*"),
-    "report": ("report.md", "report.html", "*.png", "*.csv"),
-    "mqar": ("cells/*", "mqar.csv", "mqar.md", "mqar.png"),
+    "train": (MODEL_CONFIG_NAME, MODEL_WEIGHTS_NAME, TOKENIZER_NAME, TRAIN_STATE_DIR + "/*"),
+    "report": (REPORT_MD_NAME, REPORT_HTML_NAME, "*.png", TABLE_CSV.format("*")),
+    "mqar": (MQAR_CELLS_DIR + "/*", MQAR_CSV_NAME, MQAR_MD_NAME, MQAR_FIGURE),
 }
 # What `arslice run` writes at the top of a run directory besides the stage folders below.
 RUN_FILES = (
     CONFIG_NAME,
     TOKENIZER_NAME,
-    "tokenizer.meta.json",
+    file_meta_path(TOKENIZER_NAME).name,
     RESULTS_NAME,
     f"{RESULTS_NAME}.wal",
     SETTINGS_DIR + "/*",
@@ -94,7 +133,34 @@ def is_temporary(name: str) -> bool:
 
 def is_complete(out_dir: str | os.PathLike) -> bool:
     """True when a stage's output directory holds its final `meta.json`."""
-    return (Path(out_dir) / META_NAME).is_file()
+    return meta_path(out_dir).is_file()
+
+
+class Folders(NamedTuple):
+    """The stage folders under one folder of a run (tokens/, models/, losses/), in name order:
+    those with their `meta.json` and those without (a stage still running, or interrupted)."""
+
+    complete: list[Path]
+    incomplete: list[Path]
+
+
+def stage_folders(root: str | os.PathLike) -> Folders:
+    """The folders directly under `root` (none when it is missing); files there are not stage
+    folders (`losses/meta.json` marks every model evaluated)."""
+    root = Path(root)
+    found = Folders([], [])
+    for d in sorted(root.iterdir()) if root.is_dir() else []:
+        if d.is_dir():
+            (found.complete if is_complete(d) else found.incomplete).append(d)
+    return found
+
+
+def _first_holding(name: str, *candidates: str | os.PathLike | None) -> Path | None:
+    """The first of `candidates` that holds the file `name`."""
+    for c in candidates:
+        if c and (Path(c) / name).is_file():
+            return Path(c)
+    return None
 
 
 @dataclass(frozen=True)
@@ -114,31 +180,70 @@ class RunLayout:
     def tokenizer(self) -> Path:
         return self.run_dir / TOKENIZER_NAME
 
+    @property
+    def tokens_root(self) -> Path:
+        return self.run_dir / TOKENS_DIR
+
     def store(self, part: str) -> Path:
         """`tokens/train` or `tokens/val`."""
-        return self.run_dir / "tokens" / part
+        return self.tokens_root / part
+
+    def stores(self) -> Folders:
+        """Every token store under tokens/ (not only `train` and `val`)."""
+        return stage_folders(self.tokens_root)
+
+    def found_store(self, recorded: str | os.PathLike | None) -> Path | None:
+        """The validation store of the tags: the one they recorded, when it is complete there,
+        else this layout's `tokens/val` (the run was moved since the tags were made); None when
+        neither is complete."""
+        return _first_holding(META_NAME, recorded, self.store("val"))
 
     @property
     def counts(self) -> Path:
-        return self.run_dir / "counts"
+        return self.run_dir / COUNTS_DIR
+
+    def found_counts(self, recorded: str | os.PathLike | None) -> Path | None:
+        """The counts the tags were made with: the folder they recorded, when it holds
+        bigrams.parquet, else this layout's `counts/` (a moved run); None when neither does."""
+        return _first_holding(BIGRAMS_NAME, recorded, self.counts)
 
     @property
     def tags(self) -> Path:
-        return self.run_dir / "tags"
+        return self.run_dir / TAGS_DIR
+
+    @property
+    def windows(self) -> Path:
+        """The tags' window table (what eval reads)."""
+        return self.tags / WINDOWS_NAME
+
+    def tag_parts(self) -> list[Path]:
+        """The tags' Parquet parts, in order."""
+        return sorted(self.tags.glob(TAG_PART_GLOB))
 
     @property
     def models(self) -> Path:
-        return self.run_dir / "models"
+        return self.run_dir / MODELS_DIR
 
     def model(self, name: str) -> Path:
         return self.models / name
 
+    def trained_models(self) -> Folders:
+        return stage_folders(self.models)
+
     @property
     def losses_root(self) -> Path:
-        return self.run_dir / "losses"
+        return self.run_dir / LOSSES_DIR
 
     def losses(self, name: str) -> Path:
         return self.losses_root / name
+
+    def loss_folders(self) -> Folders:
+        """Every losses/<model>/ folder: one per evaluated model (or checkpoint)."""
+        return stage_folders(self.losses_root)
+
+    def loss_parts(self, name: str) -> list[Path]:
+        """The Parquet parts of `losses/<name>/`, in order."""
+        return sorted(self.losses(name).glob(LOSS_PART_GLOB))
 
     @property
     def results(self) -> Path:

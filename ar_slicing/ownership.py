@@ -38,6 +38,7 @@ from ar_slicing.layout import (
     STORE_PARTS,
     TMP_SUFFIX,
     RunLayout,
+    file_meta_path,
 )
 
 log = logging.getLogger(__name__)
@@ -333,7 +334,7 @@ def foreign_in_run(layout: RunLayout, outputs: dict[Path, str] | None = None) ->
     if not run_dir.is_dir():
         return [run_dir]
     outs = {**run_outputs(layout), **(outputs or {})}
-    containers = [layout.run_dir / "tokens", layout.models, layout.losses_root]
+    containers = [layout.tokens_root, layout.models, layout.losses_root]
     top = [
         *RUN_FILES,
         *(f"{p.relative_to(run_dir)}/*" for p in [*outs, *containers] if p.is_relative_to(run_dir)),
@@ -347,7 +348,7 @@ def foreign_in_run(layout: RunLayout, outputs: dict[Path, str] | None = None) ->
     elif config.exists() or config.is_symlink():
         found.append(config)
     tokenizer = layout.tokenizer
-    if tokenizer.exists() and not tokenizer.with_name(tokenizer.stem + ".meta.json").is_file():
+    if tokenizer.exists() and not file_meta_path(tokenizer).is_file():
         found.append(tokenizer)
     for root in containers:
         if root.is_dir():  # only stage folders, the marker and the lock in between

@@ -26,11 +26,7 @@ import numpy as np
 
 from ar_slicing.errors import BadInput
 from ar_slicing.io import atomic_path, build_meta, is_complete, read_json, sha256_file, write_meta
-from ar_slicing.layout import require_dir
-
-TOKENS_NAME = "tokens.bin"
-DOCS_NAME = "docs.parquet"
-TOKENIZER_NAME = "tokenizer.json"
+from ar_slicing.layout import DOCS_NAME, TOKENIZER_NAME, TOKENS_NAME, meta_path, require_dir
 
 
 def docs_schema():
@@ -79,7 +75,7 @@ class TokenStore:
 
     @cached_property
     def meta(self) -> dict:
-        return read_json(self.path / "meta.json")
+        return read_json(meta_path(self.path))
 
     @property
     def tokenizer_info(self) -> dict:

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from ar_slicing.errors import ArSliceError, TokenizerMismatch
+from ar_slicing.layout import TOKENIZER_NAME
 
 # Tried in order when a tokenizer does not say which token ends a document.
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "<|end_of_text|>", "<EOS>")
@@ -37,8 +38,8 @@ def load_tokenizer(spec: str | Path):
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
             raise ArSliceError(f"{path}: not a readable tokenizer.json ({e})") from None
     if path.is_dir():
-        if (path / "tokenizer.json").is_file():
-            return load_tokenizer(path / "tokenizer.json")
+        if (path / TOKENIZER_NAME).is_file():
+            return load_tokenizer(path / TOKENIZER_NAME)
         return _from_transformers(str(path))
     if str(spec).endswith(".json") or "/" in str(spec) and str(spec).startswith((".", "/")):
         raise ArSliceError(f"tokenizer {spec}: no such file or directory")

@@ -11,8 +11,6 @@ import numpy as np
 
 from ar_slicing.errors import ArSliceError
 
-WINDOWS_NAME = "windows.parquet"
-
 
 def window_schema():
     import pyarrow as pa

@@ -35,9 +35,8 @@ from ar_slicing.counts.keys import (
     key_shift_for,
     parse_unit,
 )
-from ar_slicing.counts.tasks import count_full, stream_pairs
+from ar_slicing.counts.tasks import count_full, make_work_dir, stream_pairs
 from ar_slicing.errors import BadInput
-from ar_slicing.layout import COUNT_WORK_DIR
 from pipeline.config import Command, config_to_dict, ray_address_option, say
 
 log = logging.getLogger(__name__)
@@ -45,7 +44,6 @@ log = logging.getLogger(__name__)
 # 32 M tokens (~220 MB per map worker at most): fewer, fuller partials leave the reduce less
 # to merge
 DEFAULT_SHARD_TOKENS = 1 << 25
-WORK_NAME = COUNT_WORK_DIR
 
 
 @dataclass(frozen=True)
@@ -238,9 +236,7 @@ def _count(
     out = stage.out
     shift = max(key_shift_for(s.dtype) for s in stores + evaluated)
     sources = [store_record(s) for s in stores]
-    work = out / WORK_NAME  # partials kept by an unfinished run of the same plan, else new
-    (work / "partials").mkdir(parents=True, exist_ok=True)
-    (work / "reduced").mkdir(parents=True, exist_ok=True)
+    work = make_work_dir(out)  # partials kept by an unfinished run of the same plan, else new
 
     warm_kernels()
     import pyarrow.parquet  # noqa: F401  (here, so forked reduce workers inherit it loaded)

@@ -13,14 +13,12 @@ import shutil
 from pathlib import Path
 
 from ar_slicing.counts.keys import parse_unit
-from ar_slicing.counts.parquet import BIGRAMS_NAME
 from ar_slicing.errors import BadInput
-from ar_slicing.layout import COUNT_WORK_DIR
+from ar_slicing.layout import BIGRAMS_NAME
 
 log = logging.getLogger(__name__)
 
 IMPORT_FORMAT = 1  # bump when the import's work files change
-WORK_NAME = COUNT_WORK_DIR
 
 
 def check_import(paths, tokenizer: str | None, unit: str | None) -> None:
@@ -58,7 +56,7 @@ def import_counts(
 
     from ar_slicing.counts.imported import find_duplicate, import_part, plan_import_tasks
     from ar_slicing.counts.partials import bucket_sizes
-    from ar_slicing.counts.tasks import plan_reduce_tasks, run_map, run_reduce
+    from ar_slicing.counts.tasks import make_work_dir, plan_reduce_tasks, run_map, run_reduce
     from ar_slicing.executor import LocalExecutor
     from ar_slicing.io import build_meta, sha256_file
     from ar_slicing.plan import StagePlan, file_identity, open_stage
@@ -87,9 +85,7 @@ def import_counts(
             }
             for p in paths
         ]
-        work = out / WORK_NAME
-        (work / "partials").mkdir(parents=True, exist_ok=True)
-        (work / "reduced").mkdir(parents=True, exist_ok=True)
+        work = make_work_dir(out)
         executor = executor or LocalExecutor(workers)
         tasks = plan_import_tasks(paths, work, vocab_size, shift)
         run_map(executor, tasks, import_part, progress)

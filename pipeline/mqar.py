@@ -69,13 +69,19 @@ from ar_slicing.io import (
     write_json_atomic,
     write_meta,
 )
+from ar_slicing.layout import (
+    MQAR_CELLS_DIR,
+    MQAR_CSV_NAME,
+    MQAR_FIGURE,
+    MQAR_MD_NAME,
+    meta_path,
+)
 from ar_slicing.ownership import output_lock
 from pipeline.config import Command, config_to_dict, say
 
 log = logging.getLogger(__name__)
 
 ARCHITECTURES = ["attention", "base_conv", "hyena", "rwkv", "based"]
-CELLS_DIR = "cells"
 IGNORE = -100  # target of every position that is not a query (Zoology's ignore index)
 # Settings a cell's result depends on; a finished cell made with other values is not reused.
 CELL_SETTINGS = (
@@ -513,12 +519,12 @@ def _run_sweep(cfg: MqarConfig, out: Path) -> dict:
 
     t0 = time.time()
     if is_complete(out) and not cfg.overwrite:
-        meta = read_json(out / "meta.json")
+        meta = read_json(meta_path(out))
         if _same_sweep(meta.get("config", {}), cfg):
             say(f"mqar: {out} is complete, skipped (use --overwrite to redo)")
             return meta
-    (out / "meta.json").unlink(missing_ok=True)
-    cells_dir = out / CELLS_DIR
+    meta_path(out).unlink(missing_ok=True)
+    cells_dir = out / MQAR_CELLS_DIR
     cells_dir.mkdir(parents=True, exist_ok=True)
     groups = [(a, d, t) for a in cfg.archs for d in cfg.d_models for t in cfg.seq_lens]
     groups.sort(key=lambda g: -g[1] * g[2])  # biggest first: the pool ends evenly
@@ -542,11 +548,11 @@ def _run_sweep(cfg: MqarConfig, out: Path) -> dict:
                 bar.update(1)
     bar.close()
     rows = best_rows(cells, cfg)
-    with atomic_path(out / "mqar.csv") as tmp:
+    with atomic_path(out / MQAR_CSV_NAME) as tmp:
         tmp.write_text(rows_csv(rows))
-    with atomic_path(out / "mqar.md") as tmp:
+    with atomic_path(out / MQAR_MD_NAME) as tmp:
         tmp.write_text(rows_markdown(rows))
-    write_bytes_atomic(out / "mqar.png", figure_png(rows))
+    write_bytes_atomic(out / MQAR_FIGURE, figure_png(rows))
     wall = time.time() - t0
     meta = build_meta(
         "mqar",
@@ -594,10 +600,10 @@ def mqar_results(out_dir: str | Path) -> MqarResults | None:
     out_dir = Path(out_dir)
     if not is_complete(out_dir):
         return None
-    meta = read_json(out_dir / "meta.json")
+    meta = read_json(meta_path(out_dir))
     rows = meta.get("rows") or []
     return MqarResults(
-        rows=rows, markdown=rows_markdown(rows), figure=out_dir / "mqar.png", meta=meta
+        rows=rows, markdown=rows_markdown(rows), figure=out_dir / MQAR_FIGURE, meta=meta
     )
 
 

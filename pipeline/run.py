@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ar_slicing.errors import ArSliceError
+from ar_slicing.layout import REPORT_HTML_NAME
 from pipeline.config import (
     Command,
     print_config,
@@ -161,7 +162,7 @@ def run_pipeline(cfg: RunConfig) -> dict:
         timings[stage] = round(time.time() - t0, 1)
         say(f"== {stage} done in {timings[stage]:.1f} s")
     if "report" in chosen:
-        html = pipeline.layout.report / "report.html"
+        html = pipeline.layout.report / REPORT_HTML_NAME
         say(f"report: {html.resolve() if html.exists() else html}")
     return {"run_dir": str(pipeline.run_dir), "wall_time_s": timings, "results": results}
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from ar_slicing.errors import ArSliceError, BadInput
 from ar_slicing.io import atomic_path, build_meta, is_complete, read_json, write_bytes_atomic
-from ar_slicing.layout import STORE_PARTS, RunLayout
+from ar_slicing.layout import STORE_PARTS, RunLayout, file_meta_path, meta_path
 from pipeline.config import (
     READER_FIELDS,
     Command,
@@ -276,8 +276,8 @@ class Pipeline:
     @staticmethod
     def _model_entry(name: str, out: Path) -> dict:
         if not is_complete(out):
-            raise ArSliceError(f"train {name}: finished without writing {out / 'meta.json'}")
-        meta = read_json(out / "meta.json")
+            raise ArSliceError(f"train {name}: finished without writing {meta_path(out)}")
+        meta = read_json(meta_path(out))
         keep = (
             "arch",
             "n_params",
@@ -337,8 +337,8 @@ class Pipeline:
             command.run(cfg)
             out = Path(cfg.out)
             if not is_complete(out):
-                raise ArSliceError(f"eval {name}: finished without writing {out / 'meta.json'}")
-            meta = read_json(out / "meta.json")
+                raise ArSliceError(f"eval {name}: finished without writing {meta_path(out)}")
+            meta = read_json(meta_path(out))
             losses[name] = {"dir": str(out), "spec": meta.get("spec"), "tokens": meta.get("tokens")}
         inputs = {"config": str(self.config_path), "tags": str(self.layout.tags)}
         self._write_marker(self.layout.losses_root, "eval-all", configs, inputs, t0, losses=losses)
@@ -371,7 +371,7 @@ class Pipeline:
             wall_time_s=time.time() - t0,
             **extra,
         )
-        path = directory / "meta.json"
+        path = meta_path(directory)
         with output_lock(directory, wait=True):
             if path.is_file() and stable_meta(read_json(path)) == stable_meta(to_jsonable(meta)):
                 os.utime(path)
@@ -421,7 +421,7 @@ class Pipeline:
         found = foreign_in_run(self.layout, outputs)
         for cfg in all_configs.get("tokenizer", {}).values():  # a one-file output: its meta beside
             out = Path(cfg.out)
-            if out.exists() and not out.with_name(out.stem + ".meta.json").is_file():
+            if out.exists() and not file_meta_path(out).is_file():
                 found.append(out)
         if found:
             found = sorted(set(found))

@@ -23,10 +23,11 @@ from hypothesis import strategies as st
 
 from ar_slicing.errors import ArSliceError, BadInput
 from ar_slicing.io import read_json, stable_meta, write_json_atomic
+from ar_slicing.layout import STORE_WORK_DIR as PARTS_DIR
 from ar_slicing.store import TokenStore
 from ar_slicing.tokenizer import fingerprint
 from pipeline.cli import main as cli_main
-from pipeline.tokenize import PARTS_DIR, TokenizeConfig, run_tokenize
+from pipeline.tokenize import TokenizeConfig, run_tokenize
 from pipeline.train_tokenizer import TrainTokenizerConfig, run_train_tokenizer
 
 SUBSETS = ["Github", "Pile-CC", "ArXiv"]

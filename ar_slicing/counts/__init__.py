@@ -11,6 +11,7 @@ lookup    `BigramCounts`: a counts directory read back for lookups
 
 from ar_slicing.counts.keys import parse_unit
 from ar_slicing.counts.lookup import BigramCounts
-from ar_slicing.counts.parquet import BIGRAMS_NAME, bigrams_schema
+from ar_slicing.counts.parquet import bigrams_schema
+from ar_slicing.layout import BIGRAMS_NAME
 
 __all__ = ["BIGRAMS_NAME", "BigramCounts", "bigrams_schema", "parse_unit"]

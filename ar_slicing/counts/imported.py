@@ -19,6 +19,7 @@ import numpy as np
 from ar_slicing.counts.keys import bucket_bounds, key_dtype_for
 from ar_slicing.counts.partials import read_partial_slice, write_partial
 from ar_slicing.errors import BadInput
+from ar_slicing.layout import COUNT_PARTIALS_DIR
 
 COLUMNS = ("id0", "id1", "count")
 ROW_GROUPS_PER_TASK = 8
@@ -60,7 +61,7 @@ def plan_import_tasks(paths, work: Path, vocab_size: int, shift: int) -> list[Im
             )
         for k, lo in enumerate(range(0, meta.num_row_groups, ROW_GROUPS_PER_TASK)):
             hi = min(lo + ROW_GROUPS_PER_TASK, meta.num_row_groups)
-            out = str(work / "partials" / f"i{f:04d}-{k:06d}.bin")
+            out = str(work / COUNT_PARTIALS_DIR / f"i{f:04d}-{k:06d}.bin")
             tasks.append(ImportTask(str(path), lo, hi, vocab_size, shift, out))
     return tasks
 

@@ -8,9 +8,9 @@ import numpy as np
 
 from ar_slicing.counts.kernels import kernels
 from ar_slicing.counts.keys import key_dtype_for
-from ar_slicing.counts.parquet import BIGRAMS_NAME
 from ar_slicing.counts.regions import RegionTable, build_region_table, read_region_table
 from ar_slicing.errors import BadInput
+from ar_slicing.layout import BIGRAMS_NAME, meta_path
 
 _FIB = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio: multiplicative (Fibonacci) hashing
 _LOOKUP_CHUNK = 1 << 22
@@ -80,7 +80,7 @@ class BigramCounts:
             raise BadInput(
                 f"counts {path}: incomplete or missing (no meta.json); run `arslice count --out {path}`"
             )
-        meta = read_json(path / "meta.json")
+        meta = read_json(meta_path(path))
         try:
             with pa.memory_map(str(path / BIGRAMS_NAME)) as source:
                 file = pq.ParquetFile(source)

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 
-BIGRAMS_NAME = "bigrams.parquet"
 # Rows per Parquet row group of bigrams.parquet (readers can stream it group by group).
 ROW_GROUP_ROWS = 1 << 21
 

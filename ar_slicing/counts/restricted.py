@@ -195,8 +195,9 @@ def count_restricted_stores(
     workers) never adds up partials of two groupings."""
     import time
 
-    from ar_slicing.counts.parquet import BIGRAMS_NAME, write_bigrams, write_bigrams_batches
-    from ar_slicing.counts.tasks import boundary_keys, run_map, stream_pairs
+    from ar_slicing.counts.parquet import write_bigrams, write_bigrams_batches
+    from ar_slicing.counts.tasks import REDUCED_PART, boundary_keys, run_map, stream_pairs
+    from ar_slicing.layout import BIGRAMS_NAME, COUNT_PARTIALS_DIR, COUNT_REDUCED_DIR, TOKENS_NAME
 
     t_keys = time.time()
     keys_path = work / "only-keys.bin"
@@ -213,7 +214,7 @@ def count_restricted_stores(
             stop = min(start + group_pairs, store.n_tokens - 1)
             tasks.append(
                 RestrictedTask(
-                    tokens_path=str((store.path / "tokens.bin").resolve()),
+                    tokens_path=str((store.path / TOKENS_NAME).resolve()),
                     dtype=store.dtype.name,
                     n_tokens=store.n_tokens,
                     start=start,
@@ -223,7 +224,7 @@ def count_restricted_stores(
                     shift=shift,
                     shard_tokens=shard_tokens,
                     keys=str(keys_path),
-                    out=str(work / "partials" / f"g{s:04d}-{start:012d}-{stop:012d}.bin"),
+                    out=str(work / COUNT_PARTIALS_DIR / f"g{s:04d}-{start:012d}-{stop:012d}.bin"),
                 )
             )
         offset += store.n_tokens
@@ -233,7 +234,7 @@ def count_restricted_stores(
 
     t_reduce = time.time()
     extra = key_counts(keys, boundary_keys(stores, row, shift))
-    part = work / "reduced" / "r00000.parquet"
+    part = work / COUNT_REDUCED_DIR / REDUCED_PART.format(0)
     rows = restricted_rows(keys, [t.out for t in tasks], extra)
     write_bigrams_batches(part, rows, shift)
     distinct, total_pairs = write_bigrams(work.parent / BIGRAMS_NAME, [str(part)])

@@ -9,10 +9,28 @@ import numpy as np
 
 from ar_slicing.counts import reduce
 from ar_slicing.counts.keys import bucket_bounds, count_keys, key_dtype_for
-from ar_slicing.counts.parquet import BIGRAMS_NAME, write_bigrams
+from ar_slicing.counts.parquet import write_bigrams
 from ar_slicing.counts.partials import MapTask, bucket_sizes, count_shard, write_partial
+from ar_slicing.layout import (
+    BIGRAMS_NAME,
+    COUNT_PARTIALS_DIR,
+    COUNT_REDUCED_DIR,
+    COUNT_WORK_DIR,
+    TOKENS_NAME,
+)
 
 log = logging.getLogger(__name__)
+
+REDUCED_PART = "r{:05d}.parquet"  # in COUNT_REDUCED_DIR: the Parquet part of reduce range j
+
+
+def make_work_dir(out: Path) -> Path:
+    """The work folder of a count into `out`, with its partials and reduced folders: the one an
+    unfinished run of the same plan left (so it resumes), else a new one."""
+    work = out / COUNT_WORK_DIR
+    (work / COUNT_PARTIALS_DIR).mkdir(parents=True, exist_ok=True)
+    (work / COUNT_REDUCED_DIR).mkdir(parents=True, exist_ok=True)
+    return work
 
 
 def plan_reduce_tasks(work: Path, partials: list[str], shift: int) -> list[reduce.ReduceTask]:
@@ -24,7 +42,7 @@ def plan_reduce_tasks(work: Path, partials: list[str], shift: int) -> list[reduc
     """
     from ar_slicing.io import read_json, write_json_atomic
 
-    ranges_path = work / "reduced" / "ranges.json"
+    ranges_path = work / COUNT_REDUCED_DIR / "ranges.json"
     if ranges_path.exists():
         ranges = [tuple(r) for r in read_json(ranges_path)["ranges"]]
     else:
@@ -36,7 +54,7 @@ def plan_reduce_tasks(work: Path, partials: list[str], shift: int) -> list[reduc
             partials=tuple(partials),
             b_lo=lo,
             b_hi=hi,
-            out=str(work / "reduced" / f"r{j:05d}.parquet"),
+            out=str(work / COUNT_REDUCED_DIR / REDUCED_PART.format(j)),
             shift=shift,
             batch_entries=reduce.REDUCE_RANGE_ENTRIES,
         )
@@ -114,7 +132,7 @@ def plan_map_tasks(
         for k, start in enumerate(range(0, n_pairs, shard_tokens)):
             tasks.append(
                 MapTask(
-                    tokens_path=str((store.path / "tokens.bin").resolve()),
+                    tokens_path=str((store.path / TOKENS_NAME).resolve()),
                     dtype=store.dtype.name,
                     n_tokens=store.n_tokens,
                     start=start,
@@ -123,7 +141,7 @@ def plan_map_tasks(
                     row=row,
                     shift=shift,
                     vocab_size=vocab_size,
-                    out=str(work / "partials" / f"s{s:04d}-{k:06d}.bin"),
+                    out=str(work / COUNT_PARTIALS_DIR / f"s{s:04d}-{k:06d}.bin"),
                 )
             )
         offset += store.n_tokens
@@ -145,7 +163,7 @@ def boundary_keys(stores, row: int | None, shift: int) -> np.ndarray:
 
 def boundary_partial(work: Path, edge: np.ndarray, shift: int, vocab_size: int) -> str:
     """The partial of the pairs across stores (written once; a resumed run finds it)."""
-    edge_out = work / "partials" / "boundaries.bin"
+    edge_out = work / COUNT_PARTIALS_DIR / "boundaries.bin"
     if not edge_out.is_file():
         keys, counts = count_keys(edge)
         offsets = np.append(

@@ -10,10 +10,9 @@ import numpy as np
 
 from ar_slicing.errors import BadInput
 from ar_slicing.io import META_NAME, is_complete, read_json
-from ar_slicing.layout import TAG_PART_GLOB
+from ar_slicing.layout import TAG_PART_GLOB, WINDOWS_NAME
 from ar_slicing.parts import part_rows
 from ar_slicing.tokenizer import require_same_fingerprint
-from ar_slicing.windows import WINDOWS_NAME
 from pipeline.eval.config import CHECKPOINT_SUFFIXES
 
 

@@ -17,7 +17,7 @@ Pre-tokenized sources (Megatron/GPT-NeoX `.bin` + `.idx`, raw uint16/uint32 file
 into a store as they are, without appending anything (`eos_appended: false`).
 """
 
-from pipeline.tokenize.config import PARTS_DIR, TokenizeConfig
+from pipeline.tokenize.config import TokenizeConfig
 from pipeline.tokenize.stage import COMMAND, run_tokenize
 
-__all__ = ["COMMAND", "PARTS_DIR", "TokenizeConfig", "run_tokenize"]
+__all__ = ["COMMAND", "TokenizeConfig", "run_tokenize"]

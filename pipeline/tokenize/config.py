@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ar_slicing.layout import STORE_WORK_DIR
 from pipeline.config import (
     glob_option,
     normalize_glob,
@@ -13,8 +12,6 @@ from pipeline.config import (
     text_field_option,
 )
 
-PARTS_DIR = STORE_WORK_DIR
-PLAN_NAME = "plan.json"
 PARTS_FORMAT = 2  # bump when the parts' layout changes, so older parts are never reused
 SOURCE_FORMATS = ("raw-uint16", "raw-uint32", "megatron")
 # Config fields that decide the shards' contents: finished shards are reused only when all agree.

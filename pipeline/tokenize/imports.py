@@ -12,7 +12,8 @@ import numpy as np
 
 from ar_slicing.errors import ArSliceError, BadInput
 from ar_slicing.io import atomic_path, build_meta
-from ar_slicing.store import DOCS_NAME, TOKENIZER_NAME, TOKENS_NAME, docs_schema, dtype_for_vocab
+from ar_slicing.layout import DOCS_NAME, TOKENIZER_NAME, TOKENS_NAME
+from ar_slicing.store import docs_schema, dtype_for_vocab
 from pipeline.config import config_to_dict, say
 from pipeline.tokenize.config import _DOCS_BATCH, _IMPORT_CHUNK, TokenizeConfig
 from pipeline.tokenize.shards import load_tokenizer_info, source_identity

@@ -12,7 +12,8 @@ import numpy as np
 
 from ar_slicing.errors import ArSliceError, BadInput
 from ar_slicing.io import atomic_path
-from ar_slicing.store import DOCS_NAME, TOKENS_NAME, docs_schema
+from ar_slicing.layout import DOCS_NAME, STORE_WORK_DIR, TOKENS_NAME
+from ar_slicing.store import docs_schema
 
 
 @dataclass(frozen=True)
@@ -31,10 +32,19 @@ class ShardTask:
     encoder: str = "tokenizers"  # the backend (ar_slicing.encoders), chosen by the driver
 
 
+DOCS_PART_SUFFIX = ".docs.parquet"  # a shard's docs part; its tokens part ends in ".tokens"
+
+
 def part_paths(parts_dir: str | Path, index: int) -> tuple[Path, Path]:
     """The tokens part and docs part of shard `index` (1000 shards per subdirectory)."""
     sub = Path(parts_dir) / f"{index // 1000:05d}"
-    return sub / f"{index:08d}.tokens", sub / f"{index:08d}.docs.parquet"
+    return sub / f"{index:08d}.tokens", sub / f"{index:08d}{DOCS_PART_SUFFIX}"
+
+
+def holds_finished_shards(out: str | Path) -> bool:
+    """Whether the store `out` holds a finished shard: one whose docs part is there (the
+    tokenizer copy alone is no work)."""
+    return any((Path(out) / STORE_WORK_DIR).rglob("*" + DOCS_PART_SUFFIX))
 
 
 def part_schema():

@@ -15,10 +15,11 @@ from ar_slicing.io import (
     build_meta,
     write_bytes_atomic,
 )
+from ar_slicing.layout import STORE_WORK_DIR, TOKENIZER_NAME
 from ar_slicing.readers import ReadStats
-from ar_slicing.store import TOKENIZER_NAME, dtype_for_vocab
+from ar_slicing.store import dtype_for_vocab
 from pipeline.config import config_to_dict, read_documents, say
-from pipeline.tokenize.config import PARTS_DIR, TokenizeConfig
+from pipeline.tokenize.config import TokenizeConfig
 from pipeline.tokenize.shards import (
     ShardTask,
     assemble_store,
@@ -46,7 +47,7 @@ def encode_store(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict
     tokenizer_json = tok.to_str(pretty=True)
     executor = get_executor(cfg.executor, cfg.workers or None, address=cfg.ray_address)
     workers = executor.workers
-    parts_dir = out / PARTS_DIR
+    parts_dir = out / STORE_WORK_DIR
     parts_dir.mkdir(exist_ok=True)
     tokenizer_path = parts_dir / TOKENIZER_NAME
     write_bytes_atomic(tokenizer_path, tokenizer_json.encode())

@@ -37,7 +37,8 @@ from ar_slicing.errors import ArSliceError, BadInput
 from ar_slicing.io import (
     build_meta,
 )
-from ar_slicing.store import TOKENIZER_NAME, TokenStore
+from ar_slicing.layout import TOKENIZER_NAME
+from ar_slicing.store import TokenStore
 from ar_slicing.tokenizer import require_same_fingerprint
 from pipeline.config import Command, say
 from pipeline.train.config import (  # noqa: F401  (re-exported)

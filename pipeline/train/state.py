@@ -12,6 +12,7 @@ from ar_slicing.io import (
     read_json,
     write_json_atomic,
 )
+from ar_slicing.layout import MODEL_WEIGHTS_NAME
 from pipeline.config import config_to_dict
 from pipeline.train.config import _RESUMABLE_CHANGES, TrainConfig
 from pipeline.train.model import (
@@ -66,7 +67,7 @@ def save_state(state_dir: Path, model, optimizer, step: int, extra: dict) -> Non
 
     with atomic_dir(state_dir) as tmp:
         # save_model (not save_file) handles the tied embedding / output head
-        save_model(model, str(tmp / "model.safetensors"))
+        save_model(model, str(tmp / MODEL_WEIGHTS_NAME))
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         write_json_atomic(tmp / "state.json", {"step": step, **extra})
 
@@ -80,7 +81,7 @@ def load_state(state_dir: Path, model, optimizer, device: str) -> dict | None:
     if not (state_dir / "state.json").is_file():
         return None
     state = read_json(state_dir / "state.json")
-    load_model(model, str(state_dir / "model.safetensors"), device=device)
+    load_model(model, str(state_dir / MODEL_WEIGHTS_NAME), device=device)
     optimizer.load_state_dict(
         torch.load(state_dir / "optimizer.pt", map_location=device, weights_only=True)
     )

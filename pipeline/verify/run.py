@@ -5,52 +5,54 @@ from __future__ import annotations
 from pathlib import Path
 
 from ar_slicing.errors import ArSliceError
+from ar_slicing.layout import (
+    MODEL_CONFIG_NAME,
+    MODEL_WEIGHTS_NAME,
+    Folders,
+    RunLayout,
+    is_complete,
+    meta_path,
+    require_dir,
+)
 from pipeline.config import Command, say
 from pipeline.verify.checks import Checks, VerifyConfig
 from pipeline.verify.stores import verify_counts, verify_store
 from pipeline.verify.tags import verify_losses, verify_tags
 
 
-def _complete_dirs(root: Path, checks: Checks, what: str) -> list[Path]:
-    from ar_slicing.io import is_complete
-
-    found = []
-    for d in sorted(root.iterdir()) if root.is_dir() else []:
-        if not d.is_dir():
-            continue
-        if is_complete(d):
-            found.append(d)
-        else:
-            checks.note(f"{d}: incomplete {what} (no meta.json), not checked")
-    return found
+def _complete_dirs(found: Folders, checks: Checks, what: str) -> list[Path]:
+    """The complete folders of `found`; each incomplete one is a note."""
+    for d in found.incomplete:
+        checks.note(f"{d}: incomplete {what} (no meta.json), not checked")
+    return found.complete
 
 
 def verify_run(cfg: VerifyConfig) -> dict:
-    from ar_slicing.io import is_complete, read_json
-    from ar_slicing.layout import require_dir
+    from ar_slicing.io import read_json
 
     run = Path(cfg.run)
     require_dir(run, "run directory")
+    layout = RunLayout(run)
     checks = Checks()
     fingerprints: dict[str, str | None] = {}
 
     say(f"verify {run}")
-    if (run / "tokenizer.json").is_file():  # the run's own tokenizer, when the run trained one
+    if layout.tokenizer.is_file():  # the run's own tokenizer, when the run trained one
         from ar_slicing.tokenizer import fingerprint, load_tokenizer
 
-        fingerprints[f"tokenizer {run / 'tokenizer.json'}"] = fingerprint(
-            load_tokenizer(run / "tokenizer.json")
+        fingerprints[f"tokenizer {layout.tokenizer}"] = fingerprint(
+            load_tokenizer(layout.tokenizer)
         )
     say("token stores")
     store_metas: dict[str, dict] = {}
-    for d in _complete_dirs(run / "tokens", checks, "token store"):
+    for d in _complete_dirs(layout.stores(), checks, "token store"):
         meta = verify_store(d, checks, cfg.scan_tokens)
         store_metas[d.name] = meta
         fingerprints[f"token store {d}"] = meta.get("tokenizer", {}).get("fingerprint")
-    val_dir = run / "tokens" / "val"
-    val_meta = store_metas.get("val")
+    val_dir = layout.store("val")
+    val_meta = store_metas.get(val_dir.name)
 
-    counts_dir = run / "counts"
+    counts_dir = layout.counts
     counts_ok = is_complete(counts_dir)
     if counts_ok:
         say("counts")
@@ -59,7 +61,7 @@ def verify_run(cfg: VerifyConfig) -> dict:
     elif counts_dir.exists():
         checks.note(f"{counts_dir}: incomplete (no meta.json), not checked")
 
-    tags_dir = run / "tags"
+    tags_dir = layout.tags
     windows = None
     tags_meta = None
     if is_complete(tags_dir):
@@ -78,22 +80,22 @@ def verify_run(cfg: VerifyConfig) -> dict:
     elif tags_dir.exists():
         checks.note(f"{tags_dir}: incomplete (no meta.json), not checked")
 
-    model_dirs = _complete_dirs(run / "models", checks, "model")
+    model_dirs = _complete_dirs(layout.trained_models(), checks, "model")
     if model_dirs:
         say("models")
     for d in model_dirs:
-        meta = read_json(d / "meta.json")
+        meta = read_json(meta_path(d))
         fingerprints[f"model {d}"] = meta.get("fingerprint")
         checks.check(
-            (d / "model.safetensors").is_file() and (d / "config.json").is_file(),
-            f"{d}: config.json and model.safetensors present",
+            (d / MODEL_WEIGHTS_NAME).is_file() and (d / MODEL_CONFIG_NAME).is_file(),
+            f"{d}: {MODEL_CONFIG_NAME} and {MODEL_WEIGHTS_NAME} present",
         )
 
-    loss_dirs = _complete_dirs(run / "losses", checks, "losses")
+    loss_dirs = _complete_dirs(layout.loss_folders(), checks, "losses")
     if loss_dirs:
         say("losses")
     for d in loss_dirs:
-        meta = read_json(d / "meta.json")
+        meta = read_json(meta_path(d))
         fingerprints[f"losses {d}"] = meta.get("fingerprint")
         model_fp = meta.get("model_tokenizer_fingerprint")
         if model_fp and model_fp != meta.get("fingerprint"):

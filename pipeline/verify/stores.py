@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ar_slicing.layout import BIGRAMS_NAME, DOCS_NAME, TOKENIZER_NAME, TOKENS_NAME, meta_path
 from pipeline.verify.checks import BATCH_ROWS, Checks
 
 
@@ -14,10 +15,9 @@ def verify_store(path: Path, checks: Checks, scan_tokens: bool) -> dict | None:
     import pyarrow.parquet as pq
 
     from ar_slicing.io import read_json
-    from ar_slicing.store import DOCS_NAME, TOKENIZER_NAME, TOKENS_NAME
     from ar_slicing.tokenizer import fingerprint, load_tokenizer
 
-    meta = read_json(path / "meta.json")
+    meta = read_json(meta_path(path))
     n_tokens, dtype = int(meta["n_tokens"]), np.dtype(meta["dtype"]).newbyteorder("<")
     bin_path = path / TOKENS_NAME
     size = bin_path.stat().st_size if bin_path.is_file() else None
@@ -74,10 +74,9 @@ def verify_store(path: Path, checks: Checks, scan_tokens: bool) -> dict | None:
 def verify_counts(path: Path, checks: Checks) -> dict:
     import pyarrow.parquet as pq
 
-    from ar_slicing.counts import BIGRAMS_NAME
     from ar_slicing.io import read_json
 
-    meta = read_json(path / "meta.json")
+    meta = read_json(meta_path(path))
     bigrams = path / BIGRAMS_NAME
     try:
         pf = pq.ParquetFile(bigrams)

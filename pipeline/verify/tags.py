@@ -6,7 +6,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ar_slicing.layout import LOSS_PART_GLOB, TAG_PART_GLOB
+from ar_slicing.layout import (
+    DOCS_NAME,
+    LOSS_PART_GLOB,
+    TAG_PART_GLOB,
+    TOKENS_NAME,
+    WINDOWS_NAME,
+    meta_path,
+)
 from ar_slicing.parts import damage
 from pipeline.verify.checks import BATCH_ROWS, Checks
 
@@ -108,9 +115,9 @@ def verify_tags(
     from tqdm import tqdm
 
     from ar_slicing.io import read_json
-    from ar_slicing.windows import WINDOWS_NAME, read_window_table, window_table
+    from ar_slicing.windows import read_window_table, window_table
 
-    meta = read_json(path / "meta.json")
+    meta = read_json(meta_path(path))
     window = int(meta["window"])
     try:
         windows = read_window_table(path / WINDOWS_NAME)
@@ -144,7 +151,7 @@ def verify_tags(
     tokens = counts = None
     if scan_tokens and val_dir is not None and val_meta is not None:
         dtype = np.dtype(val_meta["dtype"]).newbyteorder("<")
-        tokens = np.memmap(val_dir / "tokens.bin", dtype=dtype, mode="r")
+        tokens = np.memmap(val_dir / TOKENS_NAME, dtype=dtype, mode="r")
     if scan_tokens and counts_dir is not None:
         from ar_slicing.counts import BigramCounts
 
@@ -162,7 +169,7 @@ def verify_tags(
     }
     doc_offsets = None
     if tokens is not None and meta.get("reset_at_doc_boundary"):
-        doc_offsets = pq.read_table(val_dir / "docs.parquet", columns=["offset"])
+        doc_offsets = pq.read_table(val_dir / DOCS_NAME, columns=["offset"])
         doc_offsets = doc_offsets.column("offset").to_numpy().astype(np.int64)
     columns = ["window_id", "pos", "token", "prev", "train_count", "is_repeat", "is_ar_hit"]
     columns += ["prev_pos", "match_len", "span_train_count"]
@@ -257,7 +264,7 @@ def verify_losses(path: Path, windows: dict, window: int, checks: Checks) -> dic
 
     from ar_slicing.io import read_json
 
-    meta = read_json(path / "meta.json")
+    meta = read_json(meta_path(path))
     n_targets = np.asarray(windows["n_targets"], dtype=np.int64)
     evaluated = int(meta.get("windows_evaluated", n_targets.size))
     scored = n_targets[:evaluated]
