@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ar_slicing.errors import ArSliceError
-from ar_slicing.layout import LOSS_PART_GLOB
-from ar_slicing.results import RunInputs
+from ar_slicing.results import CheckedRun
 from ar_slicing.tags import TAG_COLUMNS
 
 # token_losses' columns, in the order of the results.duckdb view of that name
@@ -47,15 +46,16 @@ def open_run(run_dir: str | os.PathLike, read_only_files: bool = False) -> Run:
     from ar_slicing.results import ensure_results
 
     with results_lock(run_dir, wait=True):  # a rebuild by `report` or `query`: wait for it
-        inputs, _ = ensure_results(run_dir)
-    return Run(inputs, read_only_files=read_only_files)
+        checked, _ = ensure_results(run_dir)
+    return Run(checked, read_only_files=read_only_files)
 
 
 class Run:
     """One run's results: `table1()`, `query(name)`, `sql(text)`, `token_losses()`."""
 
-    def __init__(self, inputs: RunInputs, read_only_files: bool = False):
-        self.inputs = inputs
+    def __init__(self, checked: CheckedRun, read_only_files: bool = False):
+        self.checked = checked
+        self.layout = checked.layout
         self.read_only_files = read_only_files
 
     def __repr__(self) -> str:
@@ -63,12 +63,12 @@ class Run:
 
     @property
     def path(self) -> Path:
-        return self.inputs.run_dir
+        return self.layout.run_dir
 
     def _connect(self):
         import duckdb
 
-        con = duckdb.connect(str(self.inputs.results_path), read_only=True)
+        con = duckdb.connect(str(self.layout.results), read_only=True)
         if self.read_only_files:
             # (in this order: once external access is off, only these files can be opened, and
             # once the configuration is locked no statement can change that)
@@ -80,14 +80,14 @@ class Run:
 
     def _view_files(self) -> list[str]:
         """Every file the views of results.duckdb read, as the views name them."""
-        from ar_slicing.layout import BIGRAMS_NAME, WINDOWS_NAME
+        from ar_slicing.layout import BIGRAMS_NAME
 
-        inputs = self.inputs
-        files = [inputs.tags_dir / WINDOWS_NAME, *inputs.tag_shards]
-        for d in inputs.models.values():
-            files += sorted(d.glob(LOSS_PART_GLOB))
-        if inputs.counts_dir is not None:
-            files.append(inputs.counts_dir / BIGRAMS_NAME)
+        layout, checked = self.layout, self.checked
+        files = [layout.windows, *layout.tag_parts()]
+        for name in checked.models:
+            files += layout.loss_parts(name)
+        if checked.counts_dir is not None:
+            files.append(checked.counts_dir / BIGRAMS_NAME)
         return [str(f) for f in files]
 
     @cached_property
@@ -103,7 +103,7 @@ class Run:
     @property
     def models(self) -> tuple[str, ...]:
         """The evaluated models (losses folder names), in name order."""
-        return tuple(sorted(self.inputs.models))
+        return tuple(sorted(self.checked.models))
 
     @property
     def reference(self) -> str:
@@ -188,19 +188,20 @@ class Run:
         and a filter or a column choice reads only what it needs."""
         import polars as pl
 
-        tags = pl.scan_parquet([str(p) for p in self.inputs.tag_shards])
+        tags = pl.scan_parquet([str(p) for p in self.layout.tag_parts()])
         losses = pl.concat(
             [
-                pl.scan_parquet([str(p) for p in sorted(d.glob(LOSS_PART_GLOB))]).select(
+                pl.scan_parquet([str(p) for p in self.layout.loss_parts(name)]).select(
                     pl.lit(name).alias("model"), "window_id", "pos", "nll"
                 )
-                for name, d in sorted(self.inputs.models.items())
+                for name in sorted(self.checked.models)
             ]
         )
-        if self.inputs.scored_windows is not None:
+        scored = self.checked.scored_windows
+        if scored is not None:
             # the windows every model scored, as results.duckdb's views have them
-            tags = tags.filter(pl.col("window_id") < self.inputs.scored_windows)
-            losses = losses.filter(pl.col("window_id") < self.inputs.scored_windows)
+            tags = tags.filter(pl.col("window_id") < scored)
+            losses = losses.filter(pl.col("window_id") < scored)
         return tags.join(losses, on=["window_id", "pos"], how="inner").select(TOKEN_LOSS_COLUMNS)
 
 

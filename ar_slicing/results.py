@@ -11,20 +11,24 @@ Objects in the database (all read-only views except the two small tables):
   models        table: one row per model from its losses meta.json (name, spec, architecture,
                 n_params, dtype, device, batch_size, tokens, tokens_per_s, fingerprint, losses_dir)
   run_info      table: key/value facts about the run (directories, window, threshold,
-                fingerprint, default reference, the signature of the inputs the file was built from)
+                fingerprint, default reference, the plan the file was built with and its digest,
+                `signature`)
 
 Paths: the views name the Parquet files by **absolute** path, so the file works unchanged
 whichever directory it is opened from (`duckdb.connect("runs/pile/results.duckdb")` from
-anywhere, the `duckdb` shell, a notebook). If the run directory is moved or a model is added,
-`open_results` notices that the recorded input signature no longer matches and rebuilds the file
-(only views and two tiny tables: it takes well under a second), so `arslice query` and
-`arslice report` never read stale paths.
+anywhere, the `duckdb` shell, a notebook). The file follows a stage plan (`ar_slicing.plan`,
+`results_plan`), kept in its own `run_info` (a file beside it would be one more name in the run
+directory): its inputs are the place, identity and parts of the tags, the counts and every
+complete losses folder. It has no settings of its own and keeps no work, so, as the report, it is
+rebuilt whenever its inputs change: when the run directory is moved or a model is added or
+redone, `open_results` rebuilds the file (only views and two tiny tables: it takes well under a
+second), so `arslice query` and `arslice report` never read stale paths; the same inputs reuse
+it.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -32,16 +36,14 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ar_slicing import __version__
 from ar_slicing.errors import BadInput
 from ar_slicing.executor import process_alive
-from ar_slicing.io import atomic_path, read_json, sha256_file
+from ar_slicing.io import atomic_path, read_json
 from ar_slicing.layout import (
     BIGRAMS_NAME,
     LOSS_PART_GLOB,
-    META_NAME,
     TAG_PART_GLOB,
     TMP_SUFFIX,
     WINDOWS_NAME,
@@ -49,6 +51,7 @@ from ar_slicing.layout import (
     is_complete,
     is_temporary,
     looks_like_run_dir,
+    meta_path,
     require_dir,
 )
 from ar_slicing.parts import require_whole
@@ -80,17 +83,17 @@ _NOT_ATTENTION = re.compile(r"hyena|rwkv|conv|mamba|based|s4|h3|ssm|retnet", re.
 
 
 @dataclass
-class RunInputs:
-    """Where a run's inputs are: found by the run layout (`ar_slicing.layout`) and the tags'
-    meta.json, and checked to belong together."""
+class CheckedRun:
+    """What `find_run` found in a run's layout and checked to belong together: the tags'
+    meta.json, the store and counts the layout found for them, the complete evaluations, the
+    losses folders left out and why, and the windows every model scored. Every path comes from
+    `layout`."""
 
-    run_dir: Path
-    tags_dir: Path
-    tokens_dir: Path | None
-    counts_dir: Path | None
+    layout: RunLayout
     tags_meta: dict
-    tag_shards: list[Path]
-    models: dict[str, Path] = field(default_factory=dict)  # losses folder name -> dir
+    tokens_dir: Path | None  # the tags' validation store (`RunLayout.found_store`)
+    counts_dir: Path | None  # the tags' counts (`RunLayout.found_counts`); None: no counts view
+    models: list[str] = field(default_factory=list)  # complete losses folders, by name
     skipped_losses: dict[str, str] = field(default_factory=dict)  # folder name -> why
     # When some model was evaluated on windows 0..N-1 only (`arslice eval --max-windows N`), the
     # smallest such N: every view is restricted to those windows so all models are compared on
@@ -98,29 +101,15 @@ class RunInputs:
     scored_windows: int | None = None
     partial_models: dict[str, int] = field(default_factory=dict)  # name -> windows it scored
 
-    @property
-    def layout(self) -> RunInputs:
-        return RunLayout(self.run_dir)
 
-    @property
-    def results_path(self) -> Path:
-        return self.layout.results
-
-
-def _first_existing(*candidates: str | os.PathLike | None, marker: str) -> Path | None:
-    for c in candidates:
-        if c and (Path(c) / marker).is_file():
-            return Path(c)
-    return None
-
-
-def find_run(run_dir: str | os.PathLike) -> RunInputs:
-    """Locate tags, losses, counts and the validation store of the run in `run_dir`."""
+def find_run(run_dir: str | os.PathLike) -> CheckedRun:
+    """Locate tags, losses, counts and the validation store of the run in `run_dir`, and check
+    that they belong together."""
     given = Path(run_dir)
     require_dir(given, "run directory")
     run_dir = given.resolve()
-    paths = RunLayout(run_dir)
-    tags_dir = paths.tags
+    layout = RunLayout(run_dir)
+    tags_dir = layout.tags
     if not is_complete(tags_dir):
         parent = next((p for p in given.resolve().parents if looks_like_run_dir(p)), None)
         if not looks_like_run_dir(run_dir) and parent is not None:
@@ -130,13 +119,13 @@ def find_run(run_dir: str | os.PathLike) -> RunInputs:
         raise BadInput(
             f"{tags_dir}: no complete tags (meta.json missing); run `arslice tag ... --out {tags_dir}` first"
         )
-    tags_meta = read_json(tags_dir / "meta.json")
-    shards = sorted(tags_dir.glob(TAG_PART_GLOB))
+    tags_meta = read_json(meta_path(tags_dir))
+    shards = layout.tag_parts()
     if not shards:
         raise BadInput(
             f"{tags_dir}: meta.json is there but no {TAG_PART_GLOB}; rerun `arslice tag --overwrite`"
         )
-    if not (tags_dir / WINDOWS_NAME).is_file():
+    if not layout.windows.is_file():
         raise BadInput(f"{tags_dir}: no {WINDOWS_NAME}; rerun `arslice tag --overwrite`")
     if "span_order" not in tags_meta:
         raise BadInput(
@@ -145,105 +134,112 @@ def find_run(run_dir: str | os.PathLike) -> RunInputs:
         )
 
     # The tags record absolute paths; when the run was moved since, the run layout finds them.
-    tokens_dir = _first_existing(tags_meta.get("tokens"), paths.store("val"), marker=META_NAME)
-    counts_dir = _first_existing(tags_meta.get("counts_dir"), paths.counts, marker=BIGRAMS_NAME)
-    layout = RunInputs(
-        run_dir=run_dir,
-        tags_dir=tags_dir,
-        tokens_dir=tokens_dir,
-        counts_dir=counts_dir,
+    run = CheckedRun(
+        layout=layout,
         tags_meta=tags_meta,
-        tag_shards=shards,
+        tokens_dir=layout.found_store(tags_meta.get("tokens")),
+        counts_dir=layout.found_counts(tags_meta.get("counts_dir")),
     )
     require_whole(shards)  # (cheap: here on every query, so a part cut short is named at once)
-    losses_root = paths.losses_root
-    for d in sorted(losses_root.iterdir()) if losses_root.is_dir() else []:
-        if not d.is_dir():
-            continue  # losses/meta.json marks every model evaluated; it is not a model
-        if not is_complete(d):
-            layout.skipped_losses[d.name] = "incomplete (no meta.json)"
-        elif not any(d.glob(LOSS_PART_GLOB)):
-            layout.skipped_losses[d.name] = f"no {LOSS_PART_GLOB}"
-        else:
-            layout.models[d.name] = d
-            require_whole(d.glob(LOSS_PART_GLOB))
-            meta = read_json(d / META_NAME)
-            check_losses_belong(d, meta, layout)
-            if meta.get("partial"):
-                n = int(meta.get("windows_evaluated", 0))
-                layout.partial_models[d.name] = n
-                layout.scored_windows = (
-                    n if layout.scored_windows is None else min(n, layout.scored_windows)
-                )
-    for name, why in layout.skipped_losses.items():
+    folders = layout.loss_folders()
+    for d in folders.incomplete:
+        run.skipped_losses[d.name] = "incomplete (no meta.json)"
+    for d in folders.complete:
+        parts = layout.loss_parts(d.name)
+        if not parts:
+            run.skipped_losses[d.name] = f"no {LOSS_PART_GLOB}"
+            continue
+        run.models.append(d.name)
+        require_whole(parts)
+        meta = read_json(meta_path(d))
+        check_losses_belong(d, meta, run)
+        if meta.get("partial"):
+            n = int(meta.get("windows_evaluated", 0))
+            run.partial_models[d.name] = n
+            run.scored_windows = n if run.scored_windows is None else min(n, run.scored_windows)
+    run.skipped_losses = dict(sorted(run.skipped_losses.items()))
+    for name, why in run.skipped_losses.items():
         log.warning("losses/%s skipped: %s", name, why)
-    if layout.scored_windows is not None:
+    if run.scored_windows is not None:
         log.warning(
             "partial losses (%s): the results cover windows 0..%d only",
-            ", ".join(f"{k}: {n} windows" for k, n in sorted(layout.partial_models.items())),
-            layout.scored_windows - 1,
+            ", ".join(f"{k}: {n} windows" for k, n in sorted(run.partial_models.items())),
+            run.scored_windows - 1,
         )
-    if not layout.models:
+    if not run.models:
+        losses_root = layout.losses_root
         raise BadInput(
             f"{losses_root}: no complete losses/<model>/ folder; run `arslice eval --tags {tags_dir} "
             f"--out {losses_root}/NAME` for at least one model"
         )
-    return layout
+    return run
 
 
-def check_losses_belong(losses_dir: Path, meta: dict, layout: RunInputs) -> None:
+def check_losses_belong(losses_dir: Path, meta: dict, run: CheckedRun) -> None:
     """Refuse losses scored on other windows than the tags': another window length, another
     validation store or another tokenizer would join each loss to the wrong token."""
     from ar_slicing.plan import identity
 
-    tags = layout.tags_meta
+    tags = run.tags_meta
+    tags_dir = run.layout.tags
     if meta.get("fingerprint") and tags.get("fingerprint"):
         require_same_fingerprint(
             meta["fingerprint"],
             f"losses {losses_dir}",
             tags["fingerprint"],
-            f"tags {layout.tags_dir}",
+            f"tags {tags_dir}",
         )
     problems = []
     if meta.get("window") is not None and tags.get("window") is not None:
         if meta["window"] != tags["window"]:
             problems.append(f"window length: losses {meta['window']}, tags {tags['window']}")
+    tokens_dir = run.tokens_dir
     plan_tokens = (meta.get("plan") or {}).get("inputs", {}).get("tokens")
-    if plan_tokens and layout.tokens_dir is not None and is_complete(layout.tokens_dir):
-        if plan_tokens != identity(layout.tokens_dir):
+    if plan_tokens and tokens_dir is not None and is_complete(tokens_dir):
+        if plan_tokens != identity(tokens_dir):
             problems.append(
-                f"validation store: the losses were scored on another {layout.tokens_dir.name} "
-                f"store than the tags' {layout.tokens_dir}"
+                f"validation store: the losses were scored on another {tokens_dir.name} "
+                f"store than the tags' {tokens_dir}"
             )
     if problems:
         raise BadInput(
-            f"losses {losses_dir} do not belong to the tags {layout.tags_dir} ("
+            f"losses {losses_dir} do not belong to the tags {tags_dir} ("
             + "; ".join(problems)
-            + f"); re-run `arslice eval --overwrite --tags {layout.tags_dir} --out {losses_dir}`"
+            + f"); re-run `arslice eval --overwrite --tags {tags_dir} --out {losses_dir}`"
         )
 
 
-def inputs_signature(layout: RunInputs) -> str:
-    """sha256 over where the inputs are and the meta.json of each: changes when anything moves or is redone."""
-    h = hashlib.sha256()
-    parts: list[Any] = [
-        str(layout.run_dir),
-        str(layout.tags_dir),
-        [p.name for p in layout.tag_shards],
-    ]
-    parts.append(sha256_file(layout.tags_dir / "meta.json"))
-    parts.append(str(layout.counts_dir))
-    for name, d in layout.models.items():
-        parts.append(
-            [
-                name,
-                str(d),
-                sha256_file(d / "meta.json"),
-                sorted(p.name for p in d.glob(LOSS_PART_GLOB)),
-            ]
-        )
-    h.update(json.dumps(parts).encode())
-    return h.hexdigest()
+def results_plan(run: CheckedRun) -> dict:
+    """results.duckdb's stage plan (as JSON). It keeps no work and has no settings of its own:
+    its inputs are what its views and tables read, each by where it is (the views name files by
+    absolute path, so a moved run is another input), its identity (a redone input is another
+    one) and its parts (an evaluation extended to more windows keeps its plan but adds parts)."""
+    from ar_slicing.plan import StagePlan, file_identity, identity
+
+    layout = run.layout
+
+    def folder_input(folder: Path, parts: list[Path]) -> dict:
+        return {"path": str(folder), "identity": identity(folder), "parts": [p.name for p in parts]}
+
+    counts = None
+    if run.counts_dir is not None:
+        bigrams = run.counts_dir / BIGRAMS_NAME
+        counts = {
+            "path": str(bigrams),
+            # (counts whose count stage was cut short after bigrams.parquet have no meta.json)
+            "identity": identity(run.counts_dir)
+            if is_complete(run.counts_dir)
+            else file_identity(bigrams),
+        }
+    inputs = {
+        "tags": folder_input(layout.tags, layout.tag_parts()),
+        "counts": counts,
+        "losses": {
+            name: folder_input(layout.losses(name), layout.loss_parts(name)) for name in run.models
+        },
+        "scored_windows": run.scored_windows,
+    }
+    return StagePlan("results", settings={}, inputs=inputs).as_json()
 
 
 def sql_string(value: str | os.PathLike) -> str:
@@ -255,15 +251,16 @@ def _parquet_list(paths: list[Path]) -> str:
     return "[" + ", ".join(sql_string(p) for p in paths) + "]"
 
 
-def model_rows(layout: RunInputs) -> list[tuple]:
+def model_rows(run: CheckedRun) -> list[tuple]:
     """One `models` row per losses folder; refuses losses made with another tokenizer than the tags."""
     rows = []
-    tags_fp = layout.tags_meta.get("fingerprint")
-    for name, d in layout.models.items():
-        meta = read_json(d / "meta.json")
+    tags_fp = run.tags_meta.get("fingerprint")
+    for name in run.models:
+        d = run.layout.losses(name)
+        meta = read_json(meta_path(d))
         fp = meta.get("fingerprint")
         if tags_fp and fp:
-            require_same_fingerprint(fp, f"losses {d}", tags_fp, f"tags {layout.tags_dir}")
+            require_same_fingerprint(fp, f"losses {d}", tags_fp, f"tags {run.layout.tags}")
         rows.append(
             (
                 name,
@@ -303,14 +300,14 @@ def default_reference(models: list[tuple[str, str | None, str | None]]) -> str:
     return ordered[0][0]
 
 
-def _window_filter(layout: RunInputs) -> str:
+def _window_filter(run: CheckedRun) -> str:
     """The WHERE clause restricting every view to the windows all models scored."""
-    if layout.scored_windows is None:
+    if run.scored_windows is None:
         return ""
-    return f" WHERE window_id < {int(layout.scored_windows)}"
+    return f" WHERE window_id < {int(run.scored_windows)}"
 
 
-def _check_coverage(con, layout: RunInputs) -> None:
+def _check_coverage(con, run: CheckedRun) -> None:
     """Every model must have exactly one loss per tag row of the compared windows.
 
     With complete losses this reads only Parquet footers; with partial ones it counts rows of
@@ -318,47 +315,44 @@ def _check_coverage(con, layout: RunInputs) -> None:
     """
 
     def n_rows(paths: list[Path]) -> int:
-        if layout.scored_windows is None:
+        if run.scored_windows is None:
             sql = f"SELECT sum(num_rows)::BIGINT FROM parquet_file_metadata({_parquet_list(paths)})"
         else:
-            sql = (
-                f"SELECT count(*) FROM read_parquet({_parquet_list(paths)}){_window_filter(layout)}"
-            )
+            sql = f"SELECT count(*) FROM read_parquet({_parquet_list(paths)}){_window_filter(run)}"
         return int(con.execute(sql).fetchone()[0] or 0)
 
-    n_tags = n_rows(layout.tag_shards)
-    for d in layout.models.values():
-        n = n_rows(sorted(d.glob(LOSS_PART_GLOB)))
+    layout = run.layout
+    n_tags = n_rows(layout.tag_parts())
+    for name in run.models:
+        n = n_rows(layout.loss_parts(name))
         if n != n_tags:
-            scope = (
-                ""
-                if layout.scored_windows is None
-                else f" in windows 0..{layout.scored_windows - 1}"
-            )
+            scope = "" if run.scored_windows is None else f" in windows 0..{run.scored_windows - 1}"
             raise BadInput(
-                f"losses {d}: {n} rows{scope} but the tags in {layout.tags_dir} have {n_tags}; a losses "
+                f"losses {layout.losses(name)}: {n} rows{scope} but the tags in {layout.tags} have {n_tags}; a losses "
                 "folder must hold exactly one row per tag row. Re-run `arslice eval --overwrite` for "
                 "this model against these tags."
             )
 
 
-def build_results(layout: RunInputs) -> Path:
-    """Write `<run>/results.duckdb` atomically (built under a temporary name, then renamed).
+def build_results(run: CheckedRun, plan: dict | None = None) -> Path:
+    """Write `<run>/results.duckdb` atomically (built under a temporary name, then renamed),
+    recording `plan` (by default `results_plan(run)`) in its `run_info`.
 
     A full disk raises the `OSError` (ENOSPC) every stage's writes raise, other DuckDB errors a
     `BadInput` naming the file; either way no temporary is left behind, and those of a build
     that was killed are removed first."""
     import duckdb
 
-    path = layout.results_path
-    rows = model_rows(layout)
+    path = run.layout.results
+    plan = results_plan(run) if plan is None else plan
+    rows = model_rows(run)
     reference = default_reference([(r[0], r[1], r[3]) for r in rows])
     _remove_orphaned_temporaries(path)
     with atomic_path(path) as tmp:
         try:
             con = duckdb.connect(str(tmp))
             try:
-                _write_results(con, layout, rows, reference)
+                _write_results(con, run, rows, reference, plan)
             finally:
                 con.close()
         except duckdb.Error as e:
@@ -376,26 +370,28 @@ def build_results(layout: RunInputs) -> Path:
     return path
 
 
-def _write_results(con, layout: RunInputs, rows: list[tuple], reference: str) -> None:
+def _write_results(con, run: CheckedRun, rows: list[tuple], reference: str, plan: dict) -> None:
     """The views and the two tables of results.duckdb, into the open connection `con`."""
-    _check_coverage(con, layout)
-    where = _window_filter(layout)
+    from ar_slicing.plan import digest
+
+    layout = run.layout
+    _check_coverage(con, run)
+    where = _window_filter(run)
     con.execute(
-        "CREATE VIEW windows AS SELECT * FROM "
-        f"read_parquet({sql_string(layout.tags_dir / WINDOWS_NAME)}){where}"
+        f"CREATE VIEW windows AS SELECT * FROM read_parquet({sql_string(layout.windows)}){where}"
     )
     con.execute(
-        f"CREATE VIEW tags AS SELECT * FROM read_parquet({_parquet_list(layout.tag_shards)}){where}"
+        f"CREATE VIEW tags AS SELECT * FROM read_parquet({_parquet_list(layout.tag_parts())}){where}"
     )
     selects = [
         f"SELECT {sql_string(name)} AS model, window_id, pos, nll "
-        f"FROM read_parquet({_parquet_list(sorted(d.glob(LOSS_PART_GLOB)))}){where}"
-        for name, d in layout.models.items()
+        f"FROM read_parquet({_parquet_list(layout.loss_parts(name))}){where}"
+        for name in run.models
     ]
     con.execute("CREATE VIEW losses AS " + "\nUNION ALL\n".join(selects))
-    if layout.counts_dir is not None:
+    if run.counts_dir is not None:
         con.execute(
-            f"CREATE VIEW counts AS SELECT * FROM read_parquet({sql_string(layout.counts_dir / BIGRAMS_NAME)})"
+            f"CREATE VIEW counts AS SELECT * FROM read_parquet({sql_string(run.counts_dir / BIGRAMS_NAME)})"
         )
     else:
         log.warning("no counts dir with %s found; the `counts` view is left out", BIGRAMS_NAME)
@@ -412,18 +408,20 @@ def _write_results(con, layout: RunInputs, rows: list[tuple], reference: str) ->
     con.executemany(
         "INSERT INTO models VALUES (" + ", ".join("?" for _ in MODEL_COLUMNS) + ")", rows
     )
+    tags = run.tags_meta
     info = {
         "run_dir": str(layout.run_dir),
-        "tags_dir": str(layout.tags_dir),
-        "tokens_dir": str(layout.tokens_dir) if layout.tokens_dir else None,
-        "counts_dir": str(layout.counts_dir) if layout.counts_dir else None,
-        "fingerprint": layout.tags_meta.get("fingerprint"),
-        "window": layout.tags_meta.get("window"),
-        "threshold": layout.tags_meta.get("threshold"),
-        "reset_at_doc_boundary": layout.tags_meta.get("reset_at_doc_boundary"),
+        "tags_dir": str(layout.tags),
+        "tokens_dir": str(run.tokens_dir) if run.tokens_dir else None,
+        "counts_dir": str(run.counts_dir) if run.counts_dir else None,
+        "fingerprint": tags.get("fingerprint"),
+        "window": tags.get("window"),
+        "threshold": tags.get("threshold"),
+        "reset_at_doc_boundary": tags.get("reset_at_doc_boundary"),
         "default_reference": reference,
-        "scored_windows": layout.scored_windows,
-        "signature": inputs_signature(layout),
+        "scored_windows": run.scored_windows,
+        "signature": digest(plan),
+        "plan": json.dumps(plan, sort_keys=True),
         "version": __version__,
     }
     con.execute("CREATE TABLE run_info (key VARCHAR PRIMARY KEY, value VARCHAR)")
@@ -458,8 +456,9 @@ def _remove_orphaned_temporaries(path: Path) -> None:
             _remove(tmp)
 
 
-def recorded_signature(path: Path) -> str | None:
-    """The input signature stored in an existing results.duckdb, or None if it cannot be read."""
+def recorded_plan(path: Path) -> dict | None:
+    """The plan an existing results.duckdb was built with, or None if it cannot be read (or was
+    built before results.duckdb recorded one)."""
     import duckdb
 
     try:
@@ -467,32 +466,40 @@ def recorded_signature(path: Path) -> str | None:
     except duckdb.Error:
         return None
     try:
-        row = con.execute("SELECT value FROM run_info WHERE key = 'signature'").fetchone()
-        return row[0] if row else None
-    except duckdb.Error:
+        row = con.execute("SELECT value FROM run_info WHERE key = 'plan'").fetchone()
+        return json.loads(row[0]) if row and row[0] else None
+    except (duckdb.Error, ValueError):
         return None
     finally:
         con.close()
 
 
-def ensure_results(run_dir: str | os.PathLike, rebuild: bool = False) -> tuple[RunInputs, bool]:
-    """The run's layout, with results.duckdb up to date. Returns (layout, whether it was (re)built)."""
-    layout = find_run(run_dir)
-    path = layout.results_path
-    if not rebuild and path.is_file() and recorded_signature(path) == inputs_signature(layout):
-        return layout, False
-    if path.is_file() and not rebuild:
+def ensure_results(run_dir: str | os.PathLike, rebuild: bool = False) -> tuple[CheckedRun, bool]:
+    """The checked run, with results.duckdb up to date. Returns (run, whether results.duckdb was
+    (re)built). As for every stage's output, the same plan (`results_plan`) keeps the file;
+    as for the report's, which keeps no work either, any change of its inputs rebuilds it."""
+    from ar_slicing.plan import differences, digest
+
+    run = find_run(run_dir)
+    path = run.layout.results
+    plan = results_plan(run)
+    if not rebuild and path.is_file():
+        old = recorded_plan(path)
+        if old is not None and digest(old) == digest(plan):
+            return run, False
         log.info("%s is out of date with the run's inputs; rebuilding it", path)
-    build_results(layout)
-    return layout, True
+        for line in differences(old, plan) if old is not None else []:
+            log.info("  %s", line)
+    build_results(run, plan)
+    return run, True
 
 
 def open_results(run_dir: str | os.PathLike, rebuild: bool = False):
     """A read-only DuckDB connection to the run's up-to-date results.duckdb."""
     import duckdb
 
-    layout, _ = ensure_results(run_dir, rebuild=rebuild)
-    return duckdb.connect(str(layout.results_path), read_only=True)
+    run, _ = ensure_results(run_dir, rebuild=rebuild)
+    return duckdb.connect(str(run.layout.results), read_only=True)
 
 
 def run_info(con) -> dict[str, str | None]:

@@ -210,9 +210,9 @@ def main() -> None:
         from ar_slicing.results import ensure_results
 
         t = time.perf_counter()
-        layout, _ = ensure_results(root)
+        checked, _ = ensure_results(root)
         build = time.perf_counter() - t
-        con = duckdb.connect(str(layout.results_path), read_only=True)
+        con = duckdb.connect(str(checked.layout.results), read_only=True)
         sql = (ROOT / "queries" / "slice_perplexity.sql").read_text()
         t = time.perf_counter()
         rows = con.execute(sql).fetchall()

@@ -470,13 +470,46 @@ def test_results_db_works_from_another_cwd_and_follows_a_moved_run(tiny_run, tmp
     moved.parent.mkdir()
     tiny_run.rename(moved)
     # tags/meta.json names the store and counts by their old absolute paths: the run layout finds them
-    layout, built = ensure_results(moved)
+    checked, built = ensure_results(moved)
     assert built
-    assert layout.counts_dir == moved.resolve() / "counts"
-    assert layout.tokens_dir == moved.resolve() / "tokens" / "val"
+    assert checked.counts_dir == moved.resolve() / "counts"
+    assert checked.tokens_dir == moved.resolve() / "tokens" / "val"
     assert run_sql(moved, "slice_perplexity", cwd=tmp_path) == before
     con = duckdb.connect(str(moved / "results.duckdb"), read_only=True)
     assert con.execute("SELECT sum(count) FROM counts").fetchone()[0] == sum(TINY_COUNTS.values())
+
+
+def test_results_db_is_rebuilt_when_an_input_is_redone_or_grows(tiny_run, caplog):
+    """results.duckdb's plan: a losses folder redone under another plan, or given another part,
+    is another input; a file that recorded no plan (an older version's) is rebuilt too."""
+    from ar_slicing.io import read_json, write_json_atomic
+    from ar_slicing.results import ensure_results, recorded_plan, results_plan
+
+    checked, built = ensure_results(tiny_run)
+    db = tiny_run / "results.duckdb"
+    assert built and recorded_plan(db) == results_plan(checked)
+    hyena = tiny_run / "losses" / "hyena"
+    meta = read_json(hyena / "meta.json")
+    write_json_atomic(hyena / "meta.json", {**meta, "plan": {"stage": "eval", "settings": {}}})
+    with caplog.at_level("INFO", logger="ar_slicing.results"):
+        _, built = ensure_results(tiny_run)
+    assert built and f"{db} is out of date with the run's inputs; rebuilding it" in caplog.text
+    assert "inputs.losses.hyena.identity" in caplog.text
+    _, built = ensure_results(tiny_run)
+    assert not built
+
+    part = pq.read_table(hyena / "losses-00000.parquet")  # the same rows in two parts
+    pq.write_table(part.slice(0, 5), hyena / "losses-00000.parquet")
+    pq.write_table(part.slice(5), hyena / "losses-00001.parquet")
+    _, built = ensure_results(tiny_run)
+    assert built
+    assert run_sql(tiny_run, "gap_vs_reference", {"reference": "attention"})[1]["n_tokens"] == 15
+
+    con = duckdb.connect(str(db))
+    con.execute("DELETE FROM run_info WHERE key = 'plan'")
+    con.close()
+    _, built = ensure_results(tiny_run)
+    assert built and recorded_plan(db) is not None
 
 
 def test_mismatched_losses_are_refused(tiny_run):
@@ -505,9 +538,9 @@ def test_incomplete_losses_are_skipped(tiny_run):
     from ar_slicing.results import ensure_results
 
     (tiny_run / "losses" / "hyena" / "meta.json").unlink()
-    layout, _ = ensure_results(tiny_run)
-    assert list(layout.models) == ["attention", QUOTED]
-    assert "hyena" in layout.skipped_losses
+    checked, _ = ensure_results(tiny_run)
+    assert list(checked.models) == ["attention", QUOTED]
+    assert "hyena" in checked.skipped_losses
 
 
 def make_partial(run: Path, model: str, windows: int) -> None:

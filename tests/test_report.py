@@ -317,8 +317,8 @@ def test_passages_decode_token_by_token_and_mark_ar_hits(text_run, bpe_tokenizer
     from pipeline.report import choose_windows, load_passages
 
     run, rows, losses = text_run
-    layout, _ = ensure_results(run)
-    con = duckdb.connect(str(layout.results_path), read_only=True)
+    checked, _ = ensure_results(run)
+    con = duckdb.connect(str(checked.layout.results), read_only=True)
     windows = choose_windows(con, "attention", 2)
     assert len(windows) == 2
     # the worst window of any model on AR hits comes first
@@ -330,7 +330,7 @@ def test_passages_decode_token_by_token_and_mark_ar_hits(text_run, bpe_tokenizer
         for w in np.unique(wid):
             excess[(m, w)] = d[wid == w].sum()
     assert windows[0][0] == max(excess, key=excess.get)[1]
-    passages = load_passages(con, layout, windows, ["attention", "hyena", QUOTED])
+    passages = load_passages(con, checked, windows, ["attention", "hyena", QUOTED])
     for p in passages:
         assert "".join(p.pieces) == bpe_tokenizer.decode(p.tokens, skip_special_tokens=False)
         mine = [r for r in rows if r["window_id"] == p.window_id]

@@ -79,17 +79,19 @@ def choose_windows(con, reference: str, n: int) -> list[tuple[int, str]]:
     return chosen
 
 
-def load_passages(con, layout, windows: list[tuple[int, str]], models: list[str]) -> list[Passage]:
+def load_passages(con, checked, windows: list[tuple[int, str]], models: list[str]) -> list[Passage]:
+    """The `windows` of the run `checked` (`ar_slicing.results.CheckedRun`), token by token."""
+    from ar_slicing.layout import TOKENIZER_NAME
     from ar_slicing.tokenizer import fingerprint, load_tokenizer
 
     tokenizer = None
     for candidate in [
-        layout.tokens_dir / "tokenizer.json" if layout.tokens_dir else None,
-        layout.run_dir / "tokenizer.json",
+        checked.tokens_dir / TOKENIZER_NAME if checked.tokens_dir else None,
+        checked.layout.tokenizer,
     ]:
         if candidate is not None and candidate.is_file():
             tokenizer = load_tokenizer(candidate)
-            expected = layout.tags_meta.get("fingerprint")
+            expected = checked.tags_meta.get("fingerprint")
             if expected and fingerprint(tokenizer) != expected:
                 log.warning(
                     "%s is not the tokenizer of the tags; the passage viewer shows token ids",

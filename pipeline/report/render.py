@@ -6,6 +6,13 @@ import base64
 import html
 import re
 
+from ar_slicing.layout import (
+    COPY_LENGTH_FIGURE,
+    FREQUENCY_CURVE_FIGURE,
+    MQAR_FIGURE,
+    RECALL_GAIN_FIGURE,
+    SLICE_BARS_FIGURE,
+)
 from pipeline.report.passages import passage_html
 from pipeline.report.tables import Table1Text, html_table, markdown_table, query_rows_as_text
 
@@ -80,7 +87,6 @@ QUERY_TITLES = {
     "frequency_curve": "Frequency curve",
     "examples": "Windows where models lose most on AR hits",
 }
-MQAR_FIGURE = "mqar.png"
 MQAR_TITLE = "MQAR: multi-query associative recall (Zoology Figure 2)"
 MQAR_TEXT = (
     "Accuracy (%) on held-out sequences of two-layer models trained on the synthetic task "
@@ -97,10 +103,10 @@ COPY_TEXT = (
 )
 COPY_SUBSET_TITLE = "Copy length per subset"
 FIGURE_TITLES = {
-    "frequency_curve.png": "frequency curve",
-    "copy_length.png": "copy-length curve",
-    "slice_bars.png": "slice bars",
-    "recall_gain.png": "recall gain",
+    FREQUENCY_CURVE_FIGURE: "frequency curve",
+    COPY_LENGTH_FIGURE: "copy-length curve",
+    SLICE_BARS_FIGURE: "slice bars",
+    RECALL_GAIN_FIGURE: "recall gain",
 }
 
 

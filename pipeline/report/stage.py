@@ -8,6 +8,16 @@ import time
 
 from ar_slicing.errors import ArSliceError
 from ar_slicing.io import build_meta, write_bytes_atomic
+from ar_slicing.layout import (
+    COPY_LENGTH_FIGURE,
+    FREQUENCY_CURVE_FIGURE,
+    MQAR_FIGURE,
+    RECALL_GAIN_FIGURE,
+    REPORT_HTML_NAME,
+    REPORT_MD_NAME,
+    SLICE_BARS_FIGURE,
+    TABLE_CSV,
+)
 from pipeline.config import Command, config_to_dict, say
 from pipeline.mqar import mqar_results
 from pipeline.report.config import QUERY_TABLES, ReportConfig
@@ -18,7 +28,7 @@ from pipeline.report.figures import (
     slice_bars_png,
 )
 from pipeline.report.passages import choose_windows, load_passages
-from pipeline.report.render import MQAR_FIGURE, render_html, render_markdown
+from pipeline.report.render import render_html, render_markdown
 from pipeline.report.tables import (
     copy_length_by_subset_text,
     copy_length_text,
@@ -56,45 +66,46 @@ def run_report(cfg: ReportConfig) -> dict:
     validate_report(cfg)
     with results_lock(cfg.run):  # one writer of results.duckdb
         # (rebuilt whenever its inputs change, so --overwrite has nothing more to redo there)
-        layout, _ = ensure_results(cfg.run)
-        return _report_from(cfg, layout, t0)
+        checked, _ = ensure_results(cfg.run)
+        return _report_from(cfg, checked, t0)
 
 
-def _report_from(cfg: ReportConfig, layout, t0: float) -> dict:
+def _report_from(cfg: ReportConfig, checked, t0: float) -> dict:
     import duckdb
 
     from ar_slicing.plan import StagePlan, identity, open_stage
     from ar_slicing.results import run_info
     from ar_slicing.table1 import models_table, resolve_reference
 
-    out = layout.layout.report
-    con = duckdb.connect(str(layout.results_path), read_only=True)
+    layout = checked.layout
+    out = layout.report
+    con = duckdb.connect(str(layout.results), read_only=True)
     try:
         info = run_info(con)
         models_meta = models_table(con)
         reference = resolve_reference(con, cfg.reference, list(models_meta), str(layout.run_dir))
         inputs = {
-            "tags": identity(layout.tags_dir),
-            "losses": {name: identity(d) for name, d in layout.models.items()},
-            "scored_windows": layout.scored_windows,
+            "tags": identity(layout.tags),
+            "losses": {name: identity(layout.losses(name)) for name in checked.models},
+            "scored_windows": checked.scored_windows,
         }
-        mqar = mqar_results(layout.layout.mqar)
+        mqar = mqar_results(layout.mqar)
         if mqar is not None:  # (a run without the probe keeps the plan it had)
-            inputs["mqar"] = identity(layout.layout.mqar)
+            inputs["mqar"] = identity(layout.mqar)
         plan = StagePlan("report", settings=report_settings(cfg, reference), inputs=inputs)
         # a report keeps no work of its own: new or redone inputs rebuild it
         stage = open_stage(out, plan, overwrite=cfg.overwrite, follow_inputs=True)
         if stage.complete:
             say(f"report: {out} is complete and up to date; --overwrite to redo")
-            say(str(out / "report.html"))
+            say(str(out / REPORT_HTML_NAME))
             return stage.skip()
         with stage.running():
-            return _write_report(stage, cfg, con, layout, info, reference, t0, mqar)
+            return _write_report(stage, cfg, con, checked, info, reference, t0, mqar)
     finally:
         con.close()
 
 
-def _write_report(stage, cfg, con, layout, info, reference, t0, mqar=None) -> dict:
+def _write_report(stage, cfg, con, checked, info, reference, t0, mqar=None) -> dict:
     from ar_slicing.sql import load_query, run_named_query
     from ar_slicing.table1 import compute_table1
 
@@ -106,18 +117,18 @@ def _write_report(stage, cfg, con, layout, info, reference, t0, mqar=None) -> di
         tables[name] = run_named_query(
             con, query, {k: params[k] for k in query.required & set(params)}
         )
-        write_csv(out / f"{name}.csv", *tables[name])
+        write_csv(out / TABLE_CSV.format(name), *tables[name])
 
     t1 = compute_table1(con, reference, n_bootstrap=cfg.bootstrap, seed=cfg.seed)
     text = table1_text(t1)
-    write_csv(out / "table1.csv", text.csv_columns, text.csv_rows)
+    write_csv(out / TABLE_CSV.format("table1"), text.csv_columns, text.csv_rows)
 
     copies = _copy_length(con, cfg, out)
     figures = {
-        "frequency_curve.png": frequency_curve_png(*tables["frequency_curve"], reference),
-        "copy_length.png": copy_length_png(copies.pop("curve"), reference),
-        "slice_bars.png": slice_bars_png(t1.slices, t1.order),
-        "recall_gain.png": recall_gain_png(t1),
+        FREQUENCY_CURVE_FIGURE: frequency_curve_png(*tables["frequency_curve"], reference),
+        COPY_LENGTH_FIGURE: copy_length_png(copies.pop("curve"), reference),
+        SLICE_BARS_FIGURE: slice_bars_png(t1.slices, t1.order),
+        RECALL_GAIN_FIGURE: recall_gain_png(t1),
     }
     for name, png in figures.items():
         write_bytes_atomic(out / name, png)
@@ -125,13 +136,13 @@ def _write_report(stage, cfg, con, layout, info, reference, t0, mqar=None) -> di
         figures[MQAR_FIGURE] = mqar.figure.read_bytes()
         write_bytes_atomic(out / MQAR_FIGURE, figures[MQAR_FIGURE])
 
-    passages = load_passages(con, layout, choose_windows(con, reference, cfg.passages), t1.order)
+    passages = load_passages(con, checked, choose_windows(con, reference, cfg.passages), t1.order)
 
     shown = sorted(x for p in passages for v in p.nll.values() for x in v if not math.isnan(x))
     vmax = max(1.0, math.ceil(shown[int(0.98 * (len(shown) - 1))])) if shown else 10.0
     report = t1.slices
     context = {
-        "run": str(layout.run_dir),
+        "run": str(checked.layout.run_dir),
         "reference": reference,
         "n_tokens": report.n_tokens,
         "n_ar_hits": report.n_ar_hits,
@@ -139,20 +150,24 @@ def _write_report(stage, cfg, con, layout, info, reference, t0, mqar=None) -> di
         "n_bootstrap": report.n_bootstrap,
         "seed": cfg.seed,
         "info": info,
-        "coverage": coverage_notes(layout),
+        "coverage": coverage_notes(checked),
         "mqar": mqar,
         "copy_length": copies,
     }
-    write_bytes_atomic(out / "report.md", render_markdown(context, text, tables).encode())
+    write_bytes_atomic(out / REPORT_MD_NAME, render_markdown(context, text, tables).encode())
     page = render_html(context, text, tables, figures, passages, t1.order, vmax)
-    write_bytes_atomic(out / "report.html", page.encode())
+    write_bytes_atomic(out / REPORT_HTML_NAME, page.encode())
 
     wall = time.time() - t0
     models = list(t1.models_meta)
     meta = build_meta(
         "report",
         config=config_to_dict(cfg),
-        inputs={"run": str(layout.run_dir), "results": str(layout.results_path), "models": models},
+        inputs={
+            "run": str(checked.layout.run_dir),
+            "results": str(checked.layout.results),
+            "models": models,
+        },
         counts={
             "models": len(models),
             "tokens": report.n_tokens,
@@ -160,15 +175,15 @@ def _write_report(stage, cfg, con, layout, info, reference, t0, mqar=None) -> di
             "windows": report.n_windows,
             "passages": len(passages),
         },
-        skipped={f"losses/{k}": 1 for k in layout.skipped_losses},
+        skipped={f"losses/{k}": 1 for k in checked.skipped_losses},
         wall_time_s=wall,
         throughput={"tokens_per_s": report.n_tokens * len(models) / max(wall, 1e-9)},
         reference=reference,
-        scored_windows=layout.scored_windows,
+        scored_windows=checked.scored_windows,
     )
     meta = stage.finish(meta)
     say(console_summary(text, t1, context, cfg))
-    say(str(out / "report.html"))
+    say(str(out / REPORT_HTML_NAME))
     return meta
 
 
@@ -182,7 +197,8 @@ def _copy_length(con, cfg, out) -> dict:
     split = copy_length_rows(con, **boot)
     merged = copy_length_rows(con, spans="all", **boot)
     columns = list(split[0]) if split else ["model"]
-    write_csv(out / "copy_length.csv", columns, [tuple(r.get(c) for c in columns) for r in split])
+    rows = [tuple(r.get(c) for c in columns) for r in split]
+    write_csv(out / TABLE_CSV.format("copy_length"), columns, rows)
     by_subset = run_named_query(con, "copy_length", {"by_subset": "true"})
     curve = copy_length_rows(con, n_bootstrap=0, max_bucket=CURVE_MAX_BUCKET, spans="novel_seen")
     return {
@@ -192,21 +208,21 @@ def _copy_length(con, cfg, out) -> dict:
     }
 
 
-def coverage_notes(layout) -> list[str]:
+def coverage_notes(checked) -> list[str]:
     """One sentence per model left out (an unfinished evaluation) and one naming the models
     that scored fewer windows than the others, when any did."""
     notes = [
         f"losses/{name} is left out: {why}; rerun its `arslice eval` to include it."
-        for name, why in layout.skipped_losses.items()
+        for name, why in checked.skipped_losses.items()
     ]
-    if layout.scored_windows is not None:
+    if checked.scored_windows is not None:
         partial = ", ".join(
             f"{name} ({n} window{'' if n == 1 else 's'})"
-            for name, n in sorted(layout.partial_models.items())
+            for name, n in sorted(checked.partial_models.items())
         )
         notes.append(
             f"Evaluated on part of the windows only: {partial}. Every number covers windows "
-            f"0..{layout.scored_windows - 1}, which all models scored."
+            f"0..{checked.scored_windows - 1}, which all models scored."
         )
     return notes
 
