@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -15,6 +18,8 @@ from pipeline.count_import import import_counts
 
 # Confirm-Labs/pile_bigrams' schema
 SCHEMA = pa.schema([("id0", pa.uint16()), ("id1", pa.uint16()), ("count", pa.uint32())])
+# files of that dataset's schema and names, made as theirs were (make_pile_bigrams.py there)
+CONFIRM_LABS = Path(__file__).parent / "fixtures" / "confirm_labs"
 
 
 def published(path, rows, schema=SCHEMA, row_group_size=50):
@@ -68,6 +73,27 @@ def test_import_equals_the_count_it_was_exported_from(
     counts = BigramCounts.open(tmp_path / "imported")
     p, q, c = rows[len(rows) // 2]
     assert counts.lookup(np.array([p, 0]), np.array([q, 0]))[0] == c
+
+
+def test_import_reads_confirm_labs_files(tmp_path, bpe_tokenizer_path):
+    """Shards of Confirm-Labs/pile_bigrams' schema and names (uint16 ids, uint32 counts, rows in
+    no order, `datasets`' schema metadata) import to exactly the pairs inside the 2048-token rows
+    they were counted from."""
+    files = sorted((CONFIRM_LABS / "data").glob("bigrams-*-of-*.parquet"))
+    assert [f.name[: len("bigrams-00000-of-00002")] for f in files] == [
+        "bigrams-00000-of-00002",
+        "bigrams-00001-of-00002",
+    ]
+    assert all(pq.read_schema(f).remove_metadata() == SCHEMA for f in files)
+    ids = np.fromfile(CONFIRM_LABS / "rows.bin", dtype="<u2").reshape(-1, 2048)
+    want = Counter((int(a), int(b)) for row in ids for a, b in zip(row[:-1], row[1:]))
+    out = tmp_path / "c"
+    tokenizer = str(bpe_tokenizer_path)
+    meta = import_counts(files, out, tokenizer=tokenizer, unit="row:2048", progress=False)
+    assert rows_of(out) == sorted((a, b, n) for (a, b), n in want.items())
+    assert meta["total_pairs"] == sum(want.values()) == ids.shape[0] * 2047
+    assert meta["distinct_bigrams"] == len(want)
+    assert [s["path"] for s in meta["sources"]] == [str(f.resolve()) for f in files]
 
 
 def test_cli_import(tmp_path, bpe_tokenizer_path, capsys):
