@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-REPORT_DIR = "report"
 QUERY_TABLES = (
     "slice_perplexity",
     "gap_vs_reference",
