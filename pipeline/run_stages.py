@@ -438,7 +438,7 @@ class Pipeline:
         takes them: so an unreachable hub stops the run before anything is written."""
         from ar_slicing import hub
         from ar_slicing.readers import HF_PREFIX, parse_hf_spec
-        from models.loaders import parse_spec
+        from models.checkpoints.registry import parse_spec
 
         names = []
         for cfg in all_configs.get("tokenizer", {}).values():

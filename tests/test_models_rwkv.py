@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from models import load_model
-from models import rwkv as R
 from models.backbone import LanguageModel, ModelConfig
-from models.hf_rwkv import FastRwkv
+from models.checkpoints.hf_rwkv import FastRwkv
+from models.mixers import rwkv as R
+from models.mixers.rwkv import wkv_chunked, wkv_sequential
 from models.nll import per_token_nll
-from models.rwkv import wkv_chunked, wkv_sequential
 
 # tiny tensors: one intra-op thread avoids OpenMP stalls on a busy machine
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -67,7 +67,7 @@ _MIXER_MUST_BE = {
 
 def find_files(target: str | Path) -> tuple[Path, Path | None]:
     """(weights file, config file or None) for a checkpoint path or directory."""
-    from models.checkpoint_io import find_weights_file
+    from models.checkpoints.io import find_weights_file
 
     weights_file = find_weights_file(Path(target), "zoology")
     folder = weights_file.parent
@@ -202,7 +202,7 @@ def load_zoology(target: str | Path, model_config: str | Path | None = None):
     """(LanguageModel with the checkpoint's weights, directory to look for a tokenizer in, the
     settings used). `model_config`: a config file to use instead of the one found."""
     from models.backbone import LanguageModel
-    from models.checkpoint_io import (
+    from models.checkpoints.io import (
         load_state_dict_checked,
         read_checkpoint,
         read_config_file,

@@ -1,4 +1,4 @@
-"""transformers RWKV-4 checkpoints (`RwkvForCausalLM`, e.g. RWKV-4-Pile) run through models/rwkv.py.
+"""transformers RWKV-4 checkpoints (`RwkvForCausalLM`, e.g. RWKV-4-Pile) run through models/mixers/rwkv.py.
 
 Offline, transformers computes RWKV's WKV with a per-token Python loop; `FastRwkv` keeps the
 checkpoint's modules and names (`rwkv.embeddings`, `rwkv.blocks.{i}.{pre_ln,ln1,ln2,attention,
@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.rwkv import RWKVChannelMixer, RWKVTimeMixer
+from models.mixers.rwkv import RWKVChannelMixer, RWKVTimeMixer
 
-# transformers name -> models/rwkv.py name, inside attention / feed_forward
+# transformers name -> models/mixers/rwkv.py name, inside attention / feed_forward
 _RENAME = {
     "time_mix_key": "time_mix_k",
     "time_mix_value": "time_mix_v",
@@ -83,7 +83,7 @@ class FastRwkv(nn.Module):
     def from_transformers(cls, hf_model, chunk_size: int = 16) -> FastRwkv:
         """Copy the weights of a transformers `RwkvForCausalLM`, rescaled for inference as
         transformers rescales them (unless they already are)."""
-        from models.checkpoint_io import load_state_dict_checked
+        from models.checkpoints.io import load_state_dict_checked
 
         config = hf_model.config
         fast = cls(config, chunk_size)

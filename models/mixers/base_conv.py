@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.hyena import ImplicitFilter, PositionalEmbedding, fft_causal_conv
+from models.mixers.hyena import ImplicitFilter, PositionalEmbedding, fft_causal_conv
 from models.options import options_from
 
 IMPLICIT_FILTERS = ("mlp", "hyena")

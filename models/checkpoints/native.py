@@ -61,7 +61,7 @@ def read_native_config(model_dir):
     if not path.is_file():
         raise ArSliceError(
             f"{path}: not found; a native checkpoint directory holds config.json and "
-            f"model.safetensors as written by models.native.save_native"
+            f"model.safetensors as written by models.checkpoints.native.save_native"
         )
     data = read_json(path)
     if data.get("format") != FORMAT or "model" not in data:
@@ -104,7 +104,7 @@ def load_native(model_dir, device="cpu", dtype=None):
     from safetensors.torch import load_file
 
     from models.backbone import LanguageModel
-    from models.checkpoint_io import load_state_dict_checked
+    from models.checkpoints.io import load_state_dict_checked
 
     model_dir = Path(model_dir)
     config = read_native_config(model_dir)

@@ -3,7 +3,7 @@
 Parameter names follow state-spaces/mamba `mamba_ssm/modules/mamba_simple.py` (`in_proj`,
 `conv1d`, `x_proj`, `dt_proj`, `A_log`, `D`, `out_proj`), which transformers' `MambaMixer` shares;
 the LM follows `mamba_ssm/models/mixer_seq_simple.py` (`backbone.embedding`,
-`backbone.layers.{i}.norm` / `.mixer`, `backbone.norm_f`, `lm_head`). `models/mamba_ckpt.py`
+`backbone.layers.{i}.norm` / `.mixer`, `backbone.norm_f`, `lm_head`). `models/checkpoints/mamba_ssm.py`
 maps both published layouts onto these modules.
 
 The selective scan of channel d and state n, with Δ_t = softplus(dt_t) and A = -exp(A_log):
@@ -21,7 +21,7 @@ SiLU gate applied while the chunk is in cache), and the chunk's last state is ca
 next. The decays multiply the state as in the recurrence and never divide it: every factor is at
 most 1, so no decay, however fast, can overflow, and no channel needs an accuracy check or a
 fallback; the result is the recurrence's up to fp32 rounding (exp2 of Δ A log2(e) for exp of
-Δ A). Factorising a chunk's decays into prefix sums, as models/rwkv.py does for the WKV, would
+Δ A). Factorising a chunk's decays into prefix sums, as models/mixers/rwkv.py does for the WKV, would
 add a division and per-channel range checks to the same exp pass, and measured slower on a CPU.
 `selective_scan_sequential` is the plain recurrence (one step per token) the tests hold it to.
 """

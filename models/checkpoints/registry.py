@@ -5,23 +5,23 @@ Specs:
                                Llama family, RWKV, Mamba, Mamba-2), and mamba_ssm's own layout
                                (`state-spaces/mamba-*`, `hazyresearch/mamba-1.3b`: a config.json
                                with `d_model` and `n_layer`), recognised by its config. RWKV and
-                               Mamba-1 run through this project's fast forwards (models/rwkv.py,
-                               models/mamba.py) unless `fast_path=False`
+                               Mamba-1 run through this project's fast forwards (models/mixers/rwkv.py,
+                               models/mixers/mamba.py) unless `fast_path=False`
     zoology:<checkpoint>       a Zoology state dict + its ModelConfig -> models.backbone
-                               (models/zoology_ckpt.py says what it supports)
+                               (models/checkpoints/zoology.py says what it supports)
     safari:<checkpoint>        a safari Hyena LM (e.g. Hyena-153M): raw state dict or Lightning
                                last.ckpt, with safari's config -> models.backbone (safari_ckpt.py)
     based:<dir or hub id>      HazyResearch/based's Based / Transformer++ (config.json +
                                pytorch_model.bin as published) -> models.backbone; the suite's
                                Mamba (mamba_ssm's layout) is read as hf: reads it
-    native:<directory>         config.json + model.safetensors written by models.native.save_native
+    native:<directory>         config.json + model.safetensors written by models.checkpoints.native.save_native
 
 hf:, based: and safari: hub ids take a revision, `ID@REVISION` (a branch, tag or commit, e.g.
 `hf:EleutherAI/pythia-160m@step3000`): it is resolved to its commit once (`hub.resolve_commit`:
 the hub when it answers, else the local cache's refs), every file is read at that commit, and the
 commit is what the stage plan and meta.json record.
 
-hf: RWKV-4 runs this project's exact fp32 WKV (models/hf_rwkv.py); transformers' own CPU loop
+hf: RWKV-4 runs this project's exact fp32 WKV (models/checkpoints/hf_rwkv.py); transformers' own CPU loop
 computes the same recurrence. zoology: and safari: checkpoints are checked against fixtures that
 Zoology's and safari's own code produced (tests/fixtures/upstream).
 
@@ -165,7 +165,7 @@ def load_model(
     if prefix == "hf":
         return _load_hf(spec, target, device, dtype, fast_path, commit)
     if prefix == "native":
-        from models.native import load_native
+        from models.checkpoints.native import load_native
 
         path = Path(target)
         if not path.is_dir():
@@ -178,12 +178,12 @@ def load_model(
         return loaded
     architecture = None
     if prefix == "zoology":
-        from models.zoology_ckpt import load_zoology
+        from models.checkpoints.zoology import load_zoology
 
         model, tok_dir, settings = load_zoology(target, model_config)
     elif prefix == "based":
-        from models.based_ckpt import architecture_of, load_based
-        from models.mamba_ckpt import is_mamba_ssm_config, read_config_json
+        from models.checkpoints.based import architecture_of, load_based
+        from models.checkpoints.mamba_ssm import is_mamba_ssm_config, read_config_json
 
         # the suite's Mamba (hazyresearch/mamba-1.3b) is published in mamba_ssm's layout
         if is_mamba_ssm_config(read_config_json(target, not is_hub, commit)):
@@ -191,7 +191,7 @@ def load_model(
         model, tok_dir = load_based(target, spec, model_config, commit)
         architecture, settings = architecture_of(model.config), {}
     else:
-        from models.safari_ckpt import load_safari
+        from models.checkpoints.safari import load_safari
 
         model, tok_dir, settings = load_safari(target, model_config, commit)
     model.eval()
@@ -279,11 +279,11 @@ _RECURRENT = ("rwkv", "mamba", "mamba2", "falcon_mamba")
 def _fast_forward(model, architecture: str):
     """`model` converted to this project's forward for its architecture, when it has one."""
     if architecture == "rwkv":
-        from models.hf_rwkv import FastRwkv
+        from models.checkpoints.hf_rwkv import FastRwkv
 
         return FastRwkv.from_transformers(model)
     if architecture == "mamba":
-        from models.mamba_ckpt import mamba_from_transformers
+        from models.checkpoints.mamba_ssm import mamba_from_transformers
 
         return mamba_from_transformers(model)
     return model
@@ -293,8 +293,8 @@ def _load_hf(
     spec: str, target: str, device, dtype, fast_path: bool, commit: str | None
 ) -> LoadedModel:
     """`target`: a local directory, or a hub id read at `commit` (resolved by load_model)."""
-    from models.based_ckpt import is_based_config
-    from models.mamba_ckpt import is_mamba_ssm_config, load_mamba_ssm, read_config_json
+    from models.checkpoints.based import is_based_config
+    from models.checkpoints.mamba_ssm import is_mamba_ssm_config, load_mamba_ssm, read_config_json
 
     path = Path(target).expanduser()
     looks_local = target.startswith((".", "/", "~")) or path.exists()
@@ -403,7 +403,7 @@ def _load_transformers(spec: str, target: str, dtype, commit: str | None):
 def _refuse_local_pickles(model_dir: Path) -> None:
     """After transformers failed to load `model_dir`: the one-line diagnosis of its pickled
     weights (`pytorch_model*.bin`, read by it with weights_only) when one of them is at fault."""
-    from models.checkpoint_io import safe_torch_load
+    from models.checkpoints.io import safe_torch_load
 
     if model_dir.is_dir() and not any(model_dir.glob("*.safetensors")):
         for weights in sorted(model_dir.glob("pytorch_model*.bin")):

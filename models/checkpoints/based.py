@@ -7,11 +7,11 @@ and for Based the Hydra specs `mixer` (every layer), `alt_mixer` (layers `alt_mi
 `alt_mixer_2` (layers `alt_mixer_2_layers`, checked first); a layer without a spec is flash-attn's
 `MHA` (Transformer++ has no spec at all). Both published layouts of the mixers are read:
 
-    based/models/mixers/convolution.py    BaseConv          -> models/base_conv.py GatedConv
+    based/models/mixers/convolution.py    BaseConv          -> models/mixers/base_conv.py GatedConv
     based/models/mixers/base_conv.py      BaseConvWithSiLU4 (key conv1) ditto
-    based/models/mixers/linear_attention.py LinearAttention -> models/linear_attention.py
+    based/models/mixers/linear_attention.py LinearAttention -> models/mixers/linear_attention.py
     based/models/mixers/linear_attn.py    LinearAttention   ditto
-    based/models/mixers/slide_attention.py SlidingAttention -> models/sliding_attention.py
+    based/models/mixers/slide_attention.py SlidingAttention -> models/mixers/sliding_attention.py
     based/models/mixers/slide_fa2.py      SlidingsMHA       ditto
 
 Upstream keys `transformer.{embeddings,layers.N.{mixer,mlp,norm1,norm2},ln_f}` become
@@ -301,7 +301,7 @@ def normalized_config(raw: dict, source: str) -> dict:
 def is_based_config(cfg: dict) -> bool:
     """upstream's GPT2Config-style dict: GPT-2's keys and no transformers `model_type` (the
     suite's Mamba, whose config carries `n_embd` too, is mamba_ssm's layout: models/mamba_ckpt)."""
-    from models.mamba_ckpt import is_mamba_ssm_config
+    from models.checkpoints.mamba_ssm import is_mamba_ssm_config
 
     if not isinstance(cfg, dict) or "model_type" in cfg or is_mamba_ssm_config(cfg):
         return False
@@ -475,8 +475,8 @@ def load_based(
     `model_config`: a config.json to read instead of the published one (e.g. with `fla_version`)."""
     from ar_slicing.io import read_json
     from models.backbone import LanguageModel
-    from models.checkpoint_io import load_state_dict_checked, read_checkpoint, state_dict_from
-    from models.mamba_ckpt import is_mamba_ssm_config
+    from models.checkpoints.io import load_state_dict_checked, read_checkpoint, state_dict_from
+    from models.checkpoints.mamba_ssm import is_mamba_ssm_config
 
     config_file, weights_file = resolve_files(target, spec, revision)
     if model_config is not None:

@@ -58,7 +58,7 @@ class MHA(nn.Module):
         self.out_proj = nn.Linear(d_model, d_model, bias=opts.out_proj_bias)
         self.rotary_emb = None
         if opts.rotary_emb_dim:
-            from models.rotary import RotaryEmbedding, rotated_channels
+            from models.mixers.rotary import RotaryEmbedding, rotated_channels
 
             if rotated_channels(opts.rotary_emb_dim) > self.head_dim:  # flash-attn asserts it
                 raise ValueError(

@@ -1,0 +1,1 @@
+"""Sequence and state mixers, one file per mixer as Zoology keeps `zoology/mixers/`."""
