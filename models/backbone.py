@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.mixers.base import StateMixer
 from models.options import options_dict, options_from
 
 SEQUENCE_MIXERS = (
@@ -101,19 +102,10 @@ def resolved_options(kind: str, name: str, options: dict[str, Any]) -> dict[str,
     return options_dict(options_from(cls.Options, options, f"{kind} mixer {name!r}"))
 
 
-@dataclass
-class IdentityOptions:
-    pass  # no options
+class IdentityMixer(StateMixer):
+    """No state mixing (a Zoology `torch.nn.Identity` state mixer); it takes no options."""
 
-
-class IdentityMixer(nn.Module):
-    """No state mixing (a Zoology `torch.nn.Identity` state mixer)."""
-
-    Options = IdentityOptions
-
-    def __init__(self, d_model: int, l_max=None, layer_idx=None, n_layers: int = 1, **options):
-        super().__init__()
-        options_from(IdentityOptions, options, "state mixer 'identity'")
+    mixer_name = "identity"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x

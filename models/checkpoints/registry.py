@@ -279,9 +279,9 @@ _RECURRENT = ("rwkv", "mamba", "mamba2", "falcon_mamba")
 def _fast_forward(model, architecture: str):
     """`model` converted to this project's forward for its architecture, when it has one."""
     if architecture == "rwkv":
-        from models.checkpoints.hf_rwkv import FastRwkv
+        from models.checkpoints.hf_rwkv import rwkv_from_transformers
 
-        return FastRwkv.from_transformers(model)
+        return rwkv_from_transformers(model)
     if architecture == "mamba":
         from models.checkpoints.mamba_ssm import mamba_from_transformers
 

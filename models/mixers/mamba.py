@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.mixers.base import Mixer
+
 _LOG2E = 1.4426950408889634
 # elements of one (C, sequences, N, D) block of decays on a CPU: a few MB, so a chunk's passes
 # stay in cache (a 768-wide Mamba, N = 16, C = 16: one sequence per block)
@@ -135,43 +137,44 @@ def _scan_in_chunks(u, delta, A, B, C, D, z, chunk_size, block_elements):
     return out
 
 
-class MambaMixer(nn.Module):
+@dataclass
+class MambaMixerOptions:
+    d_state: int = 16  # N, the state size per channel (every published Mamba-1)
+    d_conv: int = 4  # width of the short causal convolution
+    expand: int = 2  # inner width E = expand * d_model
+    dt_rank: int | None = None  # None: ceil(d_model / 16), mamba_ssm's "auto"
+    conv_bias: bool = True
+    bias: bool = False  # in_proj / out_proj biases
+    chunk_size: int = 16  # tokens per chunk of the scan: 16 keeps a block in cache
+    mode: str = "chunked"  # or "sequential": the reference recurrence
+
+
+class MambaMixer(Mixer):
     """Mamba-1 mixer: in_proj -> causal depthwise conv + SiLU -> selective scan, gated by
     SiLU(z) -> out_proj (mamba_ssm `Mamba`, transformers `MambaMixer`)."""
 
-    def __init__(
-        self,
-        d_model: int,
-        l_max: int | None = None,
-        layer_idx: int | None = None,
-        d_state: int = 16,  # N, the state size per channel (every published Mamba-1)
-        d_conv: int = 4,  # width of the short causal convolution
-        expand: int = 2,  # inner width E = expand * d_model
-        dt_rank: int | None = None,  # None: ceil(d_model / 16), mamba_ssm's "auto"
-        conv_bias: bool = True,
-        bias: bool = False,  # in_proj / out_proj biases
-        chunk_size: int = 16,  # tokens per chunk of the scan: 16 keeps a block in cache
-        mode: str = "chunked",  # or "sequential": the reference recurrence
-        **kwargs,
-    ):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.l_max = l_max
+    Options = MambaMixerOptions
+    mixer_name = "mamba"
+
+    def build(self, opts: MambaMixerOptions) -> None:
+        d_model, d_state = self.d_model, opts.d_state
         self.d_state = d_state
-        self.d_inner = int(expand * d_model)
-        self.dt_rank = dt_rank or math.ceil(d_model / 16)
-        self.chunk_size = chunk_size
-        self.mode = mode
+        self.d_inner = int(opts.expand * d_model)
+        self.dt_rank = opts.dt_rank or math.ceil(d_model / 16)
+        self.chunk_size = opts.chunk_size
+        self.mode = opts.mode
         E = self.d_inner
-        self.in_proj = nn.Linear(d_model, 2 * E, bias=bias)
-        self.conv1d = nn.Conv1d(E, E, d_conv, groups=E, padding=d_conv - 1, bias=conv_bias)
+        self.in_proj = nn.Linear(d_model, 2 * E, bias=opts.bias)
+        self.conv1d = nn.Conv1d(
+            E, E, opts.d_conv, groups=E, padding=opts.d_conv - 1, bias=opts.conv_bias
+        )
         self.x_proj = nn.Linear(E, self.dt_rank + 2 * d_state, bias=False)
         self.dt_proj = nn.Linear(self.dt_rank, E, bias=True)
         # S4D-real initialisation, as mamba_ssm: A = -(1..N) for every channel
         A = torch.arange(1, d_state + 1, dtype=torch.float32).repeat(E, 1)  # (E, N)
         self.A_log = nn.Parameter(torch.log(A))
         self.D = nn.Parameter(torch.ones(E))
-        self.out_proj = nn.Linear(E, d_model, bias=bias)
+        self.out_proj = nn.Linear(E, d_model, bias=opts.bias)
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         T = x.shape[1]

@@ -40,17 +40,10 @@ class SlidingWindowAttention(MHA):
     Options = SlidingWindowOptions
     mixer_name = "sliding_attention"
 
-    def __init__(
-        self,
-        d_model: int,
-        l_max: int | None = None,
-        layer_idx: int | None = None,
-        n_layers: int = 1,
-        **options,
-    ):
-        super().__init__(d_model, l_max=l_max, layer_idx=layer_idx, n_layers=n_layers, **options)
-        self.window = self.options.window
-        self.block = self.options.block
+    def build(self, opts: SlidingWindowOptions) -> None:
+        super().build(opts)
+        self.window = opts.window
+        self.block = opts.block
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         B, H, T, Dh = q.shape
@@ -62,7 +55,7 @@ class SlidingWindowAttention(MHA):
         q = F.pad(q, (0, 0, 0, pad_right)).view(B, H, n, S, Dh)  # (B, H, n, S, Dh)
         # keys of block b: absolute positions b*S - W .. b*S + S - 1 (left-padded with W zeros)
         k = F.pad(k, (0, 0, W, pad_right)).unfold(2, S + W, S).transpose(-1, -2)  # (B,H,n,S+W,Dh)
-        v = F.pad(v, (0, 0, W, pad_right)).unfold(2, S + W, S).transpose(-1, -2)
+        v = F.pad(v, (0, 0, W, pad_right)).unfold(2, S + W, S).transpose(-1, -2)  # (B,H,n,S+W,Dh)
         r = torch.arange(S, device=q.device)[:, None]  # query offset in its block
         c = torch.arange(S + W, device=q.device)[None, :]  # key offset in the block's keys
         start = torch.arange(n, device=q.device)[:, None, None] * S  # (n, 1, 1)
@@ -76,4 +69,4 @@ class SlidingWindowAttention(MHA):
             dropout_p=self.dropout if self.training else 0.0,
             scale=self.softmax_scale,
         )  # (B, H, n, S, Dh)
-        return y.reshape(B, H, n * S, Dh)[:, :, :T]
+        return y.reshape(B, H, n * S, Dh)[:, :, :T]  # (B, H, T, Dh)
