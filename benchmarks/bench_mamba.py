@@ -1,4 +1,5 @@
-"""Benchmark: the chunked Mamba-1 forward (models/mixers/mamba.py) against transformers' CPU reference path.
+"""Benchmark: the chunked Mamba-1 forward (models/mixers/mamba.py) against transformers' CPU
+reference path.
 
     .venv/bin/python benchmarks/bench_mamba.py           # T = 2048, d_model 768 (~5 min, 1 thread)
     .venv/bin/python benchmarks/bench_mamba.py --quick   # smoke run

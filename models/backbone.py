@@ -4,8 +4,8 @@ Parameter names follow HazyResearch/zoology `zoology/model.py`, so a Zoology sta
 
     backbone.embeddings.word_embeddings.weight        (V, D)
     backbone.embeddings.position_embeddings.weight    (P, D)   only when max_position_embeddings > 0
-    backbone.layers.{i}.sequence_mixer.*              the mixer's own keys (attention.py, hyena.py, ...)
-    backbone.layers.{i}.state_mixer.*                 mlp.py (fc1, fc2) or rwkv.py channel mixing
+    backbone.layers.{i}.sequence_mixer.*              the mixer's own keys (mixers/attention.py, ...)
+    backbone.layers.{i}.state_mixer.*                 mixers/mlp.py (fc1, fc2) or RWKV channel mixing
     backbone.layers.{i}.norm1.{weight,bias}, norm2.*
     backbone.ln_f.{weight,bias}
     lm_head.weight                                    tied to the word embeddings (unless untied)

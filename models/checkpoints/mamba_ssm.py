@@ -1,4 +1,5 @@
-"""Mamba-1 checkpoints in their two published layouts, mapped onto models/mixers/mamba.py's `MambaLM`.
+"""Mamba-1 checkpoints in their two published layouts, mapped onto models/mixers/mamba.py's
+`MambaLM`.
 
 * transformers (`MambaForCausalLM`, `state-spaces/mamba-*-hf`): `mamba_from_transformers` copies a
   loaded model's weights (`backbone.embeddings` is our `backbone.embedding`; every other name is
@@ -112,7 +113,7 @@ def mamba_ssm_state_dict(state: dict) -> dict:
 
 def _find_file(target: str, local: bool, names, revision: str | None = None) -> str | None:
     """The first of `names` in a local directory, or downloaded from the hub repo `target` (at
-    `revision`, a commit loaders.load_model resolved)."""
+    `revision`, a commit load_model resolved)."""
     for name in names:
         if local:
             if (Path(target) / name).is_file():

@@ -38,6 +38,12 @@ from pathlib import Path
 from typing import Any
 
 from ar_slicing.errors import ArSliceError
+from models.checkpoints.registry import (
+    LoadedModel,
+    LoadRequest,
+    loaded_language_model,
+    register_loader,
+)
 
 log = logging.getLogger(__name__)
 
@@ -328,7 +334,7 @@ def model_config_for(shapes: dict[str, int], settings: dict[str, Any]):
 
 def _weights_file(target: str, revision: str | None = None) -> Path:
     """The weights file a safari target names: a file, a directory with one, or a hub id (at
-    `revision`, a commit loaders.load_model resolved)."""
+    `revision`, a commit load_model resolved)."""
     from models.checkpoints.io import find_weights_file
 
     path = Path(target).expanduser()
@@ -428,3 +434,11 @@ def load_safari(
         source,
     )
     return model, weights_file.parent, used
+
+
+@register_loader("safari", order=3, hub=True, model_config=True)
+def load_spec(request: LoadRequest) -> LoadedModel:
+    model, tokenizer_dir, settings = load_safari(
+        request.target, request.model_config, request.commit
+    )
+    return loaded_language_model(model, request, tokenizer_dir, settings)

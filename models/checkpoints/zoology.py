@@ -33,6 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from ar_slicing.errors import ArSliceError
+from models.checkpoints.registry import (
+    LoadedModel,
+    LoadRequest,
+    loaded_language_model,
+    register_loader,
+)
 
 log = logging.getLogger(__name__)
 
@@ -233,3 +239,9 @@ def load_zoology(target: str | Path, model_config: str | Path | None = None):
     tied = ("lm_head.weight",) if config.tie_word_embeddings else ()
     load_state_dict_checked(model, state, source=str(weights_file), tied=tied)
     return model, weights_file.parent, {"config": source, **layout}
+
+
+@register_loader("zoology", order=2, model_config=True)
+def load_spec(request: LoadRequest) -> LoadedModel:
+    model, tokenizer_dir, settings = load_zoology(request.target, request.model_config)
+    return loaded_language_model(model, request, tokenizer_dir, settings)

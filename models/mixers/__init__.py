@@ -1,1 +1,2 @@
-"""Sequence and state mixers, one file per mixer as Zoology keeps `zoology/mixers/`."""
+"""Sequence and state mixers, one file per mixer as Zoology keeps `zoology/mixers/`, each a
+`base.Mixer` whose options are one `@dataclass`."""

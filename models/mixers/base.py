@@ -47,7 +47,7 @@ class Mixer(nn.Module):
         self.build(self.options)
 
     def build(self, opts) -> None:
-        """Make the layers for the resolved options `opts` (also `self.options`); none by default."""
+        """Make the layers for the resolved options `opts` (`self.options`); none by default."""
 
 
 class StateMixer(Mixer):

@@ -4,7 +4,7 @@ language models balance the recall-throughput tradeoff"; HazyResearch/based
 
 Each query sees itself and the `window` tokens before it. HazyResearch/based's `SlidingAttention`
 takes a `window_size` and hands flash-attn `window_size=(window_size // 2, 0)`, so its
-`window_size: 128` is `window = 64` here. Projections and rotary are those of `models.mixers.attention.MHA`
+`window_size: 128` is `window = 64` here. Projections and rotary are those of attention.py's `MHA`
 (`Wqkv`, `out_proj`, the same key names).
 
 The attention is computed block by block: queries in blocks of `block` positions, each block
