@@ -125,7 +125,7 @@ def _scan_in_chunks(u, delta, A, B, C, D, z, chunk_size, block_elements):
                 H[j].addcmul_(P[j], h)
                 h = H[j]
             # y_t = C_t . h_t for the whole chunk: (c g, 1, N) @ (c g, N, E), then D u and the gate
-            Ct = C[sl].transpose(0, 1).reshape(c * g, 1, N)
+            Ct = C[sl].transpose(0, 1).reshape(c * g, 1, N)  # (c g, 1, N)
             y = torch.bmm(Ct, H.view(c * g, N, E)).view(c, g, E).transpose(0, 1)  # (g, c, E)
             o = out[sl]
             if D is None:

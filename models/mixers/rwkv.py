@@ -103,7 +103,7 @@ def _wkv_log_matrix(time_decay, time_first, k, v, chunk_size: int = 16):
     if pad:  # padding goes after the last token, so it never reaches a real output
         k, v = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
     k = k.view(B, N, C, D)  # (B, N, C, D)
-    v = v.view(B, N, C, D)
+    v = v.view(B, N, C, D)  # (B, N, C, D)
 
     # 1. each chunk on its own: rows j attend to i <= j inside the chunk
     bias = _intra_chunk_bias(w, u, C)  # (C, C, D)
@@ -147,7 +147,7 @@ def _wkv_log_matrix(time_decay, time_first, k, v, chunk_size: int = 16):
     M = torch.maximum(m_in, sl)
     e_in, e_st = torch.exp(m_in - M), torch.exp(sl - M)
     out = (e_in * num_in + e_st * a0) / (e_in * den_in + e_st * b0)
-    return out.view(B, N * C, D)[:, :T]
+    return out.view(B, N * C, D)[:, :T]  # (B, T, D)
 
 
 def _wkv_factorised(time_decay, time_first, k, v, C: int):
@@ -169,7 +169,7 @@ def _wkv_factorised(time_decay, time_first, k, v, C: int):
         k = F.pad(k, (0, 0, 0, pad), value=-1e4)
         v = F.pad(v, (0, 0, 0, pad))
     k = k.view(B, N, C, D)  # (B, N, C, D)
-    v = v.view(B, N, C, D)
+    v = v.view(B, N, C, D)  # (B, N, C, D)
     j = torch.arange(C, device=k.device, dtype=f64)[:, None]  # (C, 1) position inside the chunk
     ek = torch.exp(k + j * w)  # (B, N, C, D): e^{k_i + i w}
     ekv = ek * v
@@ -201,7 +201,7 @@ def _wkv_factorised(time_decay, time_first, k, v, C: int):
     bonus = ek * torch.exp(u - j * w)  # (B, N, C, D): the current token's e^{u + k_j}
     num = torch.addcmul(cum_kv * decay_to_row, bonus, v)
     den = torch.addcmul(bonus, cum_k, decay_to_row)
-    return (num / den).view(B, N * C, D)[:, :T].float()
+    return (num / den).view(B, N * C, D)[:, :T].float()  # (B, T, D)
 
 
 # Fast fp32 paths (inference). Everything below runs in base 2: exp2 is several times cheaper than
@@ -286,7 +286,7 @@ def _wkv_chunks_fp32(w64, u64, k, v, out, C: int, block_elements: int = _BLOCK_E
         if st is not None:  # keep the carried state's scale below the shift as well
             s = torch.maximum(s, sp + torch.log2(st[1]) - (Cb + 1) / 2 * w2)
         kj = kb.view(B, nb, Cb, D).permute(2, 0, 1, 3)  # (Cb, B, nb, D)
-        vj = v[:, t0:t1].view(B, nb, Cb, D).permute(2, 0, 1, 3)
+        vj = v[:, t0:t1].view(B, nb, Cb, D).permute(2, 0, 1, 3)  # (Cb, B, nb, D)
         X = torch.empty(Cb, 2, B, nb, D, device=dev)  # [:, 0] E v, [:, 1] E
         E = X[:, 1]
         torch.add(-s[:, None, :], kj, alpha=_LOG2E, out=E)  # (k - s) in log2 units
@@ -400,7 +400,7 @@ def _wkv_fast(time_decay, time_first, k, v, C: int):
             part = out[..., g]
         else:  # scattered or narrow rows: copy them, with the batch folded into the channels
             # ((B, T, Dg) -> (1, T, B Dg)) so that every vector pass runs over long rows
-            kg = kg.transpose(0, 1).reshape(1, T, B * Dg)
+            kg = kg.transpose(0, 1).reshape(1, T, B * Dg)  # (1, T, B Dg)
             vg = vg.transpose(0, 1).reshape(1, T, B * Dg)
             wg, ug = wg.repeat(B), ug.repeat(B)
             part = torch.empty_like(kg)
@@ -409,8 +409,8 @@ def _wkv_fast(time_decay, time_first, k, v, C: int):
         else:
             good = _wkv_chunks_fp32(wg, ug, kg, vg, part, size)
         if not in_place:
-            out[..., g] = part.view(T, B, Dg).transpose(0, 1)
-            good = good.view(B, Dg).all(0)
+            out[..., g] = part.view(T, B, Dg).transpose(0, 1)  # (B, T, Dg)
+            good = good.view(B, Dg).all(0)  # (Dg,)
         ok[g] = good
     bad = ~ok
     if bool(bad.any()):
