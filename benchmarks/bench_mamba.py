@@ -1,4 +1,5 @@
-"""Benchmark: the chunked Mamba-1 forward (models/mamba.py) against transformers' CPU reference path.
+"""Benchmark: the chunked Mamba-1 forward (models/mixers/mamba.py) against transformers' CPU
+reference path.
 
     .venv/bin/python benchmarks/bench_mamba.py           # T = 2048, d_model 768 (~5 min, 1 thread)
     .venv/bin/python benchmarks/bench_mamba.py --quick   # smoke run
@@ -11,7 +12,7 @@ same weights (what `load_model("hf:<dir>")` runs) read T = 2048 tokens, 1 and 8 
   largest difference of the per-token NLL that the two hidden states give through that head;
 * selective scan alone, on one layer's inputs, each in the layout its own mixer makes
   ((B, E, T) and (B, T, E)): transformers' `mamba_selective_scan` (its sequential fallback when
-  `mamba_ssm` is absent) against `models.mamba.selective_scan_chunked`, both with the softplus
+  `mamba_ssm` is absent) against `models.mixers.mamba.selective_scan_chunked`, both with the softplus
   of Δ, the D skip and the gate, and their largest output difference.
 
 Times are the minimum CPU time of interleaved repeats (one thread by default, `--threads`),
@@ -39,7 +40,7 @@ def build(d_model: int, layers: int):
     import torch
     import transformers
 
-    from models.mamba_ckpt import mamba_from_transformers
+    from models.checkpoints.mamba_ssm import mamba_from_transformers
 
     torch.manual_seed(0)
     cfg = transformers.MambaConfig(
@@ -83,15 +84,15 @@ def transformers_scan(s):
 
 
 def own_layout(s):
-    """The same inputs laid out as models/mamba.py's mixer makes them: (B, T, X) row-major."""
+    """The same inputs laid out as models/mixers/mamba.py's mixer makes them: (B, T, X) row-major."""
     return {k: v.transpose(1, 2).contiguous() if v.dim() == 3 else v for k, v in s.items()}
 
 
 def chunked_scan(s):
-    """models.mamba's scan (softplus, scan, D skip, gate) on `own_layout` inputs: (B, T, E)."""
+    """models.mixers.mamba's scan (softplus, scan, D skip, gate) on `own_layout` inputs: (B, T, E)."""
     import torch.nn.functional as F
 
-    from models.mamba import selective_scan_chunked
+    from models.mixers.mamba import selective_scan_chunked
 
     delta = F.softplus(s["dt"] + s["bias"])
     return selective_scan_chunked(s["u"], delta, s["A"], s["B"], s["C"], s["D"], s["z"])
@@ -148,7 +149,7 @@ def main() -> None:
     hf, fast = build(d_model, layers)
     print(
         f"Mamba-1, d_model {d_model} (inner {2 * d_model}, state 16), {layers} layers, T = {seq}: "
-        f"transformers' CPU path vs models/mamba.py, min CPU time of {repeats} interleaved "
+        f"transformers' CPU path vs models/mixers/mamba.py, min CPU time of {repeats} interleaved "
         f"rounds, {args.threads} thread(s), load average {os.getloadavg()[0]:.2f} at the start"
     )
     rows = [bench(hf, fast, batch, seq, repeats) for batch in batches]

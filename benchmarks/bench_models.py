@@ -4,7 +4,7 @@ per-token NLL's peak memory against a full log_softmax.
     .venv/bin/python benchmarks/bench_models.py           # full sizes (a few minutes on 2 cores)
     .venv/bin/python benchmarks/bench_models.py --quick   # smoke run
 
-1. RWKV: a randomly initialised `transformers.RwkvForCausalLM` and `models.hf_rwkv.FastRwkv`
+1. RWKV: a randomly initialised `transformers.RwkvForCausalLM` and `models.mixers.rwkv.FastRwkv`
    built from the same weights (what `load_model("hf:<rwkv dir>")` runs) score one sequence of
    1024 tokens; tokens/s of the backbone forward (the LM head is the same matmul for both) and the
    WKV recurrence alone at batch 1 and 8 (transformers' `rwkv_linear_attention_cpu` vs
@@ -54,8 +54,8 @@ def bench_rwkv(hidden: int, layers: int, seq: int, repeats: int, wkv_batches) ->
     import transformers
     from transformers.models.rwkv.modeling_rwkv import rwkv_linear_attention_cpu
 
-    from models.hf_rwkv import FastRwkv
-    from models.rwkv import wkv_chunked
+    from models.checkpoints.hf_rwkv import rwkv_from_transformers
+    from models.mixers.rwkv import wkv_chunked
 
     torch.manual_seed(0)
     cfg = transformers.RwkvConfig(
@@ -63,7 +63,7 @@ def bench_rwkv(hidden: int, layers: int, seq: int, repeats: int, wkv_batches) ->
         rescale_every=0,
     )  # fmt: skip
     hf = transformers.RwkvForCausalLM(cfg).eval()
-    fast = FastRwkv.from_transformers(hf)
+    fast = rwkv_from_transformers(hf)
     ids = torch.randint(0, 50277, (1, seq))
     with torch.no_grad():
         ref = hf.rwkv(input_ids=ids, use_cache=False).last_hidden_state

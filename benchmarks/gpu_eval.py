@@ -8,7 +8,7 @@ autocast and the automatic batch size:
     rotary on 25% of each head, vocabulary 50 304);
   * `mamba`: a `MambaForCausalLM` of state-spaces/mamba-130m-hf's shape (24 layers, d_model 768,
     state 16, vocabulary 50 280), run through this project's chunked Mamba forward
-    (models/mamba.py), as `hf:` does by default.
+    (models/mixers/mamba.py), as `hf:` does by default.
 
 MFU = tokens/s x forward FLOPs per token / the device's peak dense bf16 FLOP/s, with the forward
 FLOPs per token counted as in PaLM (Chowdhery et al. 2022, appendix B), forward third:

@@ -4,8 +4,8 @@ Parameter names follow HazyResearch/zoology `zoology/model.py`, so a Zoology sta
 
     backbone.embeddings.word_embeddings.weight        (V, D)
     backbone.embeddings.position_embeddings.weight    (P, D)   only when max_position_embeddings > 0
-    backbone.layers.{i}.sequence_mixer.*              the mixer's own keys (attention.py, hyena.py, ...)
-    backbone.layers.{i}.state_mixer.*                 mlp.py (fc1, fc2) or rwkv.py channel mixing
+    backbone.layers.{i}.sequence_mixer.*              the mixer's own keys (mixers/attention.py, ...)
+    backbone.layers.{i}.state_mixer.*                 mixers/mlp.py (fc1, fc2) or RWKV channel mixing
     backbone.layers.{i}.norm1.{weight,bias}, norm2.*
     backbone.ln_f.{weight,bias}
     lm_head.weight                                    tied to the word embeddings (unless untied)
@@ -13,7 +13,7 @@ Parameter names follow HazyResearch/zoology `zoology/model.py`, so a Zoology sta
 Each block is Zoology's `TransformerBlock`: the residual stream is carried beside the hidden state,
 `h = mixer(norm(residual))`, `residual = residual + h`. HazyResearch/based's `GPTModel` (Based,
 Transformer++) is the same block with RMSNorm, a SwiGLU state mixer and other sequence mixers on
-some layers (`layer_mixers`); `models/based_ckpt.py` maps its key names onto these.
+some layers (`layer_mixers`); `models/checkpoints/based.py` maps its key names onto these.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.mixers.base import StateMixer
 from models.options import options_dict, options_from
 
 SEQUENCE_MIXERS = (
@@ -40,31 +41,31 @@ NORMS = ("layernorm", "rmsnorm")
 def sequence_mixer_class(name: str) -> type[nn.Module]:
     """The class behind a sequence-mixer name (imported lazily: each lives in its own file)."""
     if name == "attention":
-        from models.attention import MHA
+        from models.mixers.attention import MHA
 
         return MHA
     if name == "base_conv":
-        from models.base_conv import BaseConv
+        from models.mixers.base_conv import BaseConv
 
         return BaseConv
     if name == "hyena":
-        from models.hyena import Hyena
+        from models.mixers.hyena import Hyena
 
         return Hyena
     if name == "rwkv":
-        from models.rwkv import RWKVTimeMixer
+        from models.mixers.rwkv import RWKVTimeMixer
 
         return RWKVTimeMixer
     if name == "based_conv":
-        from models.base_conv import GatedConv
+        from models.mixers.base_conv import GatedConv
 
         return GatedConv
     if name == "linear_attention":
-        from models.linear_attention import LinearAttention
+        from models.mixers.linear_attention import LinearAttention
 
         return LinearAttention
     if name == "sliding_attention":
-        from models.sliding_attention import SlidingWindowAttention
+        from models.mixers.sliding_attention import SlidingWindowAttention
 
         return SlidingWindowAttention
     raise ValueError(f"unknown sequence mixer {name!r}; choose one of {', '.join(SEQUENCE_MIXERS)}")
@@ -72,19 +73,19 @@ def sequence_mixer_class(name: str) -> type[nn.Module]:
 
 def state_mixer_class(name: str) -> type[nn.Module]:
     if name == "mlp":
-        from models.mlp import MLP
+        from models.mixers.mlp import MLP
 
         return MLP
     if name == "glu":
-        from models.mlp import GLU
+        from models.mixers.mlp import GLU
 
         return GLU
     if name == "swiglu":
-        from models.mlp import SwiGLU
+        from models.mixers.mlp import SwiGLU
 
         return SwiGLU
     if name == "rwkv":
-        from models.rwkv import RWKVChannelMixer
+        from models.mixers.rwkv import RWKVChannelMixer
 
         return RWKVChannelMixer
     if name == "identity":
@@ -101,19 +102,10 @@ def resolved_options(kind: str, name: str, options: dict[str, Any]) -> dict[str,
     return options_dict(options_from(cls.Options, options, f"{kind} mixer {name!r}"))
 
 
-@dataclass
-class IdentityOptions:
-    pass  # no options
+class IdentityMixer(StateMixer):
+    """No state mixing (a Zoology `torch.nn.Identity` state mixer); it takes no options."""
 
-
-class IdentityMixer(nn.Module):
-    """No state mixing (a Zoology `torch.nn.Identity` state mixer)."""
-
-    Options = IdentityOptions
-
-    def __init__(self, d_model: int, l_max=None, layer_idx=None, n_layers: int = 1, **options):
-        super().__init__()
-        options_from(IdentityOptions, options, "state mixer 'identity'")
+    mixer_name = "identity"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x

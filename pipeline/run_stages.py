@@ -438,7 +438,7 @@ class Pipeline:
         takes them: so an unreachable hub stops the run before anything is written."""
         from ar_slicing import hub
         from ar_slicing.readers import HF_PREFIX, parse_hf_spec
-        from models.loaders import parse_spec
+        from models.checkpoints.registry import parse_spec, reads_hub_models
 
         names = []
         for cfg in all_configs.get("tokenizer", {}).values():
@@ -455,7 +455,7 @@ class Pipeline:
                     names.append((f"dataset {source} ([tokenize.{part}])", source, "dataset"))
         for name, cfg in all_configs.get("eval", {}).items():
             prefix, target = parse_spec(cfg.model)
-            if prefix in ("hf", "based") and hub.is_hub_name(target):
+            if reads_hub_models(prefix) and hub.is_hub_name(target):
                 names.append((f"model {cfg.model} ([eval.models.{name}])", target, "model"))
         return names
 

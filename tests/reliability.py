@@ -49,7 +49,7 @@ def save_tiny_native(out: Path, tokenizer_path: Path, *, vocab: int = 1024, l_ma
     import torch
 
     from models.backbone import LanguageModel, ModelConfig
-    from models.native import save_native
+    from models.checkpoints.native import save_native
 
     torch.manual_seed(3)
     model = LanguageModel(

@@ -120,7 +120,7 @@ def make_mamba(path: Path, tokenizer_path) -> Path:
 
 def make_native(path: Path, tokenizer_path) -> Path:
     from models.backbone import LanguageModel, ModelConfig
-    from models.native import save_native
+    from models.checkpoints.native import save_native
 
     torch.manual_seed(2)
     model = LanguageModel(
@@ -196,11 +196,11 @@ def plain_logits_fn(spec: str):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         return lambda ids: model(input_ids=torch.tensor([ids])).logits[0]
     if kind == "based":
-        from models.based_ckpt import load_based
+        from models.checkpoints.based import load_based
 
         model = load_based(path, spec)[0]
     else:
-        from models.native import load_native
+        from models.checkpoints.native import load_native
 
         model = load_native(path).eval()
     return lambda ids: model(torch.tensor([ids]))[0]
@@ -877,7 +877,7 @@ def test_other_native_architectures_equal_plain_forward(
     mixer, corpus, bpe_tokenizer_path, tmp_path
 ):
     from models.backbone import LanguageModel, ModelConfig
-    from models.native import save_native
+    from models.checkpoints.native import save_native
 
     torch.manual_seed(3)
     model = LanguageModel(

@@ -280,7 +280,7 @@ def test_a_model_in_the_local_cache_still_loads_offline(tmp_path, bpe_tokenizer)
     (cache / "models--tiny--gpt" / "refs").mkdir()
     (cache / "models--tiny--gpt" / "refs" / "main").write_text(revision)
     script = (
-        "from models.loaders import load_model\n"
+        "from models.checkpoints.registry import load_model\n"
         "m = load_model('hf:tiny/gpt')\n"
         "print(m.architecture, m.n_params, m.tokenizer_fingerprint is not None)\n"
     )
@@ -356,7 +356,7 @@ def test_a_revision_is_read_at_the_commit_it_resolves_to(tmp_path, bpe_tokenizer
     script = (
         "import json\n"
         "from ar_slicing.errors import ArSliceError\n"
-        "from models.loaders import load_model, spec_identity\n"
+        "from models.checkpoints.registry import load_model, spec_identity\n"
         "out = {}\n"
         f"for spec in ('hf:tiny/gpt', 'hf:tiny/gpt@step1', 'hf:tiny/gpt@{commits['step1']}',"
         " 'based:tiny/based'):\n"

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from ar_slicing.errors import ArSliceError
 from ar_slicing.tokenizer import fingerprint
 from models import load_model
-from models.attention import MHA
 from models.backbone import LanguageModel, ModelConfig
-from models.native import load_native, save_native
+from models.checkpoints.native import load_native, save_native
+from models.mixers.attention import MHA
 from models.nll import chunked_nll, per_token_nll, tiled_nll
 
 # tiny tensors: one intra-op thread avoids OpenMP stalls on a busy machine

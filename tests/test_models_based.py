@@ -49,7 +49,7 @@ def token_nll(loaded, seq: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("case", CASES)
 def test_every_token_equals_upstream(case):
-    from models.loaders import load_model
+    from models.checkpoints.registry import load_model
 
     want = expected(case)
     loaded = load_model(f"based:{FIXTURES / case}")
@@ -67,7 +67,7 @@ def test_every_token_equals_upstream(case):
 
 def test_fixture_nll_depends_on_what_is_tested():
     """The fixtures would catch a wrong window or a dropped layer: the NLL moves far past 1e-4."""
-    from models.loaders import load_model
+    from models.checkpoints.registry import load_model
 
     want = expected("based-main")
     seq, nll = want["sequences"][1], torch.tensor(want["nll"][1])
@@ -88,7 +88,7 @@ def test_fixture_nll_depends_on_what_is_tested():
 def test_fla_kernels_scale_by_feature_dim_not_taylor_exp_input_dim():
     """FLA's parallel_based never calls TaylorExp: its scale is feature_dim ** -0.5 (8 here),
     while the quadratic view on the same weights scales by TaylorExp's input_dim (16)."""
-    from models.loaders import load_model
+    from models.checkpoints.registry import load_model
 
     cfg = json.loads((FIXTURES / "based-fla-parallel" / "config.json").read_text())
     spec = cfg["alt_mixer"]
@@ -101,7 +101,7 @@ def test_fla_kernels_scale_by_feature_dim_not_taylor_exp_input_dim():
 def test_each_fla_version_is_reproduced_and_they_disagree(tmp_path):
     """Based's `parallel_based(q, k, v, True, True)`: FLA 0.1 reads the 4th argument as `scale`
     (1), the 2024 API as `use_scale`; the fixture ran FLA 0.1's own naive_parallel_based."""
-    from models.loaders import load_model
+    from models.checkpoints.registry import load_model
 
     case = FIXTURES / "based-fla-parallel"
     want = expected("based-fla-parallel", "expected-fla-0.1.json")
@@ -125,8 +125,8 @@ def test_each_fla_version_is_reproduced_and_they_disagree(tmp_path):
 
 def test_odd_rotary_dimension_rotates_as_flash_attn_rounds():
     """rotary_emb_dim 35: flash-attn makes 18 frequencies base^(-2i/35) and turns 36 channels."""
-    from models.loaders import load_model
-    from models.rotary import RotaryEmbedding
+    from models.checkpoints.registry import load_model
+    from models.mixers.rotary import RotaryEmbedding
 
     mha = load_model(f"based:{FIXTURES / 'transformer-pp-rotary-35'}").model.backbone.layers[0]
     rotary = mha.sequence_mixer.rotary_emb
@@ -134,15 +134,15 @@ def test_odd_rotary_dimension_rotates_as_flash_attn_rounds():
     want = 1.0 / 10000.0 ** (torch.arange(0, 35, 2, dtype=torch.float32) / 35)
     assert torch.equal(rotary.inv_freq, want)
     with pytest.raises(ValueError, match="rotates 36 channels > head_dim 35"):
-        from models.attention import MHA
+        from models.mixers.attention import MHA
 
         MHA(35, num_heads=1, rotary_emb_dim=35)
     assert RotaryEmbedding(4).channels == 4
 
 
 def test_a_loaded_based_model_saves_and_reloads_as_native(tmp_path):
-    from models.loaders import load_model
-    from models.native import save_native
+    from models.checkpoints.native import save_native
+    from models.checkpoints.registry import load_model
 
     want = expected("based-2402")
     save_native(load_model(f"based:{FIXTURES / 'based-2402'}").model, tmp_path / "native")
@@ -153,7 +153,7 @@ def test_a_loaded_based_model_saves_and_reloads_as_native(tmp_path):
 
 
 def test_bf16_stays_close_to_upstream_fp32():
-    from models.loaders import load_model
+    from models.checkpoints.registry import load_model
 
     want = expected("based-main")
     loaded = load_model(f"based:{FIXTURES / 'based-main'}", dtype="bf16")
@@ -165,7 +165,7 @@ def test_bf16_stays_close_to_upstream_fp32():
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES)
 def test_cuda_fp32_equals_upstream(case, monkeypatch):
-    from models.loaders import load_model
+    from models.checkpoints.registry import load_model
 
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
@@ -184,7 +184,7 @@ def test_cuda_fp32_equals_upstream(case, monkeypatch):
     T=st.integers(1, 40), window=st.integers(0, 12), block=st.integers(1, 9), rotary=st.booleans()
 )
 def test_sliding_window_equals_banded_softmax(T, window, block, rotary):
-    from models.sliding_attention import SlidingWindowAttention
+    from models.mixers.sliding_attention import SlidingWindowAttention
 
     torch.manual_seed(T * 100 + window)
     m = SlidingWindowAttention(
@@ -206,7 +206,7 @@ def test_sliding_window_equals_banded_softmax(T, window, block, rotary):
 @settings(max_examples=25, deadline=None)
 @given(T=st.integers(1, 40), chunk=st.integers(1, 17), feature_dim=st.integers(1, 5))
 def test_chunked_taylor_attention_equals_the_quadratic_form(T, chunk, feature_dim):
-    from models.linear_attention import causal_taylor_attention, taylor_features
+    from models.mixers.linear_attention import causal_taylor_attention, taylor_features
 
     torch.manual_seed(T + 7 * chunk)
     q, k = torch.randn(2, 3, T, feature_dim), torch.randn(2, 3, T, feature_dim)
@@ -303,14 +303,14 @@ def _set(path: list, value):
     ],
 )  # fmt: skip
 def test_unimplemented_options_are_refused_by_name(tmp_path, case, edit, message):
-    from models.loaders import load_model
+    from models.checkpoints.registry import load_model
 
     with pytest.raises(ArSliceError, match=message):
         load_model(edited(tmp_path, case, edit))
 
 
 def test_mismatched_weights_and_untied_heads_are_refused(tmp_path):
-    from models.loaders import load_model
+    from models.checkpoints.registry import load_model
 
     def untie(state):
         state["lm_head.weight"] = state["lm_head.weight"] + 1
@@ -332,8 +332,8 @@ def test_mismatched_weights_and_untied_heads_are_refused(tmp_path):
 
 
 def test_stored_rotary_frequencies_are_accepted_when_they_agree(tmp_path):
-    from models.loaders import load_model
-    from models.rotary import RotaryEmbedding
+    from models.checkpoints.registry import load_model
+    from models.mixers.rotary import RotaryEmbedding
 
     def add_freq(state):
         state["transformer.layers.1.mixer.rotary_emb.inv_freq"] = RotaryEmbedding(4).inv_freq
@@ -345,7 +345,7 @@ def test_stored_rotary_frequencies_are_accepted_when_they_agree(tmp_path):
 
 
 def test_missing_files_mamba_configs_and_unreachable_hubs_are_refused(tmp_path, monkeypatch):
-    from models.loaders import load_model
+    from models.checkpoints.registry import load_model
 
     with pytest.raises(ArSliceError, match="HazyResearch/based config.*load it with based:"):
         load_model(f"hf:{FIXTURES / 'based-main'}")

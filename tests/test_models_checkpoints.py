@@ -220,7 +220,7 @@ def test_safari_hydra_run_directory_config_is_found(tmp_path):
 
 
 def test_the_published_hyena_small_is_recognised_by_hub_id_or_shapes(tmp_path):
-    from models.safari_ckpt import load_safari, published_shapes, shapes_of
+    from models.checkpoints.safari import load_safari, published_shapes, shapes_of
 
     # its exact shapes, as meta tensors: nothing is allocated
     p = published_shapes()
@@ -287,7 +287,7 @@ def test_safari_tokenizer_beside_the_weights_is_fingerprinted(tmp_path, bpe_toke
 def test_safari_gate_order_is_swapped_on_the_way_in():
     """Read in Zoology's order without the swap, the same weights give other logits."""
     from models.backbone import LanguageModel
-    from models.safari_ckpt import rename_safari_keys
+    from models.checkpoints.safari import rename_safari_keys
 
     loaded = load_model(f"safari:{FIXTURES / 'safari-modulate' / 'model.pt'}")
     unswapped = LanguageModel(loaded.model.config).eval()
@@ -375,7 +375,7 @@ def test_safari_hydra_config_with_a_resolver_cache_says_how_to_load_it(tmp_path)
     import yaml
     from omegaconf import OmegaConf
 
-    from models.checkpoint_io import safe_torch_load
+    from models.checkpoints.io import safe_torch_load
 
     ckpt = safe_torch_load(FIXTURES / "safari-lightning" / "checkpoints" / "last.ckpt")
     name = "arslice_test_eval"

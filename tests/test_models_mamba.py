@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from ar_slicing.errors import ArSliceError
 from models import load_model
-from models.mamba import (
+from models.mixers.mamba import (
     MambaLM,
     MambaLMConfig,
     selective_scan_chunked,

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from models.backbone import LanguageModel, ModelConfig
-from models.base_conv import BaseConv
-from models.hyena import Hyena, fft_causal_conv
+from models.mixers.base_conv import BaseConv
+from models.mixers.hyena import Hyena, fft_causal_conv
 
 # tiny tensors: one intra-op thread avoids OpenMP stalls on a busy machine
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -125,7 +125,7 @@ def short_conv_direct(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor)
     "kernel, bias", [(1, True), (3, False), (4, True), (17, True), (20, False)]
 )
 def test_short_convolution_equals_the_direct_sum(kernel, bias):
-    from models.base_conv import ShortConvolution
+    from models.mixers.base_conv import ShortConvolution
 
     torch.manual_seed(kernel)
     conv = ShortConvolution(6, kernel_size=kernel, bias=bias)  # K > 16 takes the conv1d path

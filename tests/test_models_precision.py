@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from models.backbone import LanguageModel, ModelConfig
-from models.loaders import wrap_language_model
+from models.checkpoints.registry import wrap_language_model
+from models.mixers.rwkv import wkv_chunked, wkv_sequential
 from models.nll import per_token_nll
-from models.rwkv import wkv_chunked, wkv_sequential
 
 # tiny tensors: one intra-op thread avoids OpenMP stalls on a busy machine
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from models import load_model
-from models import rwkv as R
 from models.backbone import LanguageModel, ModelConfig
-from models.hf_rwkv import FastRwkv
+from models.checkpoints.hf_rwkv import rwkv_from_transformers
+from models.mixers import rwkv as R
+from models.mixers.rwkv import FastRwkv, wkv_chunked, wkv_sequential
 from models.nll import per_token_nll
-from models.rwkv import wkv_chunked, wkv_sequential
 
 # tiny tensors: one intra-op thread avoids OpenMP stalls on a busy machine
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -107,7 +107,7 @@ def tiny_hf_rwkv(rescale_every: int = 0, seed: int = 0):
 
 def test_ours_equals_transformers_rwkv_on_the_same_weights():
     hf = tiny_hf_rwkv()
-    ours = FastRwkv.from_transformers(hf)
+    ours = rwkv_from_transformers(hf)
     ids = torch.randint(0, 300, (2, 50))
     with torch.no_grad():
         ref = hf(ids).logits
@@ -126,7 +126,7 @@ def test_transformers_inference_rescaling_is_undone():
     with torch.no_grad():
         ref = hf(ids).logits  # the first eval forward rescales the weights in place
         assert hf.rwkv.layers_are_rescaled
-        ours = FastRwkv.from_transformers(hf)(ids)
+        ours = rwkv_from_transformers(hf)(ids)
     # same function up to LayerNorm's epsilon acting on a hidden state halved per layer
     torch.testing.assert_close(ours, ref, atol=5e-3, rtol=5e-3)
 

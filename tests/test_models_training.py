@@ -7,9 +7,9 @@ import torch
 
 from models import load_model
 from models.backbone import LanguageModel, ModelConfig
-from models.native import save_native
+from models.checkpoints.native import save_native
+from models.mixers.rwkv import wkv_chunked, wkv_sequential
 from models.nll import per_token_nll
-from models.rwkv import wkv_chunked, wkv_sequential
 
 # tiny tensors: one intra-op thread avoids OpenMP stalls on a busy machine
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

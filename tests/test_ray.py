@@ -346,7 +346,7 @@ def eval_inputs(tmp_path_factory, bpe_tokenizer, bpe_tokenizer_path, stdlib_text
     import torch
 
     from models.backbone import LanguageModel, ModelConfig
-    from models.native import save_native
+    from models.checkpoints.native import save_native
 
     root = tmp_path_factory.mktemp("eval")
     info = describe(bpe_tokenizer, "bpe")

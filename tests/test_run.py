@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from ar_slicing.errors import ArSliceError, BadInput
 from ar_slicing.io import read_json
-from models.loaders import parse_spec
+from models.checkpoints.registry import parse_spec
 from pipeline.config import printing_summaries
 from pipeline.run import (
     STAGES,

@@ -157,7 +157,7 @@ def tiny_config(stores, out, **overrides) -> TrainConfig:
 def test_training_learns_and_the_checkpoint_reproduces_the_validation_loss(stores, tmp_path):
     import torch
 
-    from models.loaders import load_model
+    from models.checkpoints.registry import load_model
     from pipeline.train import sequence_loss
 
     cfg = tiny_config(stores, tmp_path / "attention")

@@ -71,7 +71,7 @@ def with_config_changed(loaded, **change):
     import dataclasses
 
     from models.backbone import LanguageModel
-    from models.loaders import wrap_language_model
+    from models.checkpoints.registry import wrap_language_model
 
     model = LanguageModel(dataclasses.replace(loaded.model.config, **change)).eval()
     model.load_state_dict(loaded.model.state_dict())

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 def validate_eval(cfg: EvalConfig) -> None:
-    from models.loaders import parse_spec
+    from models.checkpoints.registry import parse_spec
 
     parse_spec(cfg.model)
     if cfg.chunk_windows < 1:
@@ -40,7 +40,7 @@ def validate_eval(cfg: EvalConfig) -> None:
 def eval_inputs(cfg: EvalConfig) -> list[tuple[str, str]]:
     """What the evaluation reads: the tags, the store (when given), the checkpoint when it is a
     local one, and its model config."""
-    from models.loaders import spec_path
+    from models.checkpoints.registry import spec_path
 
     model = spec_path(cfg.model)
     return [
@@ -142,7 +142,7 @@ def describe_settings(settings: dict) -> str:
 def run_eval(cfg: EvalConfig) -> dict:
     """Evaluate `cfg.model` on the windows of `cfg.tags`; write losses and meta.json to `cfg.out`."""
     from ar_slicing.plan import StagePlan, identity, open_stage
-    from models.loaders import spec_identity
+    from models.checkpoints.registry import spec_identity
 
     t0 = time.time()
     validate_eval(cfg)

@@ -100,7 +100,7 @@ def _train(stage, cfg: TrainConfig, device: str, dtype: str, t0: float) -> dict:
     import torch
     from tqdm.auto import tqdm
 
-    from models.native import save_native
+    from models.checkpoints.native import save_native
     from models.precision import autocast
 
     out = stage.out

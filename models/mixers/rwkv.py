@@ -16,6 +16,11 @@ The WKV of channel d at time t, with w = exp(time_decay) > 0 and u = time_first:
     wkv_t = (sum_{i<t} e^{k_i - (t-1-i) w} v_i + e^{u + k_t} v_t)
           / (sum_{i<t} e^{k_i - (t-1-i) w}     + e^{u + k_t})
 
+`FastRwkv` is transformers' `RwkvForCausalLM` (e.g. RWKV-4-Pile) over these mixers, with its module
+names (`rwkv.embeddings`, `rwkv.blocks.{i}.{pre_ln,ln1,ln2,attention,feed_forward}`, `rwkv.ln_out`,
+`head`), as models/mixers/mamba.py holds mamba_ssm's LM; models/checkpoints/hf_rwkv.py fills it
+from a loaded transformers model.
+
 (Longer than the other mixer files on purpose: one file per mixer, and the WKV's inference
 forms, its exact fallback and the recurrence they are checked against belong together.)
 """
@@ -30,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.options import options_from
+from models.mixers.base import Mixer, StateMixer
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +103,7 @@ def _wkv_log_matrix(time_decay, time_first, k, v, chunk_size: int = 16):
     if pad:  # padding goes after the last token, so it never reaches a real output
         k, v = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
     k = k.view(B, N, C, D)  # (B, N, C, D)
-    v = v.view(B, N, C, D)
+    v = v.view(B, N, C, D)  # (B, N, C, D)
 
     # 1. each chunk on its own: rows j attend to i <= j inside the chunk
     bias = _intra_chunk_bias(w, u, C)  # (C, C, D)
@@ -142,7 +147,7 @@ def _wkv_log_matrix(time_decay, time_first, k, v, chunk_size: int = 16):
     M = torch.maximum(m_in, sl)
     e_in, e_st = torch.exp(m_in - M), torch.exp(sl - M)
     out = (e_in * num_in + e_st * a0) / (e_in * den_in + e_st * b0)
-    return out.view(B, N * C, D)[:, :T]
+    return out.view(B, N * C, D)[:, :T]  # (B, T, D)
 
 
 def _wkv_factorised(time_decay, time_first, k, v, C: int):
@@ -164,7 +169,7 @@ def _wkv_factorised(time_decay, time_first, k, v, C: int):
         k = F.pad(k, (0, 0, 0, pad), value=-1e4)
         v = F.pad(v, (0, 0, 0, pad))
     k = k.view(B, N, C, D)  # (B, N, C, D)
-    v = v.view(B, N, C, D)
+    v = v.view(B, N, C, D)  # (B, N, C, D)
     j = torch.arange(C, device=k.device, dtype=f64)[:, None]  # (C, 1) position inside the chunk
     ek = torch.exp(k + j * w)  # (B, N, C, D): e^{k_i + i w}
     ekv = ek * v
@@ -196,7 +201,7 @@ def _wkv_factorised(time_decay, time_first, k, v, C: int):
     bonus = ek * torch.exp(u - j * w)  # (B, N, C, D): the current token's e^{u + k_j}
     num = torch.addcmul(cum_kv * decay_to_row, bonus, v)
     den = torch.addcmul(bonus, cum_k, decay_to_row)
-    return (num / den).view(B, N * C, D)[:, :T].float()
+    return (num / den).view(B, N * C, D)[:, :T].float()  # (B, T, D)
 
 
 # Fast fp32 paths (inference). Everything below runs in base 2: exp2 is several times cheaper than
@@ -281,7 +286,7 @@ def _wkv_chunks_fp32(w64, u64, k, v, out, C: int, block_elements: int = _BLOCK_E
         if st is not None:  # keep the carried state's scale below the shift as well
             s = torch.maximum(s, sp + torch.log2(st[1]) - (Cb + 1) / 2 * w2)
         kj = kb.view(B, nb, Cb, D).permute(2, 0, 1, 3)  # (Cb, B, nb, D)
-        vj = v[:, t0:t1].view(B, nb, Cb, D).permute(2, 0, 1, 3)
+        vj = v[:, t0:t1].view(B, nb, Cb, D).permute(2, 0, 1, 3)  # (Cb, B, nb, D)
         X = torch.empty(Cb, 2, B, nb, D, device=dev)  # [:, 0] E v, [:, 1] E
         E = X[:, 1]
         torch.add(-s[:, None, :], kj, alpha=_LOG2E, out=E)  # (k - s) in log2 units
@@ -395,7 +400,7 @@ def _wkv_fast(time_decay, time_first, k, v, C: int):
             part = out[..., g]
         else:  # scattered or narrow rows: copy them, with the batch folded into the channels
             # ((B, T, Dg) -> (1, T, B Dg)) so that every vector pass runs over long rows
-            kg = kg.transpose(0, 1).reshape(1, T, B * Dg)
+            kg = kg.transpose(0, 1).reshape(1, T, B * Dg)  # (1, T, B Dg)
             vg = vg.transpose(0, 1).reshape(1, T, B * Dg)
             wg, ug = wg.repeat(B), ug.repeat(B)
             part = torch.empty_like(kg)
@@ -404,8 +409,8 @@ def _wkv_fast(time_decay, time_first, k, v, C: int):
         else:
             good = _wkv_chunks_fp32(wg, ug, kg, vg, part, size)
         if not in_place:
-            out[..., g] = part.view(T, B, Dg).transpose(0, 1)
-            good = good.view(B, Dg).all(0)
+            out[..., g] = part.view(T, B, Dg).transpose(0, 1)  # (B, T, Dg)
+            good = good.view(B, Dg).all(0)  # (Dg,)
         ok[g] = good
     bad = ~ok
     if bool(bad.any()):
@@ -458,6 +463,18 @@ def _time_shift(x: torch.Tensor) -> torch.Tensor:
     return F.pad(x, (0, 0, 1, -1))
 
 
+def _depth_ratios(layer_idx: int | None, n_layers: int) -> tuple[float, float]:
+    """RWKV-4's initialisation ratios of a layer (as in Zoology / BlinkDL): one rises from 0 at
+    the first layer to 1 at the last, the other falls from 1 towards 0."""
+    layer = layer_idx or 0
+    return layer / max(1, n_layers - 1), 1.0 - layer / n_layers
+
+
+def _channel_ramp(d_model: int) -> torch.Tensor:
+    """(1, 1, D): channel i at i / D, the base of the token-shift mixing ratios `time_mix_*`."""
+    return (torch.arange(d_model, dtype=torch.float32) / d_model)[None, None]
+
+
 @dataclass
 class RWKVTimeMixerOptions:
     d_attn: int | None = None  # attention width; None = d_model, as in RWKV-4
@@ -469,36 +486,25 @@ class RWKVTimeMixerOptions:
             raise ValueError(f"mode {self.mode!r}: choose chunked or sequential")
 
 
-class RWKVTimeMixer(nn.Module):
+class RWKVTimeMixer(Mixer):
     """RWKV-4 time mixing: token shift, k/v/r projections, WKV, `output(sigmoid(r) ⊙ wkv)`."""
 
     Options = RWKVTimeMixerOptions
+    mixer_name = "rwkv"
 
-    def __init__(
-        self,
-        d_model: int,
-        l_max: int | None = None,
-        layer_idx: int | None = None,
-        n_layers: int = 2,  # the initialisation depends on the depth
-        **options,
-    ):
-        super().__init__()
-        opts = options_from(RWKVTimeMixerOptions, options, "sequence mixer 'rwkv'")
-        layer = layer_idx or 0
+    def build(self, opts: RWKVTimeMixerOptions) -> None:
+        d_model = self.d_model
         d_attn = opts.d_attn or d_model
-        self.layer_idx = layer_idx
-        self.l_max = l_max
         self.chunk_size = opts.chunk_size
         self.mode = opts.mode
+        ratio_0_to_1, ratio_1_to_almost0 = _depth_ratios(self.layer_idx, self.n_layers)
         with torch.no_grad():  # RWKV-4's initialisation (as in Zoology / BlinkDL)
-            ratio_0_to_1 = layer / max(1, n_layers - 1)
-            ratio_1_to_almost0 = 1.0 - layer / n_layers
             h = torch.arange(d_attn, dtype=torch.float32)
             decay_speed = -5 + 8 * (h / max(1, d_attn - 1)) ** (0.7 + 1.3 * ratio_0_to_1)
             self.time_decay = nn.Parameter(decay_speed)
             zigzag = torch.tensor([(i + 1) % 3 - 1 for i in range(d_attn)]) * 0.5
             self.time_first = nn.Parameter(torch.ones(d_attn) * math.log(0.3) + zigzag)
-            x = (torch.arange(d_model, dtype=torch.float32) / d_model)[None, None]  # (1, 1, D)
+            x = _channel_ramp(d_model)  # (1, 1, D)
             self.time_mix_k = nn.Parameter(x.pow(ratio_1_to_almost0))
             self.time_mix_v = nn.Parameter(x.pow(ratio_1_to_almost0) + 0.3 * ratio_0_to_1)
             self.time_mix_r = nn.Parameter(x.pow(0.5 * ratio_1_to_almost0))
@@ -524,27 +530,19 @@ class RWKVChannelMixerOptions:
     d_hidden: int | None = None  # None = 4 d_model, as in RWKV-4
 
 
-class RWKVChannelMixer(nn.Module):
+class RWKVChannelMixer(StateMixer):
     """RWKV-4 channel mixing: `sigmoid(receptance(xr)) ⊙ value(relu(key(xk))^2)` (Zoology's
     `RWKVStateMixer`)."""
 
     Options = RWKVChannelMixerOptions
+    mixer_name = "rwkv"
 
-    def __init__(
-        self,
-        d_model: int,
-        l_max: int | None = None,
-        layer_idx: int | None = None,
-        n_layers: int = 2,  # the initialisation depends on the depth
-        **options,
-    ):
-        super().__init__()
-        opts = options_from(RWKVChannelMixerOptions, options, "state mixer 'rwkv'")
-        layer = layer_idx or 0
+    def build(self, opts: RWKVChannelMixerOptions) -> None:
+        d_model = self.d_model
         d_hidden = opts.d_hidden or 4 * d_model
+        _, ratio_1_to_almost0 = _depth_ratios(self.layer_idx, self.n_layers)
         with torch.no_grad():
-            ratio_1_to_almost0 = 1.0 - layer / n_layers
-            x = (torch.arange(d_model, dtype=torch.float32) / d_model)[None, None]  # (1, 1, D)
+            x = _channel_ramp(d_model)  # (1, 1, D)
             self.time_mix_k = nn.Parameter(x.pow(ratio_1_to_almost0))
             self.time_mix_r = nn.Parameter(x.pow(ratio_1_to_almost0))
         self.key = nn.Linear(d_model, d_hidden, bias=False)
@@ -559,3 +557,65 @@ class RWKVChannelMixer(nn.Module):
 
 
 RWKVStateMixer = RWKVChannelMixer  # Zoology's name
+
+
+class FastRwkvBlock(nn.Module):
+    def __init__(self, d_model, d_attn, d_hidden, layer_id, n_layers, eps, chunk_size):
+        super().__init__()
+        self.layer_id = layer_id
+        if layer_id == 0:
+            self.pre_ln = nn.LayerNorm(d_model, eps=eps)
+        self.ln1 = nn.LayerNorm(d_model, eps=eps)
+        self.ln2 = nn.LayerNorm(d_model, eps=eps)
+        self.attention = RWKVTimeMixer(
+            d_model, layer_idx=layer_id, n_layers=n_layers, d_attn=d_attn, chunk_size=chunk_size
+        )
+        self.feed_forward = RWKVChannelMixer(
+            d_model, layer_idx=layer_id, n_layers=n_layers, d_hidden=d_hidden
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layer_id == 0:
+            x = self.pre_ln(x)
+        x = x + self.attention(self.ln1(x))
+        return x + self.feed_forward(self.ln2(x))
+
+
+class FastRwkvModel(nn.Module):
+    def __init__(self, config, chunk_size: int = 16):
+        super().__init__()
+        self.rescale_every = config.rescale_every
+        d, n_layers = config.hidden_size, config.num_hidden_layers
+        d_attn = config.attention_hidden_size or d
+        d_hidden = config.intermediate_size or 4 * d
+        self.embeddings = nn.Embedding(config.vocab_size, d)
+        self.blocks = nn.ModuleList(
+            FastRwkvBlock(d, d_attn, d_hidden, i, n_layers, config.layer_norm_epsilon, chunk_size)
+            for i in range(n_layers)
+        )
+        self.ln_out = nn.LayerNorm(d)  # transformers builds ln_out with the default epsilon
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embeddings(input_ids)  # (B, T, D)
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if self.rescale_every > 0 and (i + 1) % self.rescale_every == 0:
+                x = x / 2  # transformers' inference rescaling (the weights are rescaled to match)
+        return self.ln_out(x)
+
+
+class FastRwkv(nn.Module):
+    """`RwkvForCausalLM`'s function with the chunked WKV, for a transformers `RwkvConfig`
+    (filled by models.checkpoints.hf_rwkv.rwkv_from_transformers)."""
+
+    def __init__(self, config, chunk_size: int = 16):
+        super().__init__()
+        self.config = config
+        self.rwkv = FastRwkvModel(config, chunk_size)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def hidden_and_head(self, input_ids: torch.Tensor):
+        return self.rwkv(input_ids), self.head.weight, None
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rwkv(input_ids))  # (B, T, V) logits

@@ -33,6 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from ar_slicing.errors import ArSliceError
+from models.checkpoints.registry import (
+    LoadedModel,
+    LoadRequest,
+    loaded_language_model,
+    register_loader,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +73,7 @@ _MIXER_MUST_BE = {
 
 def find_files(target: str | Path) -> tuple[Path, Path | None]:
     """(weights file, config file or None) for a checkpoint path or directory."""
-    from models.checkpoint_io import find_weights_file
+    from models.checkpoints.io import find_weights_file
 
     weights_file = find_weights_file(Path(target), "zoology")
     folder = weights_file.parent
@@ -202,7 +208,7 @@ def load_zoology(target: str | Path, model_config: str | Path | None = None):
     """(LanguageModel with the checkpoint's weights, directory to look for a tokenizer in, the
     settings used). `model_config`: a config file to use instead of the one found."""
     from models.backbone import LanguageModel
-    from models.checkpoint_io import (
+    from models.checkpoints.io import (
         load_state_dict_checked,
         read_checkpoint,
         read_config_file,
@@ -233,3 +239,9 @@ def load_zoology(target: str | Path, model_config: str | Path | None = None):
     tied = ("lm_head.weight",) if config.tie_word_embeddings else ()
     load_state_dict_checked(model, state, source=str(weights_file), tied=tied)
     return model, weights_file.parent, {"config": source, **layout}
+
+
+@register_loader("zoology", order=2, model_config=True)
+def load_spec(request: LoadRequest) -> LoadedModel:
+    model, tokenizer_dir, settings = load_zoology(request.target, request.model_config)
+    return loaded_language_model(model, request, tokenizer_dir, settings)

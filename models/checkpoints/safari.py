@@ -8,7 +8,7 @@ Names and gating. safari's `ConvLMHeadModel` names its blocks `backbone.layers.{
 `.mlp.fc1/fc2` (flash-attn `Block`, tanh-GELU `Mlp`); this project (and Zoology) use
 `sequence_mixer` and `state_mixer`. safari's `HyenaOperator` splits the short-filtered `in_proj`
 output into `(x0, x1, v)` and computes `x0 ⊙ h * (x1 ⊙ v)`: the *second* third gates before the
-long convolution and the *first* after it. Zoology's `Hyena` (models/hyena.py) splits into
+long convolution and the *first* after it. Zoology's `Hyena` (models/mixers/hyena.py) splits into
 `(x1, x2, v)` and computes `x2 ⊙ h * (x1 ⊙ v)`, so the first two d-row blocks of `in_proj` and
 `short_filter` are swapped on the way in. safari uses `layer_norm_epsilon` in every norm.
 
@@ -38,6 +38,12 @@ from pathlib import Path
 from typing import Any
 
 from ar_slicing.errors import ArSliceError
+from models.checkpoints.registry import (
+    LoadedModel,
+    LoadRequest,
+    loaded_language_model,
+    register_loader,
+)
 
 log = logging.getLogger(__name__)
 
@@ -328,8 +334,8 @@ def model_config_for(shapes: dict[str, int], settings: dict[str, Any]):
 
 def _weights_file(target: str, revision: str | None = None) -> Path:
     """The weights file a safari target names: a file, a directory with one, or a hub id (at
-    `revision`, a commit loaders.load_model resolved)."""
-    from models.checkpoint_io import find_weights_file
+    `revision`, a commit load_model resolved)."""
+    from models.checkpoints.io import find_weights_file
 
     path = Path(target).expanduser()
     if not path.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", target):
@@ -376,7 +382,7 @@ def load_safari(
     """(LanguageModel with the safari checkpoint's weights, directory to look for a tokenizer in,
     the settings used)."""
     from models.backbone import LanguageModel
-    from models.checkpoint_io import (
+    from models.checkpoints.io import (
         load_state_dict_checked,
         plain_config,
         read_checkpoint,
@@ -428,3 +434,11 @@ def load_safari(
         source,
     )
     return model, weights_file.parent, used
+
+
+@register_loader("safari", order=3, hub=True, model_config=True)
+def load_spec(request: LoadRequest) -> LoadedModel:
+    model, tokenizer_dir, settings = load_safari(
+        request.target, request.model_config, request.commit
+    )
+    return loaded_language_model(model, request, tokenizer_dir, settings)

@@ -3,7 +3,7 @@
 Parameter names follow state-spaces/mamba `mamba_ssm/modules/mamba_simple.py` (`in_proj`,
 `conv1d`, `x_proj`, `dt_proj`, `A_log`, `D`, `out_proj`), which transformers' `MambaMixer` shares;
 the LM follows `mamba_ssm/models/mixer_seq_simple.py` (`backbone.embedding`,
-`backbone.layers.{i}.norm` / `.mixer`, `backbone.norm_f`, `lm_head`). `models/mamba_ckpt.py`
+`backbone.layers.{i}.norm` / `.mixer`, `backbone.norm_f`, `lm_head`). `models/checkpoints/mamba_ssm.py`
 maps both published layouts onto these modules.
 
 The selective scan of channel d and state n, with Δ_t = softplus(dt_t) and A = -exp(A_log):
@@ -21,7 +21,7 @@ SiLU gate applied while the chunk is in cache), and the chunk's last state is ca
 next. The decays multiply the state as in the recurrence and never divide it: every factor is at
 most 1, so no decay, however fast, can overflow, and no channel needs an accuracy check or a
 fallback; the result is the recurrence's up to fp32 rounding (exp2 of Δ A log2(e) for exp of
-Δ A). Factorising a chunk's decays into prefix sums, as models/rwkv.py does for the WKV, would
+Δ A). Factorising a chunk's decays into prefix sums, as models/mixers/rwkv.py does for the WKV, would
 add a division and per-channel range checks to the same exp pass, and measured slower on a CPU.
 `selective_scan_sequential` is the plain recurrence (one step per token) the tests hold it to.
 """
@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from models.mixers.base import Mixer
 
 _LOG2E = 1.4426950408889634
 # elements of one (C, sequences, N, D) block of decays on a CPU: a few MB, so a chunk's passes
@@ -123,7 +125,7 @@ def _scan_in_chunks(u, delta, A, B, C, D, z, chunk_size, block_elements):
                 H[j].addcmul_(P[j], h)
                 h = H[j]
             # y_t = C_t . h_t for the whole chunk: (c g, 1, N) @ (c g, N, E), then D u and the gate
-            Ct = C[sl].transpose(0, 1).reshape(c * g, 1, N)
+            Ct = C[sl].transpose(0, 1).reshape(c * g, 1, N)  # (c g, 1, N)
             y = torch.bmm(Ct, H.view(c * g, N, E)).view(c, g, E).transpose(0, 1)  # (g, c, E)
             o = out[sl]
             if D is None:
@@ -135,43 +137,44 @@ def _scan_in_chunks(u, delta, A, B, C, D, z, chunk_size, block_elements):
     return out
 
 
-class MambaMixer(nn.Module):
+@dataclass
+class MambaMixerOptions:
+    d_state: int = 16  # N, the state size per channel (every published Mamba-1)
+    d_conv: int = 4  # width of the short causal convolution
+    expand: int = 2  # inner width E = expand * d_model
+    dt_rank: int | None = None  # None: ceil(d_model / 16), mamba_ssm's "auto"
+    conv_bias: bool = True
+    bias: bool = False  # in_proj / out_proj biases
+    chunk_size: int = 16  # tokens per chunk of the scan: 16 keeps a block in cache
+    mode: str = "chunked"  # or "sequential": the reference recurrence
+
+
+class MambaMixer(Mixer):
     """Mamba-1 mixer: in_proj -> causal depthwise conv + SiLU -> selective scan, gated by
     SiLU(z) -> out_proj (mamba_ssm `Mamba`, transformers `MambaMixer`)."""
 
-    def __init__(
-        self,
-        d_model: int,
-        l_max: int | None = None,
-        layer_idx: int | None = None,
-        d_state: int = 16,  # N, the state size per channel (every published Mamba-1)
-        d_conv: int = 4,  # width of the short causal convolution
-        expand: int = 2,  # inner width E = expand * d_model
-        dt_rank: int | None = None,  # None: ceil(d_model / 16), mamba_ssm's "auto"
-        conv_bias: bool = True,
-        bias: bool = False,  # in_proj / out_proj biases
-        chunk_size: int = 16,  # tokens per chunk of the scan: 16 keeps a block in cache
-        mode: str = "chunked",  # or "sequential": the reference recurrence
-        **kwargs,
-    ):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.l_max = l_max
+    Options = MambaMixerOptions
+    mixer_name = "mamba"
+
+    def build(self, opts: MambaMixerOptions) -> None:
+        d_model, d_state = self.d_model, opts.d_state
         self.d_state = d_state
-        self.d_inner = int(expand * d_model)
-        self.dt_rank = dt_rank or math.ceil(d_model / 16)
-        self.chunk_size = chunk_size
-        self.mode = mode
+        self.d_inner = int(opts.expand * d_model)
+        self.dt_rank = opts.dt_rank or math.ceil(d_model / 16)
+        self.chunk_size = opts.chunk_size
+        self.mode = opts.mode
         E = self.d_inner
-        self.in_proj = nn.Linear(d_model, 2 * E, bias=bias)
-        self.conv1d = nn.Conv1d(E, E, d_conv, groups=E, padding=d_conv - 1, bias=conv_bias)
+        self.in_proj = nn.Linear(d_model, 2 * E, bias=opts.bias)
+        self.conv1d = nn.Conv1d(
+            E, E, opts.d_conv, groups=E, padding=opts.d_conv - 1, bias=opts.conv_bias
+        )
         self.x_proj = nn.Linear(E, self.dt_rank + 2 * d_state, bias=False)
         self.dt_proj = nn.Linear(self.dt_rank, E, bias=True)
         # S4D-real initialisation, as mamba_ssm: A = -(1..N) for every channel
         A = torch.arange(1, d_state + 1, dtype=torch.float32).repeat(E, 1)  # (E, N)
         self.A_log = nn.Parameter(torch.log(A))
         self.D = nn.Parameter(torch.ones(E))
-        self.out_proj = nn.Linear(E, d_model, bias=bias)
+        self.out_proj = nn.Linear(E, d_model, bias=opts.bias)
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         T = x.shape[1]

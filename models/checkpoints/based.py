@@ -7,11 +7,11 @@ and for Based the Hydra specs `mixer` (every layer), `alt_mixer` (layers `alt_mi
 `alt_mixer_2` (layers `alt_mixer_2_layers`, checked first); a layer without a spec is flash-attn's
 `MHA` (Transformer++ has no spec at all). Both published layouts of the mixers are read:
 
-    based/models/mixers/convolution.py    BaseConv          -> models/base_conv.py GatedConv
+    based/models/mixers/convolution.py    BaseConv          -> models/mixers/base_conv.py GatedConv
     based/models/mixers/base_conv.py      BaseConvWithSiLU4 (key conv1) ditto
-    based/models/mixers/linear_attention.py LinearAttention -> models/linear_attention.py
+    based/models/mixers/linear_attention.py LinearAttention -> models/mixers/linear_attention.py
     based/models/mixers/linear_attn.py    LinearAttention   ditto
-    based/models/mixers/slide_attention.py SlidingAttention -> models/sliding_attention.py
+    based/models/mixers/slide_attention.py SlidingAttention -> models/mixers/sliding_attention.py
     based/models/mixers/slide_fa2.py      SlidingsMHA       ditto
 
 Upstream keys `transformer.{embeddings,layers.N.{mixer,mlp,norm1,norm2},ln_f}` become
@@ -30,6 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from ar_slicing.errors import ArSliceError
+from models.checkpoints.registry import (
+    LoadedModel,
+    LoadRequest,
+    checkpoint_format,
+    loaded_language_model,
+    register_loader,
+)
 
 log = logging.getLogger(__name__)
 
@@ -300,8 +307,8 @@ def normalized_config(raw: dict, source: str) -> dict:
 
 def is_based_config(cfg: dict) -> bool:
     """upstream's GPT2Config-style dict: GPT-2's keys and no transformers `model_type` (the
-    suite's Mamba, whose config carries `n_embd` too, is mamba_ssm's layout: models/mamba_ckpt)."""
-    from models.mamba_ckpt import is_mamba_ssm_config
+    suite's Mamba, whose config carries `n_embd` too, is mamba_ssm's layout: mamba_ssm.py)."""
+    from models.checkpoints.mamba_ssm import is_mamba_ssm_config
 
     if not isinstance(cfg, dict) or "model_type" in cfg or is_mamba_ssm_config(cfg):
         return False
@@ -429,7 +436,7 @@ def _check_inv_freq(model, stored: dict, source: str) -> None:
 
 def resolve_files(target: str, spec: str, revision: str | None = None) -> tuple[Path, Path]:
     """(config.json, weights file) of a local directory or, when none exists, a hub repo id (at
-    `revision`, a commit loaders.load_model resolved)."""
+    `revision`, a commit load_model resolved)."""
     path = Path(target).expanduser()
     if path.is_dir():
         folder = path
@@ -475,8 +482,8 @@ def load_based(
     `model_config`: a config.json to read instead of the published one (e.g. with `fla_version`)."""
     from ar_slicing.io import read_json
     from models.backbone import LanguageModel
-    from models.checkpoint_io import load_state_dict_checked, read_checkpoint, state_dict_from
-    from models.mamba_ckpt import is_mamba_ssm_config
+    from models.checkpoints.io import load_state_dict_checked, read_checkpoint, state_dict_from
+    from models.checkpoints.mamba_ssm import is_mamba_ssm_config
 
     config_file, weights_file = resolve_files(target, spec, revision)
     if model_config is not None:
@@ -486,7 +493,7 @@ def load_based(
     raw = read_json(config_file)
     if not isinstance(raw, dict):
         raise ArSliceError(f"{config_file}: expected a JSON object")
-    if is_mamba_ssm_config(raw):  # load_model reads these with models/mamba_ckpt
+    if is_mamba_ssm_config(raw):  # load_spec reads these with hf:'s loader
         raise ArSliceError(
             f"{config_file}: a mamba_ssm (Mamba) config, not Based or Transformer++; load it "
             "with models.load_model (hf: or based:)"
@@ -514,3 +521,19 @@ def describe(config) -> str:
 def architecture_of(config: Any) -> str:
     """The architecture a based: model records: "attention" for Transformer++, else "based"."""
     return "attention" if describe(config) == "attention" else "based"
+
+
+@register_loader("based", order=4, hub=True, model_config=True)
+def load_spec(request: LoadRequest) -> LoadedModel:
+    from models.checkpoints.mamba_ssm import is_mamba_ssm_config, read_config_json
+
+    # the suite's Mamba (hazyresearch/mamba-1.3b) is published in mamba_ssm's layout: read as
+    # the hf: format reads it (found by its prefix: hf.py imports this module for is_based_config)
+    if is_mamba_ssm_config(read_config_json(request.target, not request.is_hub, request.commit)):
+        return checkpoint_format("hf").load(request)
+    model, tokenizer_dir = load_based(
+        request.target, request.spec, request.model_config, request.commit
+    )
+    return loaded_language_model(
+        model, request, tokenizer_dir, architecture=architecture_of(model.config)
+    )

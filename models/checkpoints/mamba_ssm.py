@@ -1,4 +1,5 @@
-"""Mamba-1 checkpoints in their two published layouts, mapped onto models/mamba.py's `MambaLM`.
+"""Mamba-1 checkpoints in their two published layouts, mapped onto models/mixers/mamba.py's
+`MambaLM`.
 
 * transformers (`MambaForCausalLM`, `state-spaces/mamba-*-hf`): `mamba_from_transformers` copies a
   loaded model's weights (`backbone.embeddings` is our `backbone.embedding`; every other name is
@@ -58,7 +59,7 @@ def is_mamba_ssm_config(raw) -> bool:
 
 def read_mamba_ssm_config(raw: dict, source: str, chunk_size: int = 16):
     """mamba_ssm's config dict -> `MambaLMConfig`; refuses what `MambaLM` does not implement."""
-    from models.mamba import MambaLMConfig
+    from models.mixers.mamba import MambaLMConfig
 
     def refuse(what: str) -> ArSliceError:
         return ArSliceError(f"{source}: {what} is not implemented by this project's Mamba")
@@ -102,7 +103,7 @@ def read_mamba_ssm_config(raw: dict, source: str, chunk_size: int = 16):
 def mamba_ssm_state_dict(state: dict) -> dict:
     """A mamba_ssm state dict as `MambaLM` names it: Lightning's metric states dropped (counted),
     a shared `model.` prefix stripped."""
-    from models.checkpoint_io import strip_key_prefixes
+    from models.checkpoints.io import strip_key_prefixes
 
     metrics = [k for k in state if _METRIC_KEYS.match(k)]
     if metrics:
@@ -112,7 +113,7 @@ def mamba_ssm_state_dict(state: dict) -> dict:
 
 def _find_file(target: str, local: bool, names, revision: str | None = None) -> str | None:
     """The first of `names` in a local directory, or downloaded from the hub repo `target` (at
-    `revision`, a commit loaders.load_model resolved)."""
+    `revision`, a commit load_model resolved)."""
     for name in names:
         if local:
             if (Path(target) / name).is_file():
@@ -141,8 +142,8 @@ def load_mamba_ssm(
 
     Returns `MambaLM` in eval mode, or with `as_transformers` the same weights in transformers'
     `MambaForCausalLM` (its own forward: `--no-fast-path`)."""
-    from models.checkpoint_io import load_state_dict_checked, read_weights
-    from models.mamba import MambaLM
+    from models.checkpoints.io import load_state_dict_checked, read_weights
+    from models.mixers.mamba import MambaLM
 
     cfg = read_mamba_ssm_config(raw, spec)
     path = _find_file(target, local, WEIGHT_FILES, revision)
@@ -162,7 +163,7 @@ def _transformers_mamba(cfg, state: dict, source: str, tied):
     transformers' Mamba has no LayerNorm option)."""
     import transformers
 
-    from models.checkpoint_io import load_state_dict_checked
+    from models.checkpoints.io import load_state_dict_checked
 
     if not cfg.rms_norm:
         raise ArSliceError(
@@ -188,8 +189,8 @@ def _transformers_mamba(cfg, state: dict, source: str, tied):
 
 def mamba_from_transformers(hf_model, chunk_size: int = 16):
     """`MambaLM` with the weights of a loaded transformers `MambaForCausalLM`."""
-    from models.checkpoint_io import load_state_dict_checked
-    from models.mamba import MambaLM, MambaLMConfig
+    from models.checkpoints.io import load_state_dict_checked
+    from models.mixers.mamba import MambaLM, MambaLMConfig
 
     config = hf_model.config
     source = f"transformers {type(hf_model).__name__}"

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.options import options_from
+from models.mixers.base import Mixer
 
 FEATURE_MAPS = ("taylor_exp",)
 
@@ -82,24 +82,14 @@ class LinearAttentionOptions:
             )
 
 
-class LinearAttention(nn.Module):
+class LinearAttention(Mixer):
     """Based's Taylor linear attention: `num_heads` heads of `feature_dim` query/key features."""
 
     Options = LinearAttentionOptions
+    mixer_name = "linear_attention"
 
-    def __init__(
-        self,
-        d_model: int,
-        l_max: int | None = None,
-        layer_idx: int | None = None,
-        n_layers: int = 1,
-        **options,
-    ):
-        super().__init__()
-        opts = options_from(LinearAttentionOptions, options, "sequence mixer 'linear_attention'")
-        feature_dim, num_heads = opts.feature_dim, opts.num_heads
-        self.d_model = d_model
-        self.layer_idx = layer_idx
+    def build(self, opts: LinearAttentionOptions) -> None:
+        d_model, feature_dim, num_heads = self.d_model, opts.feature_dim, opts.num_heads
         self.feature_dim = feature_dim
         self.num_heads = num_heads
         self.head_dim = d_model // num_heads if opts.head_dim is None else opts.head_dim
@@ -115,7 +105,7 @@ class LinearAttention(nn.Module):
         B, T, _ = x.shape
         H = self.num_heads
         q = self.proj_q(x).view(B, T, H, self.feature_dim).transpose(1, 2)  # (B, H, T, d)
-        k = self.proj_k(x).view(B, T, H, self.feature_dim).transpose(1, 2)
+        k = self.proj_k(x).view(B, T, H, self.feature_dim).transpose(1, 2)  # (B, H, T, d)
         v = self.proj_v(x).view(B, T, H, self.head_dim).transpose(1, 2)  # (B, H, T, Dv)
         y = causal_taylor_attention(
             q.float(), k.float(), v.float(), self.scale_dim, self.eps, self.chunk_size

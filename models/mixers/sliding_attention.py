@@ -4,7 +4,7 @@ language models balance the recall-throughput tradeoff"; HazyResearch/based
 
 Each query sees itself and the `window` tokens before it. HazyResearch/based's `SlidingAttention`
 takes a `window_size` and hands flash-attn `window_size=(window_size // 2, 0)`, so its
-`window_size: 128` is `window = 64` here. Projections and rotary are those of `models.attention.MHA`
+`window_size: 128` is `window = 64` here. Projections and rotary are those of attention.py's `MHA`
 (`Wqkv`, `out_proj`, the same key names).
 
 The attention is computed block by block: queries in blocks of `block` positions, each block
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from models.attention import MHA, MHAOptions
+from models.mixers.attention import MHA, MHAOptions
 
 
 @dataclass
@@ -40,17 +40,10 @@ class SlidingWindowAttention(MHA):
     Options = SlidingWindowOptions
     mixer_name = "sliding_attention"
 
-    def __init__(
-        self,
-        d_model: int,
-        l_max: int | None = None,
-        layer_idx: int | None = None,
-        n_layers: int = 1,
-        **options,
-    ):
-        super().__init__(d_model, l_max=l_max, layer_idx=layer_idx, n_layers=n_layers, **options)
-        self.window = self.options.window
-        self.block = self.options.block
+    def build(self, opts: SlidingWindowOptions) -> None:
+        super().build(opts)
+        self.window = opts.window
+        self.block = opts.block
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         B, H, T, Dh = q.shape
@@ -62,7 +55,7 @@ class SlidingWindowAttention(MHA):
         q = F.pad(q, (0, 0, 0, pad_right)).view(B, H, n, S, Dh)  # (B, H, n, S, Dh)
         # keys of block b: absolute positions b*S - W .. b*S + S - 1 (left-padded with W zeros)
         k = F.pad(k, (0, 0, W, pad_right)).unfold(2, S + W, S).transpose(-1, -2)  # (B,H,n,S+W,Dh)
-        v = F.pad(v, (0, 0, W, pad_right)).unfold(2, S + W, S).transpose(-1, -2)
+        v = F.pad(v, (0, 0, W, pad_right)).unfold(2, S + W, S).transpose(-1, -2)  # (B,H,n,S+W,Dh)
         r = torch.arange(S, device=q.device)[:, None]  # query offset in its block
         c = torch.arange(S + W, device=q.device)[None, :]  # key offset in the block's keys
         start = torch.arange(n, device=q.device)[:, None, None] * S  # (n, 1, 1)
@@ -76,4 +69,4 @@ class SlidingWindowAttention(MHA):
             dropout_p=self.dropout if self.training else 0.0,
             scale=self.softmax_scale,
         )  # (B, H, n, S, Dh)
-        return y.reshape(B, H, n * S, Dh)[:, :, :T]
+        return y.reshape(B, H, n * S, Dh)[:, :, :T]  # (B, H, T, Dh)

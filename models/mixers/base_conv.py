@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.hyena import ImplicitFilter, PositionalEmbedding, fft_causal_conv
-from models.options import options_from
+from models.mixers.base import Mixer
+from models.mixers.hyena import ImplicitFilter, PositionalEmbedding, fft_causal_conv
 
 IMPLICIT_FILTERS = ("mlp", "hyena")
 
@@ -153,26 +153,16 @@ class BaseConvOptions:
         return int(self.kernel_size)
 
 
-class BaseConv(nn.Module):
+class BaseConv(Mixer):
     """`projection(u) ⊙ conv(u) + u` (optionally with SiLU on both factors)."""
 
     Options = BaseConvOptions
+    mixer_name = "base_conv"
 
-    def __init__(
-        self,
-        d_model: int,
-        l_max: int,
-        layer_idx: int | None = None,
-        n_layers: int = 1,
-        **options,
-    ):
-        super().__init__()
-        opts = options_from(BaseConvOptions, options, "sequence mixer 'base_conv'")
-        self.d_model = d_model
-        self.l_max = l_max
-        self.layer_idx = layer_idx
+    def build(self, opts: BaseConvOptions) -> None:
+        d_model, l_max = self.d_model, self.l_max
         self.use_act = opts.use_act
-        kernel_size = opts.kernel_size_of(layer_idx)
+        kernel_size = opts.kernel_size_of(self.layer_idx)
         self.projection = nn.Linear(d_model, d_model)
         if kernel_size == -1 and not opts.implicit_long_conv:
             self.conv = LongConvolution(d_model, l_max=l_max)
@@ -199,25 +189,16 @@ class GatedConvOptions:
     conv_bias: bool = False  # Based's convolution has none (its causal_conv1d path has one)
 
 
-class GatedConv(nn.Module):
+class GatedConv(Mixer):
     """Based's BaseConv: `out_proj(silu(conv(u1)) ⊙ u2)`, `(u1, u2) = in_proj(u)` split in halves."""
 
     Options = GatedConvOptions
+    mixer_name = "based_conv"
 
-    def __init__(
-        self,
-        d_model: int,
-        l_max: int | None = None,
-        layer_idx: int | None = None,
-        n_layers: int = 1,
-        **options,
-    ):
-        super().__init__()
-        opts = options_from(GatedConvOptions, options, "sequence mixer 'based_conv'")
+    def build(self, opts: GatedConvOptions) -> None:
+        d_model = self.d_model
         if opts.expand_proj * d_model % 2:
             raise ValueError(f"expand_proj {opts.expand_proj} x d_model {d_model} must be even")
-        self.d_model = d_model
-        self.layer_idx = layer_idx
         self.d_inner = opts.expand_proj * d_model // 2
         self.in_proj = nn.Linear(d_model, opts.expand_proj * d_model, bias=opts.bias)
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=opts.bias)

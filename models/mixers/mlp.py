@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.options import options_from
+from models.mixers.base import StateMixer
 
 ACTIVATIONS = {
     "gelu": F.gelu,  # Zoology's default (exact erf form)
@@ -38,49 +38,38 @@ class MLPOptions:
         get_activation(self.activation)
 
 
-class MLP(nn.Module):
+def hidden_width(d_model: int, opts: MLPOptions | SwiGLUOptions) -> int:
+    """The hidden width: `opts.hidden` when given, else `d_model * opts.hidden_mult`."""
+    return d_model * opts.hidden_mult if opts.hidden is None else opts.hidden
+
+
+class MLP(StateMixer):
     """`fc2(act(fc1(x)))` with hidden width `hidden`, or `d_model * hidden_mult` without one."""
 
     Options = MLPOptions
+    mixer_name = "mlp"
 
-    def __init__(
-        self,
-        d_model: int,
-        l_max: int | None = None,
-        layer_idx: int | None = None,
-        n_layers: int = 1,
-        **options,
-    ):
-        super().__init__()
-        opts = options_from(MLPOptions, options, "state mixer 'mlp'")
-        hidden = d_model * opts.hidden_mult if opts.hidden is None else opts.hidden
-        self.fc1 = nn.Linear(d_model, hidden)
-        self.fc2 = nn.Linear(hidden, d_model)
+    def build(self, opts: MLPOptions) -> None:
+        hidden = hidden_width(self.d_model, opts)
+        self.fc1 = nn.Linear(self.d_model, hidden)
+        self.fc2 = nn.Linear(hidden, self.d_model)
         self.act = get_activation(opts.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
 
 
-class GLU(nn.Module):
+class GLU(StateMixer):
     """Gated linear unit: `fc3(fc1(x) * act(fc2(x)))`."""
 
     Options = MLPOptions
+    mixer_name = "glu"
 
-    def __init__(
-        self,
-        d_model: int,
-        l_max: int | None = None,
-        layer_idx: int | None = None,
-        n_layers: int = 1,
-        **options,
-    ):
-        super().__init__()
-        opts = options_from(MLPOptions, options, "state mixer 'glu'")
-        hidden = d_model * opts.hidden_mult if opts.hidden is None else opts.hidden
-        self.fc1 = nn.Linear(d_model, hidden)
-        self.fc2 = nn.Linear(d_model, hidden)
-        self.fc3 = nn.Linear(hidden, d_model)
+    def build(self, opts: MLPOptions) -> None:
+        hidden = hidden_width(self.d_model, opts)
+        self.fc1 = nn.Linear(self.d_model, hidden)
+        self.fc2 = nn.Linear(self.d_model, hidden)
+        self.fc3 = nn.Linear(hidden, self.d_model)
         self.act = get_activation(opts.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,26 +84,18 @@ class SwiGLUOptions:
     fc2_bias: bool = True
 
 
-class SwiGLU(nn.Module):
+class SwiGLU(StateMixer):
     """`fc2(y ⊙ silu(gate))` with `(y, gate)` the two halves of `fc1(x)` (Shazeer, 2020; flash-attn
     `GatedMlp`, the MLP of HazyResearch/based's Based and Transformer++)."""
 
     Options = SwiGLUOptions
+    mixer_name = "swiglu"
 
-    def __init__(
-        self,
-        d_model: int,
-        l_max: int | None = None,
-        layer_idx: int | None = None,
-        n_layers: int = 1,
-        **options,
-    ):
-        super().__init__()
-        opts = options_from(SwiGLUOptions, options, "state mixer 'swiglu'")
-        hidden = d_model * opts.hidden_mult if opts.hidden is None else opts.hidden
-        self.fc1 = nn.Linear(d_model, 2 * hidden, bias=opts.fc1_bias)
-        self.fc2 = nn.Linear(hidden, d_model, bias=opts.fc2_bias)
+    def build(self, opts: SwiGLUOptions) -> None:
+        hidden = hidden_width(self.d_model, opts)
+        self.fc1 = nn.Linear(self.d_model, 2 * hidden, bias=opts.fc1_bias)
+        self.fc2 = nn.Linear(hidden, self.d_model, bias=opts.fc2_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, gate = self.fc1(x).chunk(2, dim=-1)  # each (B, T, hidden)
-        return self.fc2(y * F.silu(gate))
+        return self.fc2(y * F.silu(gate))  # (B, T, D)

@@ -1,4 +1,5 @@
-"""This project's own checkpoint format: `config.json` + `model.safetensors` (+ `tokenizer.json`).
+"""`native:<directory>`, this project's own checkpoint format: `config.json` + `model.safetensors`
+(+ `tokenizer.json`), as `arslice train` writes it.
 
 `save_native` writes the weights first and `config.json` last, each atomically, so a directory
 with a `config.json` is a complete checkpoint. A tied `lm_head.weight` is not stored twice
@@ -14,6 +15,12 @@ from pathlib import Path
 
 from ar_slicing.errors import ArSliceError
 from ar_slicing.io import atomic_path, read_json, write_json_atomic
+from models.checkpoints.registry import (
+    LoadedModel,
+    LoadRequest,
+    loaded_language_model,
+    register_loader,
+)
 
 FORMAT = "ar-slicing-native"
 FORMAT_VERSION = 2
@@ -61,7 +68,7 @@ def read_native_config(model_dir):
     if not path.is_file():
         raise ArSliceError(
             f"{path}: not found; a native checkpoint directory holds config.json and "
-            f"model.safetensors as written by models.native.save_native"
+            f"model.safetensors as written by models.checkpoints.native.save_native"
         )
     data = read_json(path)
     if data.get("format") != FORMAT or "model" not in data:
@@ -104,7 +111,7 @@ def load_native(model_dir, device="cpu", dtype=None):
     from safetensors.torch import load_file
 
     from models.backbone import LanguageModel
-    from models.checkpoint_io import load_state_dict_checked
+    from models.checkpoints.io import load_state_dict_checked
 
     model_dir = Path(model_dir)
     config = read_native_config(model_dir)
@@ -120,3 +127,13 @@ def load_native(model_dir, device="cpu", dtype=None):
     load_state_dict_checked(model, state, source=str(weights), tied=tied)
     model.eval()
     return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+
+
+@register_loader("native", order=5, identified_by_meta=True)
+def load_spec(request: LoadRequest) -> LoadedModel:
+    path = Path(request.target)
+    if not path.is_dir():
+        raise ArSliceError(
+            f"{request.spec}: {path} is not a directory (expected a native checkpoint dir)"
+        )
+    return loaded_language_model(load_native(path), request, tokenizer_dir=path)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.options import options_from
+from models.mixers.base import Mixer
 
 
 @dataclass
@@ -28,28 +28,16 @@ class MHAOptions:
     softmax_scale: float | None = None  # None: 1/sqrt(head_dim)
 
 
-class MHA(nn.Module):
+class MHA(Mixer):
     """Causal multi-head self-attention (Zoology `MHA`): `Wqkv` -> causal softmax attention -> `out_proj`."""
 
     Options = MHAOptions
     mixer_name = "attention"
 
-    def __init__(
-        self,
-        d_model: int,
-        l_max: int | None = None,
-        layer_idx: int | None = None,
-        n_layers: int = 1,
-        **options,
-    ):
-        super().__init__()
-        opts = options_from(self.Options, options, f"sequence mixer {self.mixer_name!r}")
+    def build(self, opts: MHAOptions) -> None:
+        d_model = self.d_model
         if d_model % opts.num_heads:
             raise ValueError(f"d_model {d_model} is not divisible by num_heads {opts.num_heads}")
-        self.options = opts
-        self.d_model = d_model
-        self.l_max = l_max
-        self.layer_idx = layer_idx
         self.num_heads = opts.num_heads
         self.head_dim = d_model // opts.num_heads
         self.dropout = opts.dropout
@@ -58,7 +46,7 @@ class MHA(nn.Module):
         self.out_proj = nn.Linear(d_model, d_model, bias=opts.out_proj_bias)
         self.rotary_emb = None
         if opts.rotary_emb_dim:
-            from models.rotary import RotaryEmbedding, rotated_channels
+            from models.mixers.rotary import RotaryEmbedding, rotated_channels
 
             if rotated_channels(opts.rotary_emb_dim) > self.head_dim:  # flash-attn asserts it
                 raise ValueError(

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.options import options_from
+from models.mixers.base import Mixer
 
 
 def fft_causal_conv(
@@ -190,25 +190,15 @@ class HyenaOptions:
         return {k: getattr(self, k) for k in names + decay}
 
 
-class Hyena(nn.Module):
+class Hyena(Mixer):
     """Order-2 Hyena: `out_proj(x2 ⊙ (h * (v ⊙ x1) + bias ⊙ (v ⊙ x1)))` with x1, x2, v the short-filtered
     thirds of `in_proj(u)` (Zoology's ordering: first third gates before the long convolution)."""
 
     Options = HyenaOptions
+    mixer_name = "hyena"
 
-    def __init__(
-        self,
-        d_model: int,
-        l_max: int,
-        layer_idx: int | None = None,
-        n_layers: int = 1,
-        **options,
-    ):
-        super().__init__()
-        opts = options_from(HyenaOptions, options, "sequence mixer 'hyena'")
-        self.d_model = d_model
-        self.l_max = l_max
-        self.layer_idx = layer_idx
+    def build(self, opts: HyenaOptions) -> None:
+        d_model = self.d_model
         self.in_proj = nn.Linear(d_model, 3 * d_model)
         self.out_proj = nn.Linear(d_model, d_model)
         k = opts.short_filter_order
@@ -216,7 +206,7 @@ class Hyena(nn.Module):
             3 * d_model, 3 * d_model, kernel_size=k, groups=3 * d_model, padding=k - 1
         )
         self.filter_fn = ImplicitFilter(
-            d_model, l_max, order=opts.filter_order, **opts.filter_kwargs()
+            d_model, self.l_max, order=opts.filter_order, **opts.filter_kwargs()
         )
         self.dropout = nn.Dropout(opts.dropout)
 
