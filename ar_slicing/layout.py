@@ -29,6 +29,8 @@ from pathlib import Path
 
 META_NAME = "meta.json"
 PLAN_NAME = ".plan.json"
+# the finished parts of an unfinished output (`ar_slicing.ledger`), folded into meta.json at the end
+LEDGER_NAME = ".ledger.jsonl"
 # a writer's lock (`ar_slicing.ownership`); beside a one-file output, `.<name>` + LOCK_NAME
 LOCK_NAME = ".arslice.lock"
 # Temporary names end so (`ar_slicing.io.tmp_path_for`); one sweep removes those a kill left.
@@ -74,6 +76,13 @@ STAGE_FILES: dict[str, tuple[str, ...]] = {
     "train": ("config.json", "model.safetensors", TOKENIZER_NAME, TRAIN_STATE_DIR + "/*"),
     "report": ("report.md", "report.html", "*.png", "*.csv"),
     "mqar": ("cells/*", "mqar.csv", "mqar.md", "mqar.png"),
+}
+# The folder of a stage's unfinished work (by the stage name of its plan): the parts the ledger
+# records there are dropped when the output is complete, and the folder with them.
+STAGE_WORK: dict[str, str] = {
+    "tokenize": STORE_WORK_DIR,
+    "count": COUNT_WORK_DIR,
+    "train": TRAIN_STATE_DIR,
 }
 # What `arslice run` writes at the top of a run directory besides the stage folders below.
 RUN_FILES = (

@@ -27,7 +27,6 @@ by `ar_slicing.counts.tasks`; `--only-bigrams-of` counts only the evaluated stor
 from __future__ import annotations
 
 import logging
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -246,7 +245,7 @@ def _count(
     import pyarrow.parquet  # noqa: F401  (here, so forked reduce workers inherit it loaded)
 
     executor = executor or LocalExecutor(workers)
-    args = (stores, work, row, shard_tokens, shift, executor, progress)
+    args = (stage, stores, work, row, shard_tokens, shift, executor, progress)
     restriction = {}
     if evaluated:
         from ar_slicing.counts.restricted import count_restricted_stores, restriction_of
@@ -278,9 +277,7 @@ def _count(
         **restriction,
         **done.get("meta", {}),
     )
-    meta = stage.finish(meta)
-    shutil.rmtree(work, ignore_errors=True)
-    return meta
+    return stage.finish(meta)  # (which drops the work folder)
 
 
 # ---- the command -------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import time
 from ar_slicing.errors import ArSliceError
 from ar_slicing.readers import check_sources, check_split_options, is_pretokenized
 from pipeline.config import Command, say
-from pipeline.tokenize.config import PARTS_DIR, PARTS_FORMAT, PLAN_KEYS, TokenizeConfig
+from pipeline.tokenize.config import PARTS_FORMAT, PLAN_KEYS, TokenizeConfig
 from pipeline.tokenize.imports import import_store, import_tokenizer_info
 from pipeline.tokenize.shards import load_tokenizer_info, source_identity
 from pipeline.tokenize.text import encode_store
@@ -80,8 +80,8 @@ def run_tokenize(cfg: TokenizeConfig) -> dict:
     if importing:
         with stage.running():
             return import_store(stage, cfg, tok, info, t0)
-    # a shard is finished when its docs part is there (the tokenizer copy alone is no work)
-    with stage.running(keep_if=lambda out: any((out / PARTS_DIR).rglob("*.docs.parquet"))):
+    # work is a shard the ledger holds (the tokenizer copy alone is no work)
+    with stage.running(keep_if=lambda out: bool(stage.ledger.parts)):
         return encode_store(stage, cfg, tok, info, t0)
 
 

@@ -1,5 +1,9 @@
 """What a training run is (its plan settings, checked before it starts), the model it builds and
-the periodic checkpoint under `OUT/.train-state/` that a killed run resumes from."""
+the periodic checkpoints under `OUT/.train-state/` that a killed run resumes from.
+
+A checkpoint is a part of the stage's ledger: `.train-state/step-<n>/` (model, optimizer,
+state.json) is written whole under a temporary name, recorded, and only then is the one before
+it removed, so a kill at any moment leaves a recorded checkpoint whole (or none yet)."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from ar_slicing.io import (
     write_json_atomic,
 )
 from pipeline.config import config_to_dict
-from pipeline.train.config import _RESUMABLE_CHANGES, TrainConfig
+from pipeline.train.config import _RESUMABLE_CHANGES, STATE_DIR, TrainConfig
 from pipeline.train.model import (
     model_config_for,
 )
@@ -59,8 +63,12 @@ def build_model(model_cfg, device: str):
         ) from None
 
 
+CHECKPOINT = "checkpoint"  # the ledger's names of checkpoints: "checkpoint <step>"
+
+
 def save_state(state_dir: Path, model, optimizer, step: int, extra: dict) -> None:
-    """Atomically replace the resumable checkpoint (model, optimizer, step) in `state_dir`."""
+    """Write the resumable checkpoint (model, optimizer, step) to the folder `state_dir`
+    atomically (replacing one there)."""
     import torch
     from safetensors.torch import save_model
 
@@ -85,3 +93,35 @@ def load_state(state_dir: Path, model, optimizer, device: str) -> dict | None:
         torch.load(state_dir / "optimizer.pt", map_location=device, weights_only=True)
     )
     return state
+
+
+def checkpoint(stage, model, optimizer, progress) -> None:
+    """Save the run's checkpoint at `progress.step` and record it in the stage's ledger, then
+    remove the checkpoints before it."""
+    from ar_slicing.ownership import remove_work
+
+    state_dir = stage.out / STATE_DIR / f"step-{progress.step:08d}"
+    save_state(state_dir, model, optimizer, progress.step, progress.saved())
+    files = ("model.safetensors", "optimizer.pt", "state.json")
+    stage.record(
+        f"{CHECKPOINT} {progress.step:08d}", [state_dir / f for f in files], step=progress.step
+    )
+    for old in state_dir.parent.glob("step-*"):
+        if old.name != state_dir.name:
+            remove_work(old)
+
+
+def resume(stage, model, optimizer, device: str):
+    """The `Progress` of the latest checkpoint the ledger holds, loaded into `model` and
+    `optimizer`; None when there is none (the run starts at step 0)."""
+    from pipeline.train.loop import Progress
+
+    steps = [
+        facts["step"]
+        for name in stage.ledger.parts
+        if name.startswith(CHECKPOINT) and (facts := stage.done(name)) is not None
+    ]
+    if not steps:
+        return None
+    state_dir = stage.out / STATE_DIR / f"step-{max(steps):08d}"
+    return Progress.from_saved(load_state(state_dir, model, optimizer, device))
