@@ -95,6 +95,10 @@ class Ledger:
             {name: json.loads(json.dumps(e, default=_plain)) for name, e in parts.items()}
         )
 
+    def files(self) -> list[str]:
+        """Every file the ledger records (relative paths), whether or not it is still there."""
+        return list(dict.fromkeys(rel for entry in self.parts.values() for rel in entry["files"]))
+
     def finished(self, exclude: str | None = None) -> dict[str, dict]:
         """The done parts ({name: entry}) with no file under the folder `exclude` (the stage's
         unfinished work, gone once it completes): what meta.json keeps of the ledger."""

@@ -229,13 +229,16 @@ def written_files(meta: Mapping | None) -> dict[str, int] | None:
     return None
 
 
-def stage_owns(stage: str, meta: Mapping | None = None) -> tuple[str, ...]:
+def stage_owns(
+    stage: str, meta: Mapping | None = None, recorded: Iterable[str] = ()
+) -> tuple[str, ...]:
     """What `stage` may keep in and remove from its output folder (as `owns` patterns): for a
     complete output whose `meta` records what it wrote, exactly those files (and the folder of
-    its unfinished work, which a kill after meta.json may have left); else `stage_patterns`."""
+    its unfinished work, which a kill after meta.json may have left); else `stage_patterns` and
+    the files its ledger `recorded`."""
     written = written_files(meta)
     if written is None:
-        return stage_patterns(stage, meta)
+        return (*stage_patterns(stage, meta), *map(glob.escape, recorded))
     work = STAGE_WORK.get(stage)
     return (*map(glob.escape, written), *([f"{work}/*"] if work else []))
 
@@ -364,12 +367,13 @@ RESOLVED_CONFIG_MARK = "by `arslice run`"  # on the first line of the config.tom
 
 def _stage_owns(folder: Path, stage: str) -> tuple[str, ...]:
     from ar_slicing.io import read_json
+    from ar_slicing.ledger import Ledger
 
     meta = None
     with contextlib.suppress(ArSliceError, OSError):
         if (folder / META_NAME).is_file():
             meta = read_json(folder / META_NAME)
-    return stage_owns(stage, meta)
+    return stage_owns(stage, meta, Ledger(folder).files())
 
 
 def run_outputs(layout: RunLayout) -> dict[Path, str]:

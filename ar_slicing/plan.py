@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import glob
 import hashlib
 import json
 import logging
@@ -245,6 +246,8 @@ class StageDir:
         if meta is not None:
             self._patterns = stage_patterns(self.plan["stage"], meta)
             self._owns = stage_owns(self.plan["stage"], meta)
+        elif not self.single_file:
+            self._owns = stage_owns(self.plan["stage"], None, self.ledger.files())
         self._refuse_foreign()
         if meta is not None:
             old = meta.get("plan")
@@ -369,7 +372,7 @@ class StageDir:
             self.ledger.write(kept)
         (self.out / META_NAME).unlink(missing_ok=True)
         self.meta = self._reopen = None
-        self._owns = self._patterns
+        self._owns = stage_owns(self.plan["stage"], None, self.ledger.files())
 
     # -- running -----------------------------------------------------------------------------
 
@@ -388,6 +391,7 @@ class StageDir:
         if self._clear:
             self._remove()
             self._owns = self._patterns
+            self._ledger = None  # (its file is gone with the rest)
         return made
 
     def _remove(self) -> None:
@@ -429,8 +433,9 @@ class StageDir:
         meta = {**meta, "plan": self.plan}
         if self._patterns:
             meta["owns"] = list(self._patterns)
-        meta["written"] = files_of(self.out, self._patterns, leave_out=work)
         kept = self.ledger.finished(exclude=work)
+        recorded = (glob.escape(rel) for part in kept.values() for rel in part["files"])
+        meta["written"] = files_of(self.out, (*self._patterns, *recorded), leave_out=work)
         if kept:
             meta["ledger"] = kept
         write_json_atomic(self.meta_path, meta)
