@@ -454,7 +454,8 @@ def rows_markdown(rows: list[dict]) -> str:
 
 def figure_png(rows: list[dict]) -> bytes:
     """Figure 2: accuracy vs model dimension, one panel per sequence length, one line per model."""
-    from pipeline.report.figures import _png, _pyplot
+    from pipeline.plotting import png_bytes as _png
+    from pipeline.plotting import pyplot as _pyplot
 
     plt = _pyplot()
     seq_lens = sorted({r["seq_len"] for r in rows})
