@@ -173,18 +173,6 @@ class RunLayout:
     def make_rules(self) -> Path:
         return self.settings_dir / MAKE_RULES_NAME
 
-    def markers(self, stage: str) -> list[Path]:
-        """The files that say `stage` of the pipeline is done (what the make targets name)."""
-        return {
-            "tokenizer": [self.tokenizer],
-            "tokenize": [self.store(p) / META_NAME for p in STORE_PARTS],
-            "count": [self.counts / META_NAME],
-            "tag": [self.tags / META_NAME],
-            "train": [self.models / META_NAME],
-            "eval": [self.losses_root / META_NAME],
-            "report": [self.report / META_NAME],
-        }[stage]
-
 
 def require_dir(path: str | os.PathLike, what: str) -> None:
     """Refuse `path`, given as the directory `what` ("run directory", "token store", ...), when

@@ -36,8 +36,9 @@ from ar_slicing.counts.keys import (
 )
 from ar_slicing.counts.tasks import count_full, stream_pairs
 from ar_slicing.errors import BadInput
-from ar_slicing.layout import COUNT_WORK_DIR
+from ar_slicing.layout import COUNT_WORK_DIR, STORE_PARTS
 from pipeline.config import Command, config_to_dict, ray_address_option, say
+from pipeline.wiring import COUNTS, STORES, Run, Table, Wiring
 
 log = logging.getLogger(__name__)
 
@@ -385,6 +386,16 @@ def _run_import(cfg: CountConfig) -> dict:
     return meta
 
 
+def _defaults(run: Run, table: Table) -> dict:
+    """The run's training store; `only_bigrams_of = ["val"]` names its validation store."""
+    if table.values.get("only_bigrams_of"):
+        table.values["only_bigrams_of"] = [
+            str(run.layout.store(s)) if s in STORE_PARTS else s
+            for s in table.values["only_bigrams_of"]
+        ]
+    return {"tokens": [run.layout.store("train")], "out": run.layout.counts}
+
+
 COMMAND = Command(
     CountConfig,
     run_count,
@@ -399,6 +410,7 @@ COMMAND = Command(
   arslice count --tokens runs/pythia/tokens/train --unit row:2049 --workers 16 --out runs/pythia/counts
   arslice count --import pile_bigrams/*.parquet --tokenizer EleutherAI/gpt-neox-20b --unit row:2048 --out runs/pythia/counts  # needs the hub
   arslice count --tokens /shared/pile/tokens/train --out /shared/pile/counts --executor ray --ray-address auto  # needs a Ray cluster""",
+    pipeline=Wiring(table="count", reads=(STORES,), writes=COUNTS, defaults=_defaults),
 )
 
 

@@ -610,6 +610,7 @@ def mqar_results(out_dir: str | Path) -> MqarResults | None:
 COMMAND = Command(
     MqarConfig,
     run_mqar,
+    plan_settings=cell_settings,
     summary="Zoology's multi-query associative recall probe (Figure 2)",
     examples="""\
   arslice mqar --out runs/demo/mqar                       # the full sweep (make mqar)

@@ -31,6 +31,7 @@ from ar_slicing.errors import ArSliceError
 from ar_slicing.io import read_json
 from ar_slicing.layout import META_NAME, TAG_PART
 from pipeline.config import Command, say
+from pipeline.wiring import COUNTS, STORES, TAGS, Wiring
 
 log = logging.getLogger(__name__)
 
@@ -544,11 +545,21 @@ COMMAND = Command(
     validate=validate_tag,
     plan_settings=tag_settings,
     inputs=lambda cfg: [("--tokens", cfg.tokens), ("--counts", cfg.counts)],
-    summary="evaluation windows, in-context repeats, AR hits and copy lengths",
+    summary="evaluation windows, in-context repeats and AR hits",
     examples="""\
   arslice tag --tokens runs/pile/tokens/val --counts runs/pile/counts --out runs/pile/tags
   arslice tag --tokens runs/pile/tokens/val --counts runs/pile/counts --out runs/pile/tags-doc \\
       --reset-at-doc-boundary --threshold 1250 --window 2048
   arslice tag --tokens runs/pile/tokens/val --counts runs/pile/counts --out runs/pile/tags-k8 \
       --span-order 8""",
+    pipeline=Wiring(
+        table="tag",
+        reads=(STORES, COUNTS),
+        writes=TAGS,
+        defaults=lambda run, table: {
+            "tokens": run.layout.store("val"),
+            "counts": run.layout.counts,
+            "out": run.layout.tags,
+        },
+    ),
 )

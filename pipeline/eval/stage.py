@@ -18,6 +18,8 @@ from pipeline.eval.config import EvalConfig
 from pipeline.eval.forward import resolve_batch_size
 from pipeline.eval.inputs import TagsInput, chunk_bounds, model_name_from_spec, open_tags
 from pipeline.eval.output import ChunkEvaluator, chunk_path
+from pipeline.eval.wiring import defaults, eval_hub_names, evaluated_models, losses_entry
+from pipeline.wiring import LOSSES, MODELS, TAGS, Wiring
 
 log = logging.getLogger(__name__)
 
@@ -416,4 +418,13 @@ COMMAND = Command(
   arslice eval --model hf:EleutherAI/pythia-160m@step3000 --tags runs/pile/tags --out runs/pile/losses/pythia-160m-step3000  # needs the hub
   arslice eval --model hf:meta-llama/Llama-2-7b-hf --tags runs/llama/tags --out runs/llama/losses/llama-harness --windowing rolling --harness-bos  # needs the hub
   arslice eval --model safari:hyena-small-150b-tok.ckpt --model-config safari/configs/evals/hyena_small_150b.yaml --tags runs/pile/tags --out runs/pile/losses/hyena  # needs a published checkpoint""",
+    hub_names=eval_hub_names,
+    pipeline=Wiring(
+        table="eval",
+        reads=(TAGS, MODELS),
+        writes=LOSSES,
+        fan_out=evaluated_models,
+        defaults=defaults,
+        entry=losses_entry,
+    ),
 )

@@ -8,6 +8,7 @@ import time
 
 from ar_slicing.errors import ArSliceError
 from ar_slicing.io import build_meta, write_bytes_atomic
+from ar_slicing.layout import RunLayout
 from pipeline.config import Command, config_to_dict, say
 from pipeline.mqar import mqar_results
 from pipeline.report.config import QUERY_TABLES, ReportConfig
@@ -25,6 +26,7 @@ from pipeline.report.tables import (
     table1_text,
     write_csv,
 )
+from pipeline.wiring import LOSSES, REPORT, TAGS, Wiring
 
 log = logging.getLogger(__name__)
 
@@ -261,4 +263,11 @@ COMMAND = Command(
   arslice report --run runs/pile
   arslice report --run runs/pile --reference pythia-160m --bootstrap 2000 --seed 1
   arslice report --run runs/demo --bootstrap 0 --overwrite""",
+    pipeline=Wiring(
+        table="report",
+        reads=(TAGS, LOSSES),
+        writes=REPORT,
+        defaults=lambda run, table: {"run": run.layout.run_dir},
+        output_of=lambda cfg: RunLayout(cfg.run).report,
+    ),
 )

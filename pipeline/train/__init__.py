@@ -53,6 +53,7 @@ from pipeline.train.schedule import (  # noqa: F401  (re-exported)
     learning_rate,
     validation_rows,
 )
+from pipeline.train.side_by_side import SIDE_BY_SIDE_KEY, run_models
 from pipeline.train.state import (  # noqa: F401  (re-exported)
     build_model,
     checkpoint,
@@ -62,6 +63,7 @@ from pipeline.train.state import (  # noqa: F401  (re-exported)
     train_settings,
     validate_train,
 )
+from pipeline.wiring import MODELS, STORES, Run, Table, Wiring, per_model
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +181,31 @@ def _train_meta(cfg, inputs: TrainInputs, model_cfg, n_params, progress, start_s
     )
 
 
+# ---- in a pipeline config: [train] and [train.models.<name>] -----------------------------------
+
+
+def _defaults(run: Run, table: Table) -> dict:
+    return {
+        "tokens": run.layout.store("train"),
+        "val_tokens": run.layout.store("val"),
+        "out": run.layout.model(table.name),
+    }
+
+
+def model_entry(name: str, out: Path, meta: dict) -> dict:
+    """A trained model in `models/meta.json`: where it is, its spec, and how it went."""
+    keep = (
+        "arch",
+        "n_params",
+        "tokens_seen",
+        "epochs",
+        "final_train_loss",
+        "final_val_loss",
+        "wall_time_s",
+    )
+    return {"dir": str(out), "spec": f"native:{out}", **{k: meta.get(k) for k in keep}}
+
+
 COMMAND = Command(
     TrainConfig,
     train,
@@ -190,4 +217,14 @@ COMMAND = Command(
       --out runs/demo/models/attention --d-model 128 --n-layers 4 --steps 600
   arslice train --arch hyena --tokens runs/demo/tokens/train --out runs/demo/models/hyena \\
       --mixer-options filter_order=32""",
+    pipeline=Wiring(
+        table="train",
+        reads=(STORES,),
+        writes=MODELS,
+        fan_out=per_model,
+        defaults=_defaults,
+        pipeline_keys=(SIDE_BY_SIDE_KEY,),
+        run_all=run_models,
+        entry=model_entry,
+    ),
 )
