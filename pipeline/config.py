@@ -30,9 +30,12 @@ import sys
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ar_slicing.errors import ArSliceError
+
+if TYPE_CHECKING:
+    from pipeline.wiring import Wiring
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,7 @@ class Command:
     dry_run: Callable[[Any], None] | None = None  # instead of printing the config (`arslice run`)
     inputs: Callable[[Any], list[tuple[str, str]]] | None = None
     hub_names: Callable[[Any, str], list[tuple[str, str, str]]] | None = None
-    pipeline: Any = None  # pipeline.wiring.Wiring
+    pipeline: Wiring | None = None
 
 
 def missing_inputs(command: Command, cfg: Any, made: Iterable[str] = ()) -> list[str]:
