@@ -32,6 +32,8 @@ from typing import NamedTuple
 
 META_NAME = "meta.json"
 PLAN_NAME = ".plan.json"
+# the finished parts of an unfinished output (`ar_slicing.ledger`), folded into meta.json at the end
+LEDGER_NAME = ".ledger.jsonl"
 # a writer's lock (`ar_slicing.ownership`); beside a one-file output, `.<name>` + LOCK_NAME
 LOCK_NAME = ".arslice.lock"
 # Temporary names end so (`ar_slicing.io.tmp_path_for`); one sweep removes those a kill left.
@@ -64,7 +66,7 @@ TAG_PART_GLOB = "tags-*.parquet"
 # losses
 LOSS_PART = "losses-{:05d}.parquet"
 LOSS_PART_GLOB = "losses-*.parquet"
-# a trained model, in this project's checkpoint format (`models.native`)
+# a trained model, in this project's checkpoint format (`models.checkpoints.native`)
 MODEL_CONFIG_NAME = "config.json"
 MODEL_WEIGHTS_NAME = "model.safetensors"
 TRAIN_STATE_DIR = ".train-state"  # the last periodic checkpoint of an unfinished training run
@@ -113,6 +115,13 @@ STAGE_FILES: dict[str, tuple[str, ...]] = {
     "train": (MODEL_CONFIG_NAME, MODEL_WEIGHTS_NAME, TOKENIZER_NAME, TRAIN_STATE_DIR + "/*"),
     "report": (REPORT_MD_NAME, REPORT_HTML_NAME, "*.png", TABLE_CSV.format("*")),
     "mqar": (MQAR_CELLS_DIR + "/*", MQAR_CSV_NAME, MQAR_MD_NAME, MQAR_FIGURE),
+}
+# The folder of a stage's unfinished work (by the stage name of its plan): the parts the ledger
+# records there are dropped when the output is complete, and the folder with them.
+STAGE_WORK: dict[str, str] = {
+    "tokenize": STORE_WORK_DIR,
+    "count": COUNT_WORK_DIR,
+    "train": TRAIN_STATE_DIR,
 }
 # What `arslice run` writes at the top of a run directory besides the stage folders below.
 RUN_FILES = (
@@ -268,18 +277,6 @@ class RunLayout:
     @property
     def make_rules(self) -> Path:
         return self.settings_dir / MAKE_RULES_NAME
-
-    def markers(self, stage: str) -> list[Path]:
-        """The files that say `stage` of the pipeline is done (what the make targets name)."""
-        return {
-            "tokenizer": [self.tokenizer],
-            "tokenize": [self.store(p) / META_NAME for p in STORE_PARTS],
-            "count": [self.counts / META_NAME],
-            "tag": [self.tags / META_NAME],
-            "train": [self.models / META_NAME],
-            "eval": [self.losses_root / META_NAME],
-            "report": [self.report / META_NAME],
-        }[stage]
 
 
 def require_dir(path: str | os.PathLike, what: str) -> None:

@@ -8,10 +8,12 @@ a second writer is refused at once, naming the holder's pid::
     with output_lock(out):          # OutputBusy: "another arslice (pid 4242) is writing ..."
         ... read the plan, sweep temporaries, write ...
 
-**Ownership.** A stage owns the files its layout names (`ar_slicing.layout.STAGE_FILES`, also
-recorded in the meta.json it writes), its meta.json, its plan, its lock and the temporaries it
-makes. Any other file in its output folder is foreign: the stage refuses, naming it, and never
-removes it, `--overwrite` or not. Removing an output removes its owned files one by one and the
+**Ownership.** A stage owns the files its ledger says it wrote: a complete output's meta.json
+records exactly those (`written`, beside the parts of its ledger). While it is unfinished, or
+when an older version made it (no `written`), the names its layout gives it count as its own
+(`ar_slicing.layout.STAGE_FILES`, also recorded as `owns`). Its meta.json, plan, ledger, lock and
+temporaries are always its own. Any other file in its output folder is foreign: the stage
+refuses, naming it, and never removes it, `--overwrite` or not. Removing an output removes its owned files one by one and the
 folders they leave empty; nothing is ever removed as a tree, and a linked output folder is
 followed (its target's owned files are removed, never the link or the target itself).
 """
@@ -22,19 +24,22 @@ import contextlib
 import errno
 import fcntl
 import fnmatch
+import glob
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from ar_slicing.errors import ArSliceError
 from ar_slicing.layout import (
+    LEDGER_NAME,
     LOCK_NAME,
     META_NAME,
     PLAN_NAME,
     RUN_FILES,
     STAGE_FILES,
+    STAGE_WORK,
     STORE_PARTS,
     TMP_SUFFIX,
     RunLayout,
@@ -200,7 +205,43 @@ def is_temporary(name: str) -> bool:
 
 
 def _always_owned(name: str) -> bool:
-    return name in (META_NAME, PLAN_NAME) or name.endswith(LOCK_NAME) or is_temporary(name)
+    return (
+        name in (META_NAME, PLAN_NAME, LEDGER_NAME)
+        or name.endswith(LOCK_NAME)
+        or is_temporary(name)
+    )
+
+
+def stage_patterns(stage: str, meta: Mapping | None = None) -> tuple[str, ...]:
+    """The globs of the files `stage` writes in its output folder: its layout's, and those an
+    older version recorded in `meta` (`owns`)."""
+    recorded = meta.get("owns") if isinstance(meta, Mapping) else None
+    if not (isinstance(recorded, list) and all(isinstance(p, str) for p in recorded)):
+        recorded = []
+    return tuple(dict.fromkeys([*STAGE_FILES.get(stage, ()), *recorded]))
+
+
+def written_files(meta: Mapping | None) -> dict[str, int] | None:
+    """The files a complete output's meta.json records its stage wrote ({path: bytes}), None
+    when it records none (an output made before the ledger)."""
+    written = meta.get("written") if isinstance(meta, Mapping) else None
+    if isinstance(written, Mapping) and all(isinstance(p, str) for p in written):
+        return dict(written)
+    return None
+
+
+def stage_owns(
+    stage: str, meta: Mapping | None = None, recorded: Iterable[str] = ()
+) -> tuple[str, ...]:
+    """What `stage` may keep in and remove from its output folder (as `owns` patterns): for a
+    complete output whose `meta` records what it wrote, exactly those files (and the folder of
+    its unfinished work, which a kill after meta.json may have left); else `stage_patterns` and
+    the files its ledger `recorded`."""
+    written = written_files(meta)
+    if written is None:
+        return (*stage_patterns(stage, meta), *map(glob.escape, recorded))
+    work = STAGE_WORK.get(stage)
+    return (*map(glob.escape, written), *([f"{work}/*"] if work else []))
 
 
 def owns(rel: str, patterns: Iterable[str]) -> bool:
@@ -245,6 +286,24 @@ def foreign_files(folder: str | os.PathLike, patterns: Iterable[str]) -> list[st
     )
 
 
+def files_of(
+    folder: str | os.PathLike, patterns: Iterable[str], leave_out: str | None = None
+) -> dict[str, int]:
+    """{relative path: bytes} of the files under `folder` a stage with these patterns wrote, but
+    its meta.json, plan, ledger, lock, temporaries and anything under the folder `leave_out`."""
+    folder, patterns = Path(folder), tuple(patterns)
+    skip = None if leave_out is None else leave_out.rstrip("/") + "/"
+    found = {}
+    for rel, path, is_dir in _entries(folder, lambda rel: owns(rel, patterns)):
+        parts = rel.split("/")
+        if is_dir or not owns(rel, patterns) or any(is_temporary(p) for p in parts):
+            continue
+        if (len(parts) == 1 and _always_owned(rel)) or (skip and rel.startswith(skip)):
+            continue
+        found[rel] = path.stat().st_size
+    return dict(sorted(found.items()))
+
+
 def holds_work(folder: str | os.PathLike) -> bool:
     """Whether `folder` holds any file but its lock and temporaries (a stage's work)."""
     folder = Path(folder)
@@ -284,6 +343,14 @@ def remove_owned(folder: str | os.PathLike, patterns: Iterable[str], keep=(LOCK_
             d.rmdir()
 
 
+def remove_work(folder: str | os.PathLike) -> None:
+    """Remove a stage's folder of unfinished work (`.work/`, a checkpoint), file by file."""
+    folder = Path(folder)
+    if folder.is_dir() and not folder.is_symlink():
+        remove_owned(folder, ("*",), keep=())
+        remove_if_empty([folder])
+
+
 def remove_if_empty(folders: Iterable[Path]) -> None:
     """Remove each of `folders` (deepest first) that is empty; the others stay as they are."""
     for d in sorted(folders, key=lambda p: -len(p.parts)):
@@ -301,15 +368,13 @@ RESOLVED_CONFIG_MARK = "by `arslice run`"  # on the first line of the config.tom
 
 def _stage_owns(folder: Path, stage: str) -> tuple[str, ...]:
     from ar_slicing.io import read_json
+    from ar_slicing.ledger import Ledger
 
-    owns = list(STAGE_FILES.get(stage, ()))
-    meta = folder / META_NAME
+    meta = None
     with contextlib.suppress(ArSliceError, OSError):
-        if meta.is_file():
-            recorded = read_json(meta).get("owns")
-            if isinstance(recorded, list):
-                owns += [p for p in recorded if isinstance(p, str)]
-    return tuple(owns)
+        if (folder / META_NAME).is_file():
+            meta = read_json(folder / META_NAME)
+    return stage_owns(stage, meta, Ledger(folder).files())
 
 
 def run_outputs(layout: RunLayout) -> dict[Path, str]:

@@ -14,48 +14,66 @@ before plans existed, of its meta.json's stable fields), so an input redone with
 settings, or from other inputs, is a different input, and one redone under the same plan is
 the same.
 
-A stage owns only the files of its layout (`ar_slicing.layout.STAGE_FILES`, recorded in its
-meta.json as `owns`): a folder holding anything else is refused, whatever the plan says, and
-redoing an output removes the owned files one by one, never a tree. From the plan check to the
-end of the stage, the output is locked against other writers (`ar_slicing.ownership`).
+**Parts.** A stage that works in parts asks the plan which are done and records each one it
+finishes, with the files it wrote and the facts it needs back (`ar_slicing.ledger`: a part is
+done when the ledger records it and its files are there whole). A plan's `scope` says which
+parts are asked for without changing any part's bytes (an MQAR sweep's grid): a complete output
+of the same plan but another scope is reopened, its finished parts kept.
+
+**Ownership** follows the ledger: meta.json records exactly the files the stage wrote
+(`written`), and a complete output owns those; an unfinished one, or one made before the
+ledger, owns the names of its layout (`ar_slicing.layout.STAGE_FILES`, recorded as `owns`). A
+folder holding anything else is refused, whatever the plan says, and redoing an output removes
+the owned files one by one, never a tree. From the plan check to the end of the stage, the
+output is locked against other writers (`ar_slicing.ownership`).
 
     plan = StagePlan("tag", settings={"window": 2048, ...}, inputs={"counts": identity(counts)})
     stage = open_stage(out, plan, overwrite=cfg.overwrite)   # locks OUT (when it exists)
     if stage.complete:
         return stage.skip()                    # skipped
     with stage.running():                      # creates OUT, writes .plan.json, sweeps temporaries
-        ... write the outputs, each atomically ...
-        stage.finish(meta)                     # meta.json with the plan; .plan.json removed
+        for part in parts:
+            if stage.done(part.name) is None:  # (the facts recorded with it, when it is done)
+                ... write the part's files, each atomically ...
+                stage.record(part.name, files, rows=n)
+        stage.finish(meta)                     # meta.json with the plan and the ledger, last
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import glob
 import hashlib
 import json
 import logging
 import os
 import weakref
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ar_slicing.errors import ArSliceError
 from ar_slicing.io import read_json, stable_meta, sweep_temporaries, to_jsonable, write_json_atomic
-from ar_slicing.layout import LOCK_NAME, META_NAME, PLAN_NAME, STAGE_FILES
+from ar_slicing.layout import LEDGER_NAME, LOCK_NAME, META_NAME, PLAN_NAME, STAGE_WORK
+from ar_slicing.ledger import Ledger
 from ar_slicing.ownership import (
     ForeignFiles,
     LockHold,
     OutputBusy,
     acquire,
+    files_of,
     foreign_files,
     holds_work,
+    is_temporary,
     lock_path,
     refuse_foreign,
     remove_if_empty,
     remove_owned,
+    remove_work,
+    stage_owns,
+    stage_patterns,
 )
 
 log = logging.getLogger(__name__)
@@ -86,11 +104,15 @@ class StagePlan:
     stage: str
     settings: Mapping[str, Any]
     inputs: Mapping[str, Any]
+    # which parts are asked for, when that changes no part's bytes (an MQAR sweep's grid):
+    # another scope reopens a complete output instead of being refused
+    scope: Mapping[str, Any] = field(default_factory=dict)
 
     def as_json(self) -> dict:
-        return to_jsonable(
-            {"stage": self.stage, "settings": dict(self.settings), "inputs": dict(self.inputs)}
-        )
+        plan = {"stage": self.stage, "settings": dict(self.settings), "inputs": dict(self.inputs)}
+        if self.scope:  # (recorded only when there is one: other plans keep their digests)
+            plan["scope"] = dict(self.scope)
+        return to_jsonable(plan)
 
 
 def digest(obj: Any) -> str:
@@ -160,6 +182,12 @@ def _same(old: Any, new: dict) -> bool:
     )
 
 
+def _without(plan: Any, key: str) -> Any:
+    if not isinstance(plan, Mapping):
+        return plan
+    return {k: v for k, v in plan.items() if k != key}
+
+
 class StageDir:
     """A stage's output directory and what a rerun with `plan` must do with it.
 
@@ -168,14 +196,18 @@ class StageDir:
     when `running()` makes it."""
 
     single_file = False
+    wait = False  # a second writer waits for the lock instead of being refused
 
     def __init__(self, out: Path, plan: StagePlan, *, overwrite: bool, follow_inputs: bool):
         self.out = out
         self.plan = plan.as_json()
         self.meta: dict | None = None  # the complete output's meta.json, when it is kept
         self._clear = False
+        self._reopen: dict | None = None  # a complete output of another scope, to reopen
         self._lock: LockHold | None = None
-        self._owns = STAGE_FILES.get(plan.stage, ())
+        self._ledger: Ledger | None = None
+        self._patterns = stage_patterns(plan.stage)  # the names of its layout
+        self._owns = self._patterns  # what it may keep and remove here
         self._check_kind()
         if self._lock_dir.is_dir():
             self._take_lock()
@@ -189,6 +221,11 @@ class StageDir:
     def _lock_dir(self) -> Path:
         return self.out
 
+    @property
+    def _work(self) -> str | None:
+        """The folder of the stage's unfinished work inside OUT (dropped when it finishes)."""
+        return STAGE_WORK.get(self.plan["stage"])
+
     def _check_kind(self) -> None:
         if self.out.is_symlink() and not self.out.exists():
             raise PlanMismatch(
@@ -199,7 +236,7 @@ class StageDir:
             raise PlanMismatch(f"{self.out}: a file, not a folder; choose another output")
 
     def _take_lock(self) -> None:
-        self._lock = acquire(lock_path(self.out, self.single_file), self.out)
+        self._lock = acquire(lock_path(self.out, self.single_file), self.out, wait=self.wait)
         weakref.finalize(self, self._lock.release)  # a stage left before it ran lets go too
 
     def _check_plan(self, overwrite: bool, follow_inputs: bool) -> None:
@@ -207,7 +244,10 @@ class StageDir:
         found_meta = meta_path.is_file() and self._output_present()
         meta = read_json(meta_path) if found_meta else None
         if meta is not None:
-            self._owns = tuple(dict.fromkeys([*self._owns, *_recorded_owns(meta)]))
+            self._patterns = stage_patterns(self.plan["stage"], meta)
+            self._owns = stage_owns(self.plan["stage"], meta)
+        elif not self.single_file:
+            self._owns = stage_owns(self.plan["stage"], None, self.ledger.files())
         self._refuse_foreign()
         if meta is not None:
             old = meta.get("plan")
@@ -215,6 +255,8 @@ class StageDir:
                 self._clear = True
             elif _same(old, self.plan):
                 self.meta = meta
+            elif _same(_without(old, "scope"), _without(self.plan, "scope")):
+                self._reopen = meta  # other parts asked for: the finished ones are kept
             elif follow_inputs and _same(_without_inputs(old), _without_inputs(self.plan)):
                 log.info("%s: its inputs changed; rebuilding it", out)
                 for line in differences(old, self.plan):
@@ -226,7 +268,7 @@ class StageDir:
             old = read_json(plan_path)
             if overwrite:
                 self._clear = True
-            elif not _same(old, self.plan):
+            elif not _same(_without(old, "scope"), _without(self.plan, "scope")):
                 self._refuse(old, "holds the finished parts of an unfinished run")
         elif self._holds_work():
             if not overwrite:
@@ -256,12 +298,15 @@ class StageDir:
         refuse_foreign(
             self.out,
             foreign_files(self.out, self._owns),
-            self._owns,
+            self._patterns,
             f"the {self.plan['stage']} stage",
         )
 
     def _refuse(self, old: Any, what: str) -> None:
-        lines = differences(old, self.plan) if isinstance(old, Mapping) else []
+        if isinstance(old, Mapping):
+            lines = differences(_without(old, "scope"), _without(self.plan, "scope"))
+        else:
+            lines = []
         if _REDO_CHANGED.get():
             log.info("%s %s made with other settings or inputs; redoing it", self.out, what)
             for line in lines:
@@ -294,11 +339,42 @@ class StageDir:
         self.release()
         return self.meta
 
+    # -- the parts ---------------------------------------------------------------------------
+
+    @property
+    def ledger(self) -> Ledger:
+        if self._ledger is None:
+            self._ledger = Ledger(self.out)
+        return self._ledger
+
+    def done(self, part: str) -> dict | None:
+        """The facts recorded with `part` when it is done (recorded, its files whole), else None."""
+        return self.ledger.done(part)
+
+    def todo(self, parts: Iterable, name: Callable[[Any], str] = str) -> list:
+        """Those of `parts` that are not done (`name(part)` is its name in the ledger)."""
+        return [p for p in parts if self.done(name(p)) is None]
+
+    def record(self, part: str, files: Iterable[str | os.PathLike], **facts: Any) -> None:
+        """Record `part` done: its `files` (their paths, in place under their final names) and
+        `facts` (what the stage needs back without reading the part again).
+        Called by the process holding the lock (the stage's driver), never by a worker."""
+        self.ledger.record(part, files, facts)
+
     def reopen(self) -> None:
-        """Turn a complete output back into an unfinished one under the same plan (a partial
-        evaluation extended to more windows)."""
+        """Turn a complete output back into an unfinished one under the same plan: its plan in
+        .plan.json, the parts its meta.json kept back in the ledger (a partial evaluation
+        extended to more windows, an MQAR grid grown). Its layout's names are its own again."""
+        meta = self._reopen or self.meta or {}
+        write_json_atomic(self.out / PLAN_NAME, self.plan)
+        kept = meta.get("ledger")
+        if isinstance(kept, Mapping):
+            self.ledger.write(kept)
         (self.out / META_NAME).unlink(missing_ok=True)
-        self.meta = None
+        self.meta = self._reopen = None
+        self._owns = stage_owns(self.plan["stage"], None, self.ledger.files())
+
+    # -- running -----------------------------------------------------------------------------
 
     def _prepare(self) -> list[Path]:
         """Make the folder that holds the lock, take the lock if not yet held, and clear what
@@ -314,10 +390,15 @@ class StageDir:
                 )
         if self._clear:
             self._remove()
+            self._owns = self._patterns
+            self._ledger = None  # (its file is gone with the rest)
         return made
 
     def _remove(self) -> None:
         remove_owned(self.out, self._owns)
+
+    def _sweep(self) -> None:
+        sweep_temporaries(self.out)
 
     @contextlib.contextmanager
     def running(self, keep_if: Callable[[Path], bool] | None = None) -> Iterator[StageDir]:
@@ -328,7 +409,9 @@ class StageDir:
         try:
             made = self._prepare()
             fresh = bool(made) or self._clear
-            sweep_temporaries(self.out)  # (under the lock: no live writer's files among them)
+            self._sweep()  # (under the lock: no live writer's files among them)
+            if self._reopen is not None:
+                self.reopen()
             write_json_atomic(self.out / PLAN_NAME, self.plan)
             try:
                 yield self
@@ -343,14 +426,60 @@ class StageDir:
             self.release()
 
     def finish(self, meta: Mapping[str, Any]) -> dict:
-        """Write `meta.json` (with the plan and what the stage owns) last, and drop
-        `.plan.json`."""
+        """Write `meta.json` last, with the plan, the files the stage wrote (`written`) and the
+        ledger's finished parts (`ledger`), then drop `.plan.json`, the ledger and the folder of
+        unfinished work."""
+        work = self._work
         meta = {**meta, "plan": self.plan}
-        if self._owns:
-            meta["owns"] = list(self._owns)
+        if self._patterns:
+            meta["owns"] = list(self._patterns)
+        kept = self.ledger.finished(exclude=work)
+        recorded = (glob.escape(rel) for part in kept.values() for rel in part["files"])
+        meta["written"] = files_of(self.out, (*self._patterns, *recorded), leave_out=work)
+        if kept:
+            meta["ledger"] = kept
         write_json_atomic(self.meta_path, meta)
         if self.plan_path is not None:
             self.plan_path.unlink(missing_ok=True)
+        (self.out / LEDGER_NAME).unlink(missing_ok=True)
+        if work:
+            remove_work(self.out / work)
+        self.meta = meta
+        return meta
+
+
+class MarkerDir(StageDir):
+    """The folder of a marker over other stages' outputs (`models/meta.json` over every
+    `models/<name>/`): it owns only its meta.json, its sub-folders are those outputs, and it
+    keeps no work, so any other plan rewrites it. A second writer waits for the lock."""
+
+    wait = True
+
+    def _check_plan(self, overwrite: bool, follow_inputs: bool) -> None:
+        self._refuse_foreign()
+        meta = read_json(self.meta_path) if self.meta_path.is_file() else None
+        if meta is not None and not overwrite and _same(meta.get("plan"), self.plan):
+            self.meta = meta
+
+    def _refuse_foreign(self) -> None:
+        found = [rel for rel in foreign_files(self.out, ()) if not (self.out / rel).is_dir()]
+        refuse_foreign(self.out, found, (), f"the {self.plan['stage']} marker")
+
+    def _holds_work(self) -> bool:
+        return False
+
+    def _remove(self) -> None:
+        self.meta_path.unlink(missing_ok=True)
+
+    def _sweep(self) -> None:  # (only its own: each sub-folder is swept by its stage)
+        for p in self.out.glob(".*"):
+            if p.is_file() and is_temporary(p.name):
+                p.unlink(missing_ok=True)
+
+    def finish(self, meta: Mapping[str, Any]) -> dict:
+        meta = {**meta, "plan": self.plan}
+        write_json_atomic(self.meta_path, meta)
+        self.plan_path.unlink(missing_ok=True)
         self.meta = meta
         return meta
 
@@ -403,12 +532,13 @@ class StageFile(StageDir):
         finally:
             self.release()
 
-
-def _recorded_owns(meta: Mapping[str, Any]) -> list[str]:
-    owns = meta.get("owns")
-    if isinstance(owns, list) and all(isinstance(p, str) for p in owns):
-        return owns
-    return []
+    def finish(self, meta: Mapping[str, Any]) -> dict:
+        meta = {**meta, "plan": self.plan}
+        if self._patterns:
+            meta["owns"] = list(self._patterns)
+        write_json_atomic(self.meta_path, meta)
+        self.meta = meta
+        return meta
 
 
 def _missing_folders(path: Path) -> list[Path]:
@@ -421,9 +551,7 @@ def _missing_folders(path: Path) -> list[Path]:
 
 
 def _without_inputs(plan: Any) -> Any:
-    if not isinstance(plan, Mapping):
-        return plan
-    return {k: v for k, v in plan.items() if k != "inputs"}
+    return _without(plan, "inputs")
 
 
 def _holds_nothing_but_the_plan(out: Path) -> bool:
@@ -449,11 +577,36 @@ def open_stage(
     return kind(Path(out), plan, overwrite=overwrite, follow_inputs=follow_inputs)
 
 
+def open_marker(folder: str | os.PathLike, plan: StagePlan) -> MarkerDir:
+    """What a marker over other outputs must do (see `MarkerDir`): complete when its plan (the
+    identities of those outputs) is the one it recorded, else rewritten."""
+    return MarkerDir(Path(folder), plan, overwrite=False, follow_inputs=True)
+
+
 def recorded_plan(out: str | os.PathLike, single_file: bool = False) -> dict | None:
-    """The plan a complete output was made with (None: no complete output, or no plan)."""
+    """The plan a complete output was made with (None: no complete output; {}: no plan)."""
     out = Path(out)
     meta = out.with_name(out.stem + ".meta.json") if single_file else out / META_NAME
     if not meta.is_file() or (single_file and not out.is_file()):
         return None
     plan = read_json(meta).get("plan")
     return plan if isinstance(plan, Mapping) else {}
+
+
+def settings_differences(
+    out: str | os.PathLike, settings: Mapping[str, Any], single_file: bool = False
+) -> list[str]:
+    """How `settings` differ from those the complete output `out` was made with, a line per
+    field as a rerun would refuse them (`settings.threshold: 2 -> 3`); empty when they agree or
+    there is no complete output. A setting given as None is decided by the stage's inputs (a
+    default reference model) and is not compared: what `arslice run` checks before anything
+    runs, when the inputs may not exist yet."""
+    old = recorded_plan(out, single_file)
+    if old is None:
+        return []
+    asked = {k: v for k, v in settings.items() if v is not None}
+    recorded = old.get("settings", {})
+    lines = differences({"settings": {k: recorded.get(k) for k in asked}}, {"settings": asked})
+    if not old and asked:
+        return ["(made by an older version, which recorded no plan)"]
+    return lines

@@ -1,20 +1,19 @@
-"""`arslice`: one console script dispatching subcommands from a table.
+"""`arslice`: one console script dispatching subcommands from a table (`pipeline.runner.registry`).
 
-Subcommand modules are imported only when chosen, so `arslice --help` and the data stages start
-without loading torch or transformers.
+A subcommand's module is imported only when it is chosen (`arslice --help` imports each for its
+summary), and no module imports torch or transformers before it runs, so the CLI starts fast.
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
-import importlib
 import logging
 import sys
 
 from ar_slicing import __version__
 from ar_slicing.errors import ArSliceError
-from pipeline.stages import BY_COMMAND, COMMANDS
+from pipeline.runner import registry
 
 EPILOG = """examples:
   arslice tokenize --source val.jsonl.zst --tokenizer gpt2 --out runs/pile/tokens/val  # needs the hub
@@ -28,7 +27,8 @@ Each subcommand has its own --help with examples, and --dry-run to print its res
 
 
 def top_level_help() -> str:
-    width = max(len(s.command) for s in COMMANDS)
+    commands = registry.commands()
+    width = max(map(len, commands))
     lines = [
         f"usage: arslice COMMAND [options]   (ar-slicing {__version__})",
         "",
@@ -36,7 +36,7 @@ def top_level_help() -> str:
         "",
         "commands:",
     ]
-    lines += [f"  {s.command.ljust(width)}  {s.summary}" for s in COMMANDS]
+    lines += [f"  {name.ljust(width)}  {c.summary}" for name, c in commands.items()]
     return "\n".join(lines) + "\n\n" + EPILOG
 
 
@@ -52,14 +52,13 @@ def build_parser(name: str):
     """The argparse parser of subcommand `name`, and its Command."""
     from pipeline.config import add_config_arguments
 
-    stage = BY_COMMAND[name]
-    command = importlib.import_module(stage.module).COMMAND
+    command = registry.command(name)
     epilog = ["examples:\n" + command.examples.strip("\n")] if command.examples else []
-    if command.plan_settings is not None or name in ("mqar", "run"):
+    if command.plan_settings is not None or name == "run":
         epilog.append(OUTPUTS_NOTE)
     parser = argparse.ArgumentParser(
         prog=f"arslice {name}",
-        description=command.description or stage.summary,
+        description=command.description or command.summary,
         epilog="\n\n".join(epilog) or None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -101,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ar-slicing {__version__}")
         return 0
     name = argv[0]
-    if name not in BY_COMMAND:
+    if name not in registry.MODULES:
         print(f"arslice: unknown command {name!r}\n\n{top_level_help()}", file=sys.stderr)
         return 2
     parser, command = build_parser(name)

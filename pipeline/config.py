@@ -9,9 +9,12 @@ Each stage module defines::
 
     COMMAND = Command(TagConfig, run_tag, summary="...", examples="arslice tag --tokens ...")
 
+A pipeline stage adds its wiring (`pipeline.wiring.Wiring`: its config table, the run-layout
+outputs it reads and writes); `pipeline.runner.registry` lists every command.
+
 Field name `x_y` becomes flag `--x-y`; a field without a default is a required flag; `list[...]`
 fields take one or more values; `bool` fields are switches (`--flag` / `--no-flag`); metadata may
-carry `choices`, `flag` (a different flag name), `positional: True` and, on list fields,
+carry `choices` (or a function giving them), `flag` (a different flag name), `positional: True` and, on list fields,
 `repeatable: True` (the flag may be given several times; the values are collected).
 """
 
@@ -27,14 +30,18 @@ import sys
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ar_slicing.errors import ArSliceError
+
+if TYPE_CHECKING:
+    from pipeline.wiring import Wiring
 
 
 @dataclass(frozen=True)
 class Command:
-    """One `arslice` subcommand: a config dataclass and the pure function that runs it.
+    """One `arslice` subcommand, declared once: a config dataclass, the pure function that runs
+    it, its one-line summary and examples, and, for a pipeline stage, its wiring.
 
     `validate(cfg)` checks what can be checked from the config alone (ranges, names, specs,
     sources that must already exist) and raises ArSliceError; `--dry-run` and `arslice run` call
@@ -43,6 +50,9 @@ class Command:
     run` compares with a complete output's before the first stage starts. `inputs(cfg)` lists
     the files and folders it reads, as (flag, path): `--dry-run` refuses the missing ones, all
     at once, and so does `arslice run` for those no earlier stage of the run writes.
+    `hub_names(cfg, table)` lists what it would fetch from a hub, as `ar_slicing.hub.require`
+    takes them, so `arslice run` stops before anything is written when the hub is unreachable.
+    `pipeline` (`pipeline.wiring.Wiring`) is how `arslice run` runs it from a config table.
     """
 
     config_cls: type
@@ -54,6 +64,8 @@ class Command:
     plan_settings: Callable[[Any], dict] | None = None
     dry_run: Callable[[Any], None] | None = None  # instead of printing the config (`arslice run`)
     inputs: Callable[[Any], list[tuple[str, str]]] | None = None
+    hub_names: Callable[[Any, str], list[tuple[str, str, str]]] | None = None
+    pipeline: Wiring | None = None
 
 
 def missing_inputs(command: Command, cfg: Any, made: Iterable[str] = ()) -> list[str]:
@@ -150,7 +162,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             else None
         )
         if "choices" in f.metadata:
-            kwargs["choices"] = f.metadata["choices"]
+            kwargs["choices"] = _choices(f)
         name = "--" + f.metadata.get("flag", f.name.replace("_", "-"))
         if tp is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
@@ -245,7 +257,7 @@ def _checked_value(f: dataclasses.Field, tp: Any, value: Any, context: str) -> A
             ok = False
     if not ok:
         raise ArSliceError(f"{context}: `{f.name} = {_shown(value)}` must be {_type_name(tp)}")
-    choices = f.metadata.get("choices")
+    choices = _choices(f)
     if choices is not None:
         for v in items:
             if v not in choices:
@@ -255,6 +267,11 @@ def _checked_value(f: dataclasses.Field, tp: Any, value: Any, context: str) -> A
     if item_tp is float:
         value = [float(v) for v in value] if origin in (list, tuple) else float(value)
     return value
+
+
+def _choices(f: dataclasses.Field) -> list | None:
+    choices = f.metadata.get("choices")
+    return choices() if callable(choices) else choices
 
 
 def _shown(value: Any) -> str:

@@ -27,7 +27,6 @@ by `ar_slicing.counts.tasks`; `--only-bigrams-of` counts only the evaluated stor
 from __future__ import annotations
 
 import logging
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +36,9 @@ from ar_slicing.counts.keys import (
 )
 from ar_slicing.counts.tasks import count_full, make_work_dir, stream_pairs
 from ar_slicing.errors import BadInput
+from ar_slicing.layout import STORE_PARTS
 from pipeline.config import Command, config_to_dict, ray_address_option, say
+from pipeline.wiring import COUNTS, STORES, Run, Table, Wiring
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +243,7 @@ def _count(
     import pyarrow.parquet  # noqa: F401  (here, so forked reduce workers inherit it loaded)
 
     executor = executor or LocalExecutor(workers)
-    args = (stores, work, row, shard_tokens, shift, executor, progress)
+    args = (stage, stores, work, row, shard_tokens, shift, executor, progress)
     restriction = {}
     if evaluated:
         from ar_slicing.counts.restricted import count_restricted_stores, restriction_of
@@ -274,9 +275,7 @@ def _count(
         **restriction,
         **done.get("meta", {}),
     )
-    meta = stage.finish(meta)
-    shutil.rmtree(work, ignore_errors=True)
-    return meta
+    return stage.finish(meta)  # (which drops the work folder)
 
 
 # ---- the command -------------------------------------------------------------------------------
@@ -384,6 +383,16 @@ def _run_import(cfg: CountConfig) -> dict:
     return meta
 
 
+def _defaults(run: Run, table: Table) -> dict:
+    """The run's training store; `only_bigrams_of = ["val"]` names its validation store."""
+    if table.values.get("only_bigrams_of"):
+        table.values["only_bigrams_of"] = [
+            str(run.layout.store(s)) if s in STORE_PARTS else s
+            for s in table.values["only_bigrams_of"]
+        ]
+    return {"tokens": [run.layout.store("train")], "out": run.layout.counts}
+
+
 COMMAND = Command(
     CountConfig,
     run_count,
@@ -398,6 +407,7 @@ COMMAND = Command(
   arslice count --tokens runs/pythia/tokens/train --unit row:2049 --workers 16 --out runs/pythia/counts
   arslice count --import pile_bigrams/*.parquet --tokenizer EleutherAI/gpt-neox-20b --unit row:2048 --out runs/pythia/counts  # needs the hub
   arslice count --tokens /shared/pile/tokens/train --out /shared/pile/counts --executor ray --ray-address auto  # needs a Ray cluster""",
+    pipeline=Wiring(table="count", reads=(STORES,), writes=COUNTS, defaults=_defaults),
 )
 
 

@@ -88,11 +88,11 @@ def import_counts(
         work = make_work_dir(out)
         executor = executor or LocalExecutor(workers)
         tasks = plan_import_tasks(paths, work, vocab_size, shift)
-        run_map(executor, tasks, import_part, progress)
-        reduce_tasks = plan_reduce_tasks(work, [t.out for t in tasks], shift)
+        run_map(executor, tasks, import_part, progress, stage=stage)
+        reduce_tasks = plan_reduce_tasks(work, [t.out for t in tasks], shift, stage=stage)
         results: dict = {}
         distinct, total_pairs = run_reduce(
-            executor, reduce_tasks, out / BIGRAMS_NAME, progress, results
+            executor, reduce_tasks, out / BIGRAMS_NAME, progress, results, stage=stage
         )
         entries = sum(int(bucket_sizes(t.out).sum()) for t in tasks)
         if entries != distinct:  # the reduce added up a pair that two tasks listed

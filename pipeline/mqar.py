@@ -41,11 +41,16 @@ CPU cores and minutes on a GPU (`--device cuda`); `--archs`, `--d-models` and `-
 part of it, and finished cells are kept, so it can be grown a part at a time.
 
 Outputs (`--out DIR`, e.g. `runs/demo/mqar`): `cells/<arch>-d<D>-T<T>-lr<LR>.json`, one per
-finished training run (written atomically; a rerun keeps them and trains only what is missing,
-and refuses cells made with other settings unless `--overwrite`), then `mqar.csv` and `mqar.md`
-(the best accuracy per architecture, dimension and length, with its learning rate), `mqar.png`
-(accuracy vs model dimension, one panel per sequence length) and `meta.json`, written last.
-`mqar_results(DIR)` reads them back for the report.
+finished training run (written atomically, each a part of the stage's ledger), then `mqar.csv`
+and `mqar.md` (the best accuracy per architecture, dimension and length, with its learning
+rate), `mqar.png` (accuracy vs model dimension, one panel per sequence length) and `meta.json`,
+written last. `mqar_results(DIR)` reads them back for the report.
+
+The sweep is a stage under the plan (`ar_slicing.plan`): its settings are the ones a cell's
+result depends on (`CELL_SETTINGS`), so a sweep made with others is refused, naming each field
+with both values, unless `--overwrite`; the grid (architectures, dimensions, lengths, rates) is
+the plan's scope, so finished cells are kept when it changes: an interrupted sweep resumes, and
+a grid grows a part at a time, training only the cells it does not hold yet.
 """
 
 from __future__ import annotations
@@ -67,23 +72,15 @@ from ar_slicing.io import (
     read_json,
     write_bytes_atomic,
     write_json_atomic,
-    write_meta,
 )
-from ar_slicing.layout import (
-    MQAR_CELLS_DIR,
-    MQAR_CSV_NAME,
-    MQAR_FIGURE,
-    MQAR_MD_NAME,
-    meta_path,
-)
-from ar_slicing.ownership import output_lock
-from pipeline.config import Command, config_to_dict, say
+from ar_slicing.layout import MQAR_CELLS_DIR, MQAR_CSV_NAME, MQAR_FIGURE, MQAR_MD_NAME, meta_path
+from pipeline.config import Command, say
 
 log = logging.getLogger(__name__)
 
 ARCHITECTURES = ["attention", "base_conv", "hyena", "rwkv", "based"]
 IGNORE = -100  # target of every position that is not a query (Zoology's ignore index)
-# Settings a cell's result depends on; a finished cell made with other values is not reused.
+# Settings a cell's result depends on (the sweep's plan): a sweep made with others is refused.
 CELL_SETTINGS = (
     "vocab_size",
     "n_test",
@@ -335,46 +332,45 @@ def cell_settings(cfg: MqarConfig) -> dict:
     return {k: getattr(cfg, k) for k in CELL_SETTINGS}
 
 
-def read_cell(path: Path, settings: dict) -> dict | None:
-    """A finished cell made with `settings`, None when there is none; refuses other settings."""
-    if not path.is_file():
-        return None
-    cell = read_json(path)
-    differ = {k: (cell.get("settings", {}).get(k), v) for k, v in settings.items()}
-    differ = {k: pair for k, pair in differ.items() if pair[0] != pair[1]}
-    if differ:
-        listed = ", ".join(f"{k} (kept {a!r}, asked {b!r})" for k, (a, b) in differ.items())
-        raise ArSliceError(
-            f"{path}: made with other settings: {listed}; rerun with --overwrite to retrain, "
-            "or choose another --out"
-        )
-    return cell
+def sweep_grid(cfg: MqarConfig) -> dict:
+    """The cells asked for (the plan's scope: it changes no cell's result)."""
+    return {"archs": cfg.archs, "d_models": cfg.d_models, "seq_lens": cfg.seq_lens, "lrs": cfg.lrs}
 
 
-def run_group(cfg: MqarConfig, cells_dir: str, arch: str, d_model: int, seq_len: int) -> list:
+def run_group(
+    cfg: MqarConfig, cells_dir: str, arch: str, d_model: int, seq_len: int, done: dict
+) -> list:
     """Every learning rate of one (arch, d_model, seq_len) in order, stopping once one reaches
-    `early_stop`; finished cells are read back, new ones written atomically."""
+    `early_stop`: the cells in `done` (what the ledger holds, by cell name) are kept, the others
+    trained and written atomically (the sweep's driver records them)."""
     from models.precision import torch_threads
 
     with torch_threads(cfg.threads):
-        return _run_rates(cfg, cells_dir, arch, d_model, seq_len)
+        return _run_rates(cfg, cells_dir, arch, d_model, seq_len, done)
 
 
-def _run_rates(cfg: MqarConfig, cells_dir: str, arch: str, d_model: int, seq_len: int) -> list:
+def _run_rates(
+    cfg: MqarConfig, cells_dir: str, arch: str, d_model: int, seq_len: int, done: dict
+) -> list:
     settings = cell_settings(cfg)
     out = []
     for lr in cfg.lrs:
-        path = Path(cells_dir) / cell_name(arch, d_model, seq_len, lr)
-        cell = None if cfg.overwrite else read_cell(path, settings)
+        name = cell_name(arch, d_model, seq_len, lr)
+        cell = done.get(name)
         if cell is None:
             if out and max(c["accuracy"] for c in out) >= cfg.early_stop:
                 break  # an earlier rate already solved the cell
             cell = {**train_cell(cfg, arch, d_model, seq_len, lr), "settings": settings}
-            write_json_atomic(path, cell)
+            write_json_atomic(Path(cells_dir) / name, cell)
         out.append(cell)
         if cell["accuracy"] >= cfg.early_stop:
             break
     return out
+
+
+def cell_facts(cell: dict) -> dict:
+    """What the ledger keeps of a cell: its result without the history (in the cell's file)."""
+    return {k: v for k, v in cell.items() if k not in ("history", "settings")}
 
 
 def best_rows(cells: list[dict], cfg: MqarConfig) -> list[dict]:
@@ -458,7 +454,8 @@ def rows_markdown(rows: list[dict]) -> str:
 
 def figure_png(rows: list[dict]) -> bytes:
     """Figure 2: accuracy vs model dimension, one panel per sequence length, one line per model."""
-    from pipeline.report.figures import _png, _pyplot
+    from pipeline.plotting import png_bytes as _png
+    from pipeline.plotting import pyplot as _pyplot
 
     plt = _pyplot()
     seq_lens = sorted({r["seq_len"] for r in rows})
@@ -490,7 +487,10 @@ def figure_png(rows: list[dict]) -> bytes:
 
 
 def run_mqar(cfg: MqarConfig) -> dict:
-    """Train every missing cell of the sweep, then write the table, the figure and meta.json."""
+    """Train every cell of the sweep the ledger does not hold, then write the table, the figure
+    and meta.json."""
+    from ar_slicing.plan import StagePlan, open_stage
+
     unknown = sorted(set(cfg.archs) - set(ARCHITECTURES))
     if unknown:
         raise ArSliceError(
@@ -506,11 +506,16 @@ def run_mqar(cfg: MqarConfig) -> dict:
             1, seq_len, cfg.vocab_size, num_kv_pairs_for(seq_len), np.random.default_rng()
         )
     out = Path(cfg.out)
-    with output_lock(out):  # one sweep writes a folder at a time
-        return _run_sweep(cfg, out)
+    plan = StagePlan("mqar", settings=cell_settings(cfg), inputs={}, scope=sweep_grid(cfg))
+    stage = open_stage(out, plan, overwrite=cfg.overwrite)  # one sweep writes a folder at a time
+    if stage.complete:
+        say(f"mqar: {out} is complete, skipped (use --overwrite to redo)")
+        return stage.skip()
+    with stage.running():
+        return _run_sweep(stage, cfg)
 
 
-def _run_sweep(cfg: MqarConfig, out: Path) -> dict:
+def _run_sweep(stage, cfg: MqarConfig) -> dict:
     from multiprocessing import get_context
 
     from tqdm.auto import tqdm
@@ -518,34 +523,32 @@ def _run_sweep(cfg: MqarConfig, out: Path) -> dict:
     from ar_slicing.executor import process_pool
 
     t0 = time.time()
-    if is_complete(out) and not cfg.overwrite:
-        meta = read_json(meta_path(out))
-        if _same_sweep(meta.get("config", {}), cfg):
-            say(f"mqar: {out} is complete, skipped (use --overwrite to redo)")
-            return meta
-    meta_path(out).unlink(missing_ok=True)
+    out = stage.out
     cells_dir = out / MQAR_CELLS_DIR
     cells_dir.mkdir(parents=True, exist_ok=True)
     groups = [(a, d, t) for a in cfg.archs for d in cfg.d_models for t in cfg.seq_lens]
     groups.sort(key=lambda g: -g[1] * g[2])  # biggest first: the pool ends evenly
-    cells: list[dict] = []
-    reused = sum(
-        1
-        for a, d, t in groups
-        for lr in cfg.lrs
-        if not cfg.overwrite and (cells_dir / cell_name(a, d, t, lr)).is_file()
-    )
+    kept = {g: _kept_cells(stage, cfg, *g) for g in groups}
+    reused = sum(len(k) for k in kept.values())
     bar = tqdm(total=len(groups), desc="mqar", unit="cell", disable=not cfg.progress)
+
+    def finished(group, cells: list[dict]) -> list[dict]:
+        for cell in cells:  # (recorded here, by the driver, once the worker wrote its file)
+            name = cell_name(*group, cell["lr"])
+            if name not in kept[group]:
+                stage.record(name, [cells_dir / name], **cell_facts(cell))
+        bar.update(1)
+        return cells
+
+    cells: list[dict] = []
     if cfg.workers <= 1:
         for g in groups:
-            cells += run_group(cfg, str(cells_dir), *g)
-            bar.update(1)
+            cells += finished(g, run_group(cfg, str(cells_dir), *g, kept[g]))
     else:
         with process_pool(cfg.workers, get_context("spawn")) as pool:
-            futures = [pool.submit(run_group, cfg, str(cells_dir), *g) for g in groups]
-            for f in futures:
-                cells += f.result()
-                bar.update(1)
+            futures = [pool.submit(run_group, cfg, str(cells_dir), *g, kept[g]) for g in groups]
+            for g, f in zip(groups, futures):
+                cells += finished(g, f.result())
     bar.close()
     rows = best_rows(cells, cfg)
     with atomic_path(out / MQAR_CSV_NAME) as tmp:
@@ -567,19 +570,16 @@ def _run_sweep(cfg: MqarConfig, out: Path) -> dict:
         wall_time_s=wall,
         rows=rows,
     )
-    write_meta(out, meta)
+    meta = stage.finish(meta)
     say(rows_markdown(rows).rstrip("\n"))
     say(f"mqar: {len(rows)} cells, {len(cells)} training runs, {wall:.0f} s -> {out}")
     return meta
 
 
-def _same_sweep(old: dict, cfg: MqarConfig) -> bool:
-    """Whether a finished sweep asked for the same cells and settings (ignoring how it ran)."""
-    new = config_to_dict(cfg)
-    how = {"workers", "threads", "device", "overwrite", "progress"}
-    return {k: v for k, v in old.items() if k not in how} == {
-        k: v for k, v in new.items() if k not in how
-    }
+def _kept_cells(stage, cfg: MqarConfig, arch: str, d_model: int, seq_len: int) -> dict:
+    """The cells of one (arch, d_model, seq_len) the ledger holds, by name, with their facts."""
+    names = (cell_name(arch, d_model, seq_len, lr) for lr in cfg.lrs)
+    return {n: facts for n in names if (facts := stage.done(n)) is not None}
 
 
 # ---- for the report -------------------------------------------------------------------------------
@@ -610,7 +610,8 @@ def mqar_results(out_dir: str | Path) -> MqarResults | None:
 COMMAND = Command(
     MqarConfig,
     run_mqar,
-    summary="Zoology's multi-query associative recall probe across model sizes and lengths",
+    plan_settings=cell_settings,
+    summary="Zoology's multi-query associative recall probe (Figure 2)",
     examples="""\
   arslice mqar --out runs/demo/mqar                       # the full sweep (make mqar)
   arslice mqar --out runs/demo/mqar --archs attention hyena --d-models 64 --seq-lens 64

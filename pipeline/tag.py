@@ -31,6 +31,7 @@ from ar_slicing.errors import ArSliceError
 from ar_slicing.io import read_json
 from ar_slicing.layout import META_NAME, TAG_PART
 from pipeline.config import Command, say
+from pipeline.wiring import COUNTS, STORES, TAGS, Wiring
 
 log = logging.getLogger(__name__)
 
@@ -211,39 +212,6 @@ def tag_part(task: PartTask) -> dict:
                     totals[name] = [a + b for a, b in zip(totals[name], values)]
                 n_rows += len(columns["pos"])
     return {"rows": n_rows, **totals}
-
-
-def counts_of_part(path: Path, subset_names: tuple[str, ...]) -> dict:
-    """Recount a part finished by an earlier, interrupted run (same shape as tag_part returns)."""
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(path, columns=["subset", "is_repeat", "is_ar_hit"])
-    index = {name: k + 1 for k, name in enumerate(subset_names)}
-    out = {"rows": table.num_rows}
-    grouped = table.group_by("subset").aggregate(
-        [("is_repeat", "count"), ("is_repeat", "sum"), ("is_ar_hit", "sum")]
-    )
-    for key in ("tokens", "repeats", "ar_hits"):
-        out[key] = [0] * (len(subset_names) + 1)
-    for row in grouped.to_pylist():
-        k = 0 if row["subset"] is None else index[row["subset"]]
-        out["tokens"][k] = int(row["is_repeat_count"])
-        out["repeats"][k] = int(row["is_repeat_sum"] or 0)
-        out["ar_hits"][k] = int(row["is_ar_hit_sum"] or 0)
-    return out
-
-
-def part_is_complete(task: PartTask, n_targets: np.ndarray) -> bool:
-    """A part from an earlier run counts only if it has exactly the rows its windows must have."""
-    import pyarrow.parquet as pq
-
-    if not task.path.is_file():
-        return False
-    expected = int(n_targets[task.first_window : task.first_window + task.n_windows].sum())
-    try:
-        return pq.read_metadata(task.path).num_rows == expected
-    except Exception:
-        return False
 
 
 @contextmanager
@@ -455,10 +423,12 @@ def _tag_into(
         tasks = part_tasks(
             cfg, len(windows["window_id"]), tokens_path, counts_path, str(out.resolve())
         )
-        done = [t for t in tasks if part_is_complete(t, windows["n_targets"])]
-        todo = [t for t in tasks if t not in done]
+        # a part is kept when the ledger records it whole, with the counts it had
+        results = {t.index: stage.done(t.path.name) for t in tasks}
+        results = {k: r for k, r in results.items() if r is not None}
+        todo = [t for t in tasks if t.index not in results]
+        done = [t for t in tasks if t.index in results]
         n_targets = int(windows["n_targets"].sum(dtype=np.int64))
-        results = {t.index: counts_of_part(t.path, docs.subset_names) for t in done}
         workers = min(cfg.workers or default_workers(), max(1, len(todo)))
         log.info(
             "tagging %d targets in %d windows of %d: %d parts (%d already done), %d workers",
@@ -480,6 +450,7 @@ def _tag_into(
         with tqdm(total=n_targets, unit="tok", unit_scale=True, desc="tag", disable=None) as bar:
             bar.update(sum(r["rows"] for r in results.values()))
             for task, result in LocalExecutor(workers).map_unordered(tag_part, todo):
+                stage.record(task.path.name, [task.path], **result)
                 results[task.index] = result
                 bar.update(result["rows"])
         work_s = time.time() - t_work
@@ -575,11 +546,21 @@ COMMAND = Command(
     validate=validate_tag,
     plan_settings=tag_settings,
     inputs=lambda cfg: [("--tokens", cfg.tokens), ("--counts", cfg.counts)],
-    summary="evaluation windows, in-context repeats, AR hits and copy lengths",
+    summary="evaluation windows, in-context repeats and AR hits",
     examples="""\
   arslice tag --tokens runs/pile/tokens/val --counts runs/pile/counts --out runs/pile/tags
   arslice tag --tokens runs/pile/tokens/val --counts runs/pile/counts --out runs/pile/tags-doc \\
       --reset-at-doc-boundary --threshold 1250 --window 2048
   arslice tag --tokens runs/pile/tokens/val --counts runs/pile/counts --out runs/pile/tags-k8 \
       --span-order 8""",
+    pipeline=Wiring(
+        table="tag",
+        reads=(STORES, COUNTS),
+        writes=TAGS,
+        defaults=lambda run, table: {
+            "tokens": run.layout.store("val"),
+            "counts": run.layout.counts,
+            "out": run.layout.tags,
+        },
+    ),
 )

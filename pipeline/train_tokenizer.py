@@ -18,6 +18,7 @@ from ar_slicing.errors import ArSliceError
 from ar_slicing.io import atomic_path
 from ar_slicing.readers import ReadStats, check_sources, check_split_options
 from pipeline.config import (
+    READER_FIELDS,
     Command,
     glob_option,
     normalize_glob,
@@ -26,6 +27,7 @@ from pipeline.config import (
     say,
     text_field_option,
 )
+from pipeline.wiring import TOKENIZER, Fanned, Run, Table, Wiring, per_store
 
 EOS_TOKEN = "<|endoftext|>"
 
@@ -178,6 +180,36 @@ def _train(stage, cfg: TrainTokenizerConfig) -> dict:
     return summary
 
 
+# ---- in a pipeline config: [tokenizer] ---------------------------------------------------------
+
+
+def corpus_of_the_training_store(run: Run) -> dict:
+    """What [tokenize] reads into the training store (its sources, patterns, split): what a
+    trained [tokenizer] that names no corpus of its own learns from."""
+    values = dict(run.config.get("tokenize", {}))
+    tokenize = Fanned(run.config, run.path, run.layout, "tokenize", values)
+    (train,) = [t.values for t in per_store(tokenize) if t.name == "train"]
+    keys = ("source", *(k for k in READER_FIELDS if k != "split_part"))
+    out = {k: train[k] for k in keys if k in train}
+    if "split_fraction" in out:
+        out["split_part"] = "train"
+    return out
+
+
+def _defaults(run: Run, table: Table) -> dict:
+    defaults = {"out": run.layout.tokenizer}
+    if "source" not in table.values:
+        defaults.update(corpus_of_the_training_store(run))
+    return defaults
+
+
+def _copy_or_train(table: Table, where: str):
+    """`[tokenizer] pretrained = NAME` copies a tokenizer instead of training one."""
+    from pipeline import copy_tokenizer
+
+    return copy_tokenizer.COMMAND if copy_tokenizer.pretrained_table(table.values, where) else None
+
+
 COMMAND = Command(
     TrainTokenizerConfig,
     run_train_tokenizer,
@@ -189,4 +221,7 @@ COMMAND = Command(
   arslice train-tokenizer --source "$STDLIB" --glob '*.py' --split-fraction 0.1 \\
       --split-part train --vocab-size 2048 --out runs/demo/tokenizer.json
   arslice train-tokenizer --source train.jsonl.zst --vocab-size 50257 --max-docs 100000 --out tokenizer.json""",
+    pipeline=Wiring(
+        table="tokenizer", writes=TOKENIZER, defaults=_defaults, variant=_copy_or_train
+    ),
 )

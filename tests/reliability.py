@@ -116,6 +116,19 @@ def final_files(out: Path) -> dict[str, Path]:
     return found
 
 
+def as_killed(out: Path) -> dict:
+    """Turn the complete output `out` into what a kill just before its meta.json leaves: its
+    plan and its ledger (every finished part), no meta.json. Returns the meta.json it had."""
+    from ar_slicing.io import read_json
+    from ar_slicing.plan import StagePlan, open_stage
+
+    meta = read_json(out / "meta.json")
+    stage = open_stage(out, StagePlan(**meta["plan"]))
+    stage.reopen()
+    stage.release()
+    return meta
+
+
 def kill_when(argv: list, ready: Callable[[], bool], *, timeout: float = 120.0) -> tuple[bool, str]:
     """Start `arslice ARGV` in a subprocess and SIGKILL it as soon as `ready()` holds.
 

@@ -18,7 +18,7 @@ import tomllib
 from ar_slicing.io import read_json
 from ar_slicing.readers import split_part_of
 from ar_slicing.store import TokenStore
-from pipeline.run import dumps_toml, stdlib_dir
+from pipeline.runner.config_file import dumps_toml, stdlib_dir
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "pipeline" / "configs" / "demo.toml"

@@ -24,7 +24,6 @@ Before a command that writes `--out DIR` runs, DIR is removed, so the example co
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 import re
 import shlex
@@ -129,12 +128,11 @@ def readme_examples() -> tuple[list[Example], dict[str, str]]:
 def help_examples() -> list[Example]:
     """Every example line of `arslice --help` and of each `arslice CMD --help`."""
     from pipeline.cli import EPILOG
-    from pipeline.stages import COMMANDS
+    from pipeline.runner.registry import commands
 
     epilogs = {"arslice --help": EPILOG.split("examples:\n", 1)[1].split("\n\n")[0]}
-    for stage in COMMANDS:
-        command = importlib.import_module(stage.module).COMMAND
-        epilogs[f"arslice {stage.command} --help"] = command.examples
+    for name, command in commands().items():
+        epilogs[f"arslice {name} --help"] = command.examples
     examples = []
     for where, text in epilogs.items():
         assert text.strip(), f"{where} has no examples"
@@ -320,7 +318,7 @@ def run_arslice(argv: list[str], example: Example, tree: Path, monkeypatch) -> N
 
 
 def run_make(argv: list[str], example: Example, tree: Path) -> None:
-    from pipeline.stages import PIPELINE_STAGES
+    from pipeline.runner.registry import stage_names
 
     targets = [a for a in argv[1:] if "=" not in a]
     variables = dict(a.split("=", 1) for a in argv[1:] if "=" in a)
@@ -335,7 +333,7 @@ def run_make(argv: list[str], example: Example, tree: Path) -> None:
     if set(targets) & pipeline_goals:
         from pipeline.cli import main
 
-        assert set(PIPELINE_STAGES) >= {"tokenize", "report"}
+        assert set(stage_names()) >= {"tokenize", "report"}
         assert main(["run", "--config", config, "--dry-run"]) == 0, example.where
     for target in set(targets) - pipeline_goals:
         out = subprocess.run(["make", "-n", target], cwd=REPO, capture_output=True, text=True)

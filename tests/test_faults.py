@@ -37,12 +37,14 @@ class Stage:
     slow: bool
 
     def progress(self, out: Path) -> int:
-        if self.name == "train":
-            state = out / ".train-state" / "state.json"
-            try:
-                return int(json.loads(state.read_text())["step"])
-            except (OSError, ValueError, KeyError):
-                return 0
+        if self.name == "train":  # the checkpoints saved so far
+            steps = [0]
+            for state in out.glob(".train-state/step-*/state.json"):
+                try:
+                    steps.append(int(json.loads(state.read_text())["step"]))
+                except (OSError, ValueError, KeyError):
+                    pass
+            return max(steps)
         return sum(1 for _ in out.glob(self.progress_glob)) if out.exists() else 0
 
 
@@ -282,36 +284,42 @@ def test_a_second_kill_during_the_resumed_run(world, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("left", ["old-only", "old-beside-state", "tmp-and-old"])
-def test_train_resumes_from_a_state_rotation_cut_short(world, tmp_path, left):
-    """A kill inside save_state's rotation (`ar_slicing.io.atomic_dir`: the new state is written
-    beside, the old one moved aside, the new one renamed in, the old one removed) leaves one of
-    these layouts; the rerun must resume from a whole state and finish with the same weights."""
+@pytest.mark.parametrize("left", ["half-written", "not-recorded", "old-beside-new"])
+def test_train_resumes_from_a_checkpoint_cut_short(world, tmp_path, left):
+    """A kill while saving a checkpoint (`pipeline.train.state.checkpoint`: the new one written
+    under a temporary name and renamed in, recorded in the ledger, then the one before removed)
+    leaves one of these layouts; the rerun must resume from the checkpoint the ledger holds
+    whole and finish with the same weights."""
     import shutil
 
-    from ar_slicing.io import aside_path_for, tmp_path_for
+    from ar_slicing.io import tmp_path_for
+    from ar_slicing.ledger import Ledger
 
     stage, ref = world["stages"]["train"], world["reference"]("train")
     out = tmp_path / "out"
     killed, stderr = kill_when([*stage.argv, "--out", out], lambda: stage.progress(out) >= 6)
     assert killed, stderr
     state = out / ".train-state"
-    old, tmp = aside_path_for(state), tmp_path_for(state)
-    for leftover in (tmp, old):  # whatever the kill itself left: the layouts below are the test
-        shutil.rmtree(leftover, ignore_errors=True)
-    if left == "old-only":  # killed between the two renames, before the new state was whole
-        state.rename(old)
-    elif left == "old-beside-state":  # killed while removing the old state
-        shutil.copytree(state, old)
-        (old / "state.json").unlink()
-    else:  # killed between the two renames, the new state whole: the old one is taken back
-        shutil.copytree(state, tmp)
-        state.rename(old)
-    step = json.loads(((state if left == "old-beside-state" else old) / "state.json").read_text())[
-        "step"
-    ]
+    recorded = max(e["facts"]["step"] for e in Ledger(out).parts.values())
+    newest = state / f"step-{recorded:08d}"
+    for (
+        leftover
+    ) in state.iterdir():  # whatever the kill itself left: the layouts below are the test
+        if leftover != newest:
+            shutil.rmtree(leftover)
+    later = state / f"step-{recorded + 3:08d}"
+    if left == "half-written":  # killed while writing the next one: a temporary folder
+        shutil.copytree(newest, tmp_path_for(later))
+        (tmp_path_for(later) / "state.json").unlink()
+        step = recorded
+    elif left == "not-recorded":  # killed after the next one was renamed in, before its record
+        shutil.copytree(newest, later)
+        step = recorded
+    else:  # killed after recording the newest, before removing the one before it
+        shutil.copytree(newest, state / f"step-{recorded - 3:08d}")
+        step = recorded
     assert cli(*stage.argv, "--out", out) == 0
     assert_same_outputs(out, ref)
-    assert not old.exists() and not tmp.exists()
-    # it resumed from the saved state rather than starting over
+    assert not state.exists()
+    # it resumed from the checkpoint the ledger holds rather than starting over
     assert json.loads((out / "meta.json").read_text())["counts"]["resumed_from_step"] == step

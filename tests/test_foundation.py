@@ -153,14 +153,14 @@ def test_config_from_mapping_names_unknown_keys():
 
 
 def test_cli_help_lists_every_command_and_dry_run_prints_config():
-    from pipeline.stages import COMMANDS
+    from pipeline.runner.registry import commands
 
     out = subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "--help"], capture_output=True, text=True
     )
     assert out.returncode == 0
-    for stage in COMMANDS:
-        assert f"  {stage.command} " in out.stdout
+    for name, command in commands().items():
+        assert f"  {name} " in out.stdout and command.summary in out.stdout
     bad = subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "nope"], capture_output=True, text=True
     )
@@ -168,12 +168,9 @@ def test_cli_help_lists_every_command_and_dry_run_prints_config():
 
 
 def test_every_config_field_has_help_text():
-    import importlib
+    from pipeline.runner.registry import commands
 
-    from pipeline.stages import COMMANDS
-
-    for name, module in ((s.command, s.module) for s in COMMANDS):
-        command = importlib.import_module(module).COMMAND
+    for name, command in commands().items():
         for f in dataclasses.fields(command.config_cls):
             assert f.metadata.get("help"), f"arslice {name}: field {f.name} has no help text"
         assert command.examples.strip(), f"arslice {name}: --help shows no examples"
@@ -205,7 +202,7 @@ def test_only_the_cli_prints():
 
     root = Path(__file__).resolve().parent.parent
     allowed = {("pipeline/cli.py", None), ("pipeline/config.py", "print_config")}
-    allowed.add(("pipeline/run.py", "dry_run"))
+    allowed.add(("pipeline/runner/run.py", "dry_run"))
     found = []
     for package in ("ar_slicing", "models", "pipeline"):
         for path in sorted((root / package).rglob("*.py")):

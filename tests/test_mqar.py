@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+from reliability import as_killed
 from test_queries import tiny_run  # noqa: F401  (a fixture)
 
 from ar_slicing.errors import ArSliceError
@@ -162,22 +163,22 @@ def test_sweep_writes_table_figure_and_resumes(tmp_path, capsys):
     assert "| 16 (1) | attention |" in (out / "mqar.md").read_text()
     assert meta["counts"]["training_runs"] == 4 and meta["counts"]["runs_kept_from_before"] == 0
 
-    # complete: skipped; a lost cell: only it is retrained, the others are read back
+    # complete: skipped; interrupted with a cell lost: only it is retrained, the others kept
     run_mqar(MqarConfig(out=str(out), **TINY))
     assert capsys.readouterr().out == ""  # from Python: nothing printed
     with printing_summaries():
         run_mqar(MqarConfig(out=str(out), **TINY))
     assert "is complete, skipped" in capsys.readouterr().out
     kept = (out / "cells" / "attention-d16-T16-lr0.003.json").read_text()
+    as_killed(out)
     (out / "cells" / "base_conv-d16-T16-lr0.001.json").unlink()
-    (out / "meta.json").unlink()
     meta = run_mqar(MqarConfig(out=str(out), **TINY))
     assert meta["counts"]["runs_kept_from_before"] == 3
     assert (out / "cells" / "attention-d16-T16-lr0.003.json").read_text() == kept
     assert (out / "cells" / "base_conv-d16-T16-lr0.001.json").is_file()
 
-    # other settings: refused by name, unless --overwrite
-    with pytest.raises(ArSliceError, match=r"steps \(kept 6, asked 7\).*--overwrite"):
+    # other settings: refused, naming each field with both values, unless --overwrite
+    with pytest.raises(ArSliceError, match=r"settings\.steps: 6 -> 7(?s:.*)--overwrite"):
         run_mqar(MqarConfig(out=str(out), **{**TINY, "steps": 7}))
     meta = run_mqar(MqarConfig(out=str(out), **{**TINY, "steps": 7, "overwrite": True}))
     assert meta["counts"]["runs_kept_from_before"] == 0
@@ -187,6 +188,40 @@ def test_sweep_writes_table_figure_and_resumes(tmp_path, capsys):
     assert [r["arch"] for r in results.rows] == ["attention", "base_conv"]
     assert results.markdown.startswith("| sequence length (pairs) | model | d_model 16 |")
     assert mqar_results(tmp_path / "nothing") is None
+
+
+def test_a_grid_grows_a_part_at_a_time_training_only_the_new_cells(tmp_path):
+    """`--archs attention`, then the whole grid: the attention cells are kept, not retrained, and
+    a finished sweep with another grid is not refused (the grid is the plan's scope)."""
+    out = tmp_path / "m"
+    first = run_mqar(MqarConfig(out=str(out), **{**TINY, "archs": ["attention"]}))
+    attention = {p.name: p.read_bytes() for p in (out / "cells").iterdir()}
+    assert sorted(attention) == ["attention-d16-T16-lr0.001.json", "attention-d16-T16-lr0.003.json"]
+    assert [r["arch"] for r in first["rows"]] == ["attention"]
+    grown = run_mqar(MqarConfig(out=str(out), **TINY))
+    assert grown["counts"]["runs_kept_from_before"] == 2 and grown["counts"]["training_runs"] == 4
+    assert {p.name: p.read_bytes() for p in (out / "cells").glob("attention-*")} == attention
+    assert [r["arch"] for r in grown["rows"]] == ["attention", "base_conv"]
+    # the whole grid is complete; a part of it again is a new table from the kept cells
+    assert run_mqar(MqarConfig(out=str(out), **TINY))["created_at"] == grown["created_at"]
+    part = run_mqar(MqarConfig(out=str(out), **{**TINY, "archs": ["base_conv"]}))
+    assert part["counts"]["runs_kept_from_before"] == 2 and [r["arch"] for r in part["rows"]] == [
+        "base_conv"
+    ]
+
+
+def test_a_sweep_of_other_cell_settings_is_refused_by_name(tmp_path):
+    out = tmp_path / "m"
+    run_mqar(MqarConfig(out=str(out), **TINY))
+    before = {p.name: p.read_bytes() for p in (out / "cells").iterdir()}
+    with pytest.raises(ArSliceError) as err:
+        run_mqar(MqarConfig(out=str(out), **{**TINY, "steps": 8, "vocab_size": 32}))
+    text = str(err.value)
+    assert "settings.steps: 6 -> 8" in text and "settings.vocab_size: 24 -> 32" in text
+    assert "--overwrite" in text and "warmup_steps" not in text
+    assert {p.name: p.read_bytes() for p in (out / "cells").iterdir()} == before
+    # how it runs is not a setting of the cells: another worker count is the same sweep
+    assert run_mqar(MqarConfig(out=str(out), **{**TINY, "workers": 2, "threads": 2}))
 
 
 def test_a_solved_cell_skips_the_remaining_learning_rates(tmp_path):

@@ -179,7 +179,8 @@ def test_evaluated_store_of_another_tokenizer_is_refused(tmp_path):
 
 def test_cli_and_pipeline_config_restrict_to_the_run_store(tmp_path, capsys):
     from pipeline.cli import main
-    from pipeline.run import Pipeline, load_pipeline_config
+    from pipeline.runner.config_file import load_pipeline_config
+    from pipeline.runner.stages_run import Pipeline
 
     train = store_at(tmp_path / "run" / "tokens" / "train", [[1, 2, 3, 1, 2, 4]], vocab_size=10)
     val = store_at(tmp_path / "run" / "tokens" / "val", [[1, 2, 5]], vocab_size=10)
@@ -192,7 +193,7 @@ def test_cli_and_pipeline_config_restrict_to_the_run_store(tmp_path, capsys):
     assert rows_of(out) == [(1, 2, 2)]
     config = tmp_path / "p.toml"
     config.write_text(f'run_dir = "{tmp_path / "run"}"\n[count]\nonly_bigrams_of = ["val"]\n')
-    cfg = Pipeline(config, load_pipeline_config(config)).count_configs()["count"]
+    cfg = Pipeline(config, load_pipeline_config(config)).configs("count")["count"]
     assert cfg.only_bigrams_of == [str(val.path)] and cfg.tokens == [str(train.path)]
     meta = read_json(out / "meta.json")
     assert meta["only_bigrams_of"][0]["path"] == str(val.path.resolve())

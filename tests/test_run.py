@@ -16,16 +16,17 @@ from ar_slicing.errors import ArSliceError, BadInput
 from ar_slicing.io import read_json
 from models.checkpoints.registry import parse_spec
 from pipeline.config import printing_summaries
-from pipeline.run import (
-    STAGES,
-    Pipeline,
-    RunConfig,
+from pipeline.runner.config_file import (
     dumps_toml,
     load_pipeline_config,
     resolve_placeholders,
-    run_pipeline,
     stdlib_dir,
 )
+from pipeline.runner.registry import stage_names
+from pipeline.runner.run import RunConfig, run_pipeline
+from pipeline.runner.stages_run import Pipeline
+
+STAGES = stage_names()
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "pipeline" / "configs"
@@ -110,9 +111,9 @@ def test_demo_config_builds_every_stage_and_matches_the_makefile():
 
     p = shipped("demo.toml")
     assert p.run_dir == Path("runs/demo")
-    tok = p.loader("tokenizer").config_cls
+    tok = p.stages["tokenizer"].config_cls
     assert tok.__name__ == "TrainTokenizerConfig"
-    parts = p.tokenize_configs()
+    parts = p.configs("tokenize")
     assert {k: (c.split_part, c.out) for k, c in parts.items()} == {
         "train": ("train", "runs/demo/tokens/train"),
         "val": ("val", "runs/demo/tokens/val"),
@@ -122,7 +123,7 @@ def test_demo_config_builds_every_stage_and_matches_the_makefile():
         and parts["train"].tokenizer == "runs/demo/tokenizer.json"
     )
     # the tokenizer learns from exactly the training store's corpus
-    tok_cfg = p.tokenizer_configs()["tokenizer"]
+    tok_cfg = p.configs("tokenizer")["tokenizer"]
     assert (tok_cfg.source, tok_cfg.glob, tok_cfg.split_fraction, tok_cfg.split_part) == (
         parts["train"].source,
         parts["train"].glob,
@@ -137,15 +138,15 @@ def test_demo_config_builds_every_stage_and_matches_the_makefile():
     assert len(files) > 300 and "asyncio/base_events.py" in files and "os.py" in files
     banned = ("site-packages", "dist-packages", "test", "tests", "idlelib", "tkinter")
     assert not [f for f in files if set(f.split("/")[:-1]) & set(banned)]
-    assert p.count_configs()["count"].tokens == ["runs/demo/tokens/train"]
-    tag = p.tag_configs()["tag"]
+    assert p.configs("count")["count"].tokens == ["runs/demo/tokens/train"]
+    tag = p.configs("tag")["tag"]
     assert (tag.tokens, tag.counts, tag.out) == (
         "runs/demo/tokens/val",
         "runs/demo/counts",
         "runs/demo/tags",
     )
 
-    trains = p.train_configs()
+    trains = p.configs("train")
     assert sorted(trains) == ["attention", "base_conv", "hyena", "rwkv"]
     assert {c.arch for c in trains.values()} == set(trains)
     # the same training tokens in the same order for every architecture
@@ -160,11 +161,11 @@ def test_demo_config_builds_every_stage_and_matches_the_makefile():
     mean = sum(sizes.values()) / len(sizes)
     assert all(abs(s - mean) / mean < 0.10 for s in sizes.values()), sizes
 
-    evals = p.eval_configs()
+    evals = p.configs("eval")
     assert {n: c.model for n, c in evals.items()} == {
         n: f"native:runs/demo/models/{n}" for n in trains
     }
-    assert p.report_configs()["report"].reference == "attention"
+    assert p.configs("report")["report"].reference == "attention"
 
     # the Makefile's RUN (sed over `run_dir = "..."`) names the same directory
     out = subprocess.run(
@@ -190,15 +191,15 @@ def test_demo_config_builds_every_stage_and_matches_the_makefile():
 def test_pile_configs_build_every_stage(name, reference):
     p = shipped(name)
     assert "pretrained" in p.table("tokenizer")
-    parts = p.tokenize_configs()
+    parts = p.configs("tokenize")
     assert parts["train"].source != parts["val"].source
     assert all(c.tokenizer == f"{p.run_dir}/tokenizer.json" for c in parts.values())
-    tag = p.tag_configs()["tag"]
+    tag = p.configs("tag")["tag"]
     assert (tag.window, tag.threshold) == (2048, 1250)
-    p.count_configs()["count"]
-    assert p.train_configs() == {}
-    evals = p.eval_configs()
-    assert reference in evals and p.report_configs()["report"].reference == reference
+    p.configs("count")["count"]
+    assert p.configs("train") == {}
+    evals = p.configs("eval")
+    assert reference in evals and p.configs("report")["report"].reference == reference
     assert all(c.out == f"{p.run_dir}/losses/{n}" and c.name == n for n, c in evals.items())
     for c in evals.values():
         parse_spec(c.model)  # a known loader prefix
@@ -207,7 +208,7 @@ def test_pile_configs_build_every_stage(name, reference):
 def test_hazy_config_evaluates_the_whole_suite():
     p = shipped("pile-hazy.toml")
     assert p.table("tokenizer")["pretrained"] == "gpt2"
-    assert {n: c.model for n, c in p.eval_configs().items()} == {
+    assert {n: c.model for n, c in p.configs("eval").items()} == {
         n: f"based:hazyresearch/{n}"
         for n in ("transformer-pp-1.3b", "based-1.3b", "mamba-1.3b", "based-360m")
     }
@@ -220,7 +221,7 @@ def test_tokenizer_reads_the_training_corpus_unless_it_names_its_own(tmp_path):
         '[tokenize]\nsource = ["a", "b"]\nglob = ["*.py", "x/*.py"]\nsplit_fraction = 0.2\n'
         '[tokenize.train]\nglob = "*.txt"\n[tokenize.val]\nmax_docs = 3\n'
     )
-    tok = Pipeline(cfg, load_pipeline_config(cfg)).tokenizer_configs()["tokenizer"]
+    tok = Pipeline(cfg, load_pipeline_config(cfg)).configs("tokenizer")["tokenizer"]
     assert (tok.source, tok.glob, tok.split_fraction, tok.split_part, tok.max_docs) == (
         ["a", "b"],
         ["*.txt"],
@@ -232,7 +233,7 @@ def test_tokenizer_reads_the_training_corpus_unless_it_names_its_own(tmp_path):
         'run_dir = "r"\n[tokenizer]\nvocab_size = 300\nsource = ["c"]\n'
         '[tokenize]\nsource = ["a"]\nglob = "*.py"\nsplit_fraction = 0.2\n'
     )
-    tok = Pipeline(cfg, load_pipeline_config(cfg)).tokenizer_configs()["tokenizer"]
+    tok = Pipeline(cfg, load_pipeline_config(cfg)).configs("tokenizer")["tokenizer"]
     assert (tok.source, tok.glob, tok.split_fraction) == (["c"], ["**/*.txt"], None)
 
 
@@ -241,13 +242,13 @@ def test_unknown_stage_keys_name_the_table(tmp_path):
     cfg.write_text('run_dir = "r"\n[tag]\nwindw = 8\n')
     p = Pipeline(cfg, load_pipeline_config(cfg))
     with pytest.raises(ArSliceError, match=r"\[tag\].*windw"):
-        p.tag_configs()["tag"]
+        p.configs("tag")["tag"]
     cfg.write_text('run_dir = "r"\n[train]\nsteps = 3\n')
     with pytest.raises(BadInput, match=r"\[train.models.<name>\]"):
-        Pipeline(cfg, load_pipeline_config(cfg)).train_configs()
+        Pipeline(cfg, load_pipeline_config(cfg)).configs("train")
     cfg.write_text('run_dir = "r"\n[eval.models.x]\ndevice = "cpu"\n')
     with pytest.raises(BadInput, match="needs `model"):
-        Pipeline(cfg, load_pipeline_config(cfg)).eval_configs()
+        Pipeline(cfg, load_pipeline_config(cfg)).configs("eval")
 
 
 # ---- a small real run of every stage -----------------------------------------------------------

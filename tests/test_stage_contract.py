@@ -19,7 +19,7 @@ from reliability import REPO, cli, run_subprocess, tiny_run  # noqa: F401  (a fi
 
 from ar_slicing.errors import ArSliceError, BadInput
 from ar_slicing.io import read_json
-from pipeline.run import RunConfig, run_pipeline
+from pipeline.runner.run import RunConfig, run_pipeline
 
 
 def make(*targets: str, config: Path, **variables: str) -> subprocess.CompletedProcess:

@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from reliability import as_killed
 
 from ar_slicing.counts import BigramCounts
 from ar_slicing.errors import ArSliceError, BadInput, TokenizerMismatch
@@ -623,10 +624,9 @@ def test_resume_after_interruption_gives_identical_output(tmp_path, real_text_ru
     first = run_tag(cfg)
     saved = tmp_path / "saved"
     shutil.copytree(out, saved)
-    # what a kill leaves behind: the run's plan but no meta.json, some parts missing, one
-    # half-written temporary part
-    write_json_atomic(out / ".plan.json", first["plan"])
-    (out / "meta.json").unlink()
+    # what a kill leaves behind: the run's plan and ledger but no meta.json, some parts missing,
+    # one half-written temporary part
+    as_killed(out)
     parts = first["parts"]
     (out / parts[1]).unlink()
     (out / parts[-1]).unlink()

@@ -251,6 +251,13 @@ def test_complete_output_is_skipped_and_overwrite_retrains(stores, tmp_path):
     assert (tmp_path / "m" / "model.safetensors").stat().st_mtime_ns != mtime
 
 
+def saved_step(out: Path) -> int:
+    """The step of the latest checkpoint the stage's ledger records (0: none yet)."""
+    from ar_slicing.ledger import Ledger
+
+    return max((e["facts"]["step"] for e in Ledger(out).parts.values()), default=0)
+
+
 def test_killed_run_leaves_no_checkpoint_and_resumes_to_the_same_weights(stores, tmp_path):
     """SIGKILL a real `arslice train` after its first periodic checkpoint, then rerun it."""
     from safetensors.torch import load_file
@@ -272,18 +279,19 @@ def test_killed_run_leaves_no_checkpoint_and_resumes_to_the_same_weights(stores,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
-    state = out / STATE_DIR / "state.json"
     deadline = time.time() + 120
-    while not state.exists() and proc.poll() is None and time.time() < deadline:
+    while not saved_step(out) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
-    assert state.exists(), (
+    assert saved_step(out), (
         proc.stderr.read().decode() if proc.poll() is not None else "no checkpoint in 120 s"
     )
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (out / "meta.json").exists() and not (out / "model.safetensors").exists()
-    resumed_from = read_json(state)["step"]
+    resumed_from = saved_step(out)  # the last checkpoint it recorded before it was killed
     assert 0 < resumed_from < 40
+    state = out / STATE_DIR / f"step-{resumed_from:08d}" / "state.json"
+    assert read_json(state)["step"] == resumed_from
 
     # finish it in-process, and compare with an uninterrupted run of the same settings
     shared = dict(steps=40, checkpoint_every=3, **MINIMAL)

@@ -187,7 +187,7 @@ def restricted_rows(keys: np.ndarray, partials: list[str], extra: np.ndarray):
 
 
 def count_restricted_stores(
-    stores, work, row, shard_tokens, shift, executor, progress, *, evaluated, groups: int
+    stage, stores, work, row, shard_tokens, shift, executor, progress, *, evaluated, groups: int
 ) -> dict:
     """Count only the bigrams of the `evaluated` stores: their key set, then about `groups`
     tasks of consecutive training pairs counted into dense partials over it, summed into the
@@ -196,13 +196,20 @@ def count_restricted_stores(
     import time
 
     from ar_slicing.counts.parquet import write_bigrams, write_bigrams_batches
-    from ar_slicing.counts.tasks import REDUCED_PART, boundary_keys, run_map, stream_pairs
+    from ar_slicing.counts.tasks import (
+        REDUCED_PART,
+        boundary_keys,
+        run_map,
+        stream_pairs,
+        work_part,
+    )
     from ar_slicing.layout import BIGRAMS_NAME, COUNT_PARTIALS_DIR, COUNT_REDUCED_DIR, TOKENS_NAME
 
     t_keys = time.time()
     keys_path = work / "only-keys.bin"
-    if not keys_path.is_file():
+    if stage.done(work_part(keys_path)) is None:
         write_keys(keys_path, key_set(evaluated, shift, shard_tokens))
+        stage.record(work_part(keys_path), [keys_path])
     keys = read_keys(keys_path, shift)
     t_keys = time.time() - t_keys
 
@@ -229,7 +236,7 @@ def count_restricted_stores(
             )
         offset += store.n_tokens
     t_map = time.time()
-    resumed = run_map(executor, tasks, count_restricted, progress)
+    resumed = run_map(executor, tasks, count_restricted, progress, stage=stage)
     t_map = time.time() - t_map
 
     t_reduce = time.time()

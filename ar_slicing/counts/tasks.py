@@ -1,4 +1,9 @@
-"""A count's tasks, planned and run on an executor: the map shards, the reduce ranges, their join."""
+"""A count's tasks, planned and run on an executor: the map shards, the reduce ranges, their join.
+
+Every file of the work (`OUT/.work/`) is a part of the count's ledger (`ar_slicing.plan`): a
+task's file is kept by a resumed run when the ledger records it whole, and the driver records
+each as its task returns (the workers only write files).
+"""
 
 from __future__ import annotations
 
@@ -33,22 +38,32 @@ def make_work_dir(out: Path) -> Path:
     return work
 
 
-def plan_reduce_tasks(work: Path, partials: list[str], shift: int) -> list[reduce.ReduceTask]:
+def work_part(path: str | Path) -> str:
+    """The ledger's name of a work file: its path inside the work folder (`partials/x.bin`)."""
+    path = Path(path)
+    return f"{path.parent.name}/{path.name}"
+
+
+def plan_reduce_tasks(
+    work: Path, partials: list[str], shift: int, *, stage
+) -> list[reduce.ReduceTask]:
     """Ranges of fine buckets of about REDUCE_RANGE_ENTRIES partial entries, one task each.
 
     A fixed size, not a fraction of the total, so a reduce task's memory does not grow with the
-    corpus: more data means more ranges, not bigger ones. The ranges are kept in `work`, so a
-    resumed run reduces the same ranges.
+    corpus: more data means more ranges, not bigger ones. The ranges are kept in `work` (and
+    the ledger), so a resumed run reduces the same ranges.
     """
-    from ar_slicing.io import read_json, write_json_atomic
+    from ar_slicing.io import write_json_atomic
 
     ranges_path = work / COUNT_REDUCED_DIR / "ranges.json"
-    if ranges_path.exists():
-        ranges = [tuple(r) for r in read_json(ranges_path)["ranges"]]
+    planned = stage.done(work_part(ranges_path))
+    if planned is not None:
+        ranges = [tuple(r) for r in planned["ranges"]]
     else:
         sizes = sum(bucket_sizes(p) for p in partials) if partials else np.zeros(1, dtype=np.int64)
         ranges = reduce.plan_ranges(np.asarray(sizes), reduce.REDUCE_RANGE_ENTRIES)
         write_json_atomic(ranges_path, {"ranges": ranges})
+        stage.record(work_part(ranges_path), [ranges_path], ranges=ranges)
     return [
         reduce.ReduceTask(
             partials=tuple(partials),
@@ -62,11 +77,11 @@ def plan_reduce_tasks(work: Path, partials: list[str], shift: int) -> list[reduc
     ]
 
 
-def run_map(executor, tasks: list, count, progress: bool) -> int:
-    """`count` every task whose partial is not there yet. Returns how many were there."""
+def run_map(executor, tasks: list, count, progress: bool, *, stage) -> int:
+    """`count` every task whose partial the ledger does not hold. Returns how many it held."""
     from tqdm import tqdm
 
-    todo = [t for t in tasks if not Path(t.out).is_file()]
+    todo = stage.todo(tasks, lambda t: work_part(t.out))
     total_tokens = sum(t.n_pairs for t in tasks)
     resumed = len(tasks) - len(todo)
     if resumed:
@@ -79,19 +94,24 @@ def run_map(executor, tasks: list, count, progress: bool) -> int:
         desc="count: map",
         disable=not progress,
     ) as bar:
-        for task, _ in executor.map_unordered(count, todo):
+        for task, result in executor.map_unordered(count, todo):
+            stage.record(work_part(task.out), [task.out], **result)
             bar.update(task.n_pairs)
     return resumed
 
 
-def run_reduce(executor, tasks: list, path: Path, progress: bool, results=None) -> tuple[int, int]:
-    """Reduce the ranges not reduced yet and join all of them into `path`, in key order, while
-    later ranges are still being reduced. Returns (distinct, total pairs); `results`, a dict,
-    gets each reduced task's result by its output path."""
+def run_reduce(
+    executor, tasks: list, path: Path, progress: bool, results=None, *, stage
+) -> tuple[int, int]:
+    """Reduce the ranges the ledger does not hold and join all of them into `path`, in key
+    order, while later ranges are still being reduced. Returns (distinct, total pairs);
+    `results`, a dict, gets each range's result by its output path."""
     from tqdm import tqdm
 
-    pending = [t for t in tasks if not Path(t.out).exists()]
+    pending = stage.todo(tasks, lambda t: work_part(t.out))
     finished = {t.out for t in tasks} - {t.out for t in pending}
+    if results is not None:
+        results.update({t.out: stage.done(work_part(t.out)) for t in tasks if t.out in finished})
 
     def reduced_in_order(bar):
         next_index = 0
@@ -104,6 +124,7 @@ def run_reduce(executor, tasks: list, path: Path, progress: bool, results=None) 
 
         yield from ready()
         for task, result in executor.map_unordered(reduce.reduce_range, pending):
+            stage.record(work_part(task.out), [task.out], **result)
             if results is not None:
                 results[task.out] = result
             finished.add(task.out)
@@ -161,16 +182,17 @@ def boundary_keys(stores, row: int | None, shift: int) -> np.ndarray:
     return np.array([(p << shift) | n for p, n in pairs], dtype=kd)
 
 
-def boundary_partial(work: Path, edge: np.ndarray, shift: int, vocab_size: int) -> str:
+def boundary_partial(work: Path, edge: np.ndarray, shift: int, vocab_size: int, *, stage) -> str:
     """The partial of the pairs across stores (written once; a resumed run finds it)."""
     edge_out = work / COUNT_PARTIALS_DIR / "boundaries.bin"
-    if not edge_out.is_file():
+    if stage.done(work_part(edge_out)) is None:
         keys, counts = count_keys(edge)
         offsets = np.append(
             np.searchsorted(keys, bucket_bounds(shift, vocab_size).astype(keys.dtype)),
             keys.size,
         )
         write_partial(edge_out, keys, counts, offsets.astype(np.int64))
+        stage.record(work_part(edge_out), [edge_out])
     return str(edge_out)
 
 
@@ -180,24 +202,26 @@ def stream_pairs(stores, row: int | None) -> int:
     return n - (n // row if row else 0)
 
 
-def count_full(stores, work, row, shard_tokens, shift, executor, progress) -> dict:
+def count_full(stage, stores, work, row, shard_tokens, shift, executor, progress) -> dict:
     """Map every shard, reduce every `prev` range, join the parts into bigrams.parquet."""
     import time
 
     vocab_size = max(s.vocab_size for s in stores)
     tasks = plan_map_tasks(stores, work, row, shard_tokens, shift, vocab_size)
     t_map = time.time()
-    resumed = run_map(executor, tasks, count_shard, progress)
+    resumed = run_map(executor, tasks, count_shard, progress, stage=stage)
     t_map = time.time() - t_map
 
     partials = [t.out for t in tasks]
     edge = boundary_keys(stores, row, shift)
     if edge.size:
-        partials.append(boundary_partial(work, edge, shift, vocab_size))
+        partials.append(boundary_partial(work, edge, shift, vocab_size, stage=stage))
 
     t_reduce = time.time()
-    reduce_tasks = plan_reduce_tasks(work, partials, shift)
-    distinct, total_pairs = run_reduce(executor, reduce_tasks, work.parent / BIGRAMS_NAME, progress)
+    reduce_tasks = plan_reduce_tasks(work, partials, shift, stage=stage)
+    distinct, total_pairs = run_reduce(
+        executor, reduce_tasks, work.parent / BIGRAMS_NAME, progress, stage=stage
+    )
     return {
         "distinct": distinct,
         "total_pairs": total_pairs,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ar_slicing.errors import ArSliceError
 from ar_slicing.io import atomic_path, read_json, write_json_atomic
+from ar_slicing.layout import MODEL_CONFIG_NAME, MODEL_WEIGHTS_NAME
 from models.checkpoints.registry import (
     LoadedModel,
     LoadRequest,
@@ -24,8 +25,6 @@ from models.checkpoints.registry import (
 
 FORMAT = "ar-slicing-native"
 FORMAT_VERSION = 2
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 TIED_KEYS = ("lm_head.weight",)
 
 
@@ -41,7 +40,7 @@ def save_native(model, out_dir, tokenizer_json=None) -> Path:
         for k, v in model.state_dict().items()
         if k not in tied
     }
-    with atomic_path(out_dir / WEIGHTS_NAME) as tmp:
+    with atomic_path(out_dir / MODEL_WEIGHTS_NAME) as tmp:
         save_file(state, str(tmp), metadata={"format": "pt"})
     if tokenizer_json is not None:
         src = Path(tokenizer_json)
@@ -50,7 +49,7 @@ def save_native(model, out_dir, tokenizer_json=None) -> Path:
         with atomic_path(out_dir / "tokenizer.json") as tmp:
             shutil.copyfile(src, tmp)
     write_json_atomic(
-        out_dir / CONFIG_NAME,
+        out_dir / MODEL_CONFIG_NAME,
         {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -64,7 +63,7 @@ def save_native(model, out_dir, tokenizer_json=None) -> Path:
 def read_native_config(model_dir):
     from models.backbone import ModelConfig
 
-    path = Path(model_dir) / CONFIG_NAME
+    path = Path(model_dir) / MODEL_CONFIG_NAME
     if not path.is_file():
         raise ArSliceError(
             f"{path}: not found; a native checkpoint directory holds config.json and "
@@ -115,7 +114,7 @@ def load_native(model_dir, device="cpu", dtype=None):
 
     model_dir = Path(model_dir)
     config = read_native_config(model_dir)
-    weights = model_dir / WEIGHTS_NAME
+    weights = model_dir / MODEL_WEIGHTS_NAME
     if not weights.is_file():
         raise ArSliceError(f"{weights}: not found (the checkpoint is incomplete; re-save it)")
     try:

@@ -45,20 +45,6 @@ def chunk_keys(tags: TagsInput, w0: int, w1: int) -> tuple[np.ndarray, np.ndarra
     return window_id, pos
 
 
-def chunk_done(path: Path, n_rows: int) -> bool:
-    """True when `path` is a finished chunk with the expected number of rows. (Which settings made
-    it is the stage plan's business: an unfinished run's chunks are only kept under the same plan.)"""
-    import pyarrow.parquet as pq
-
-    if not path.is_file():
-        return False
-    try:
-        return pq.ParquetFile(path).metadata.num_rows == n_rows
-    except Exception:
-        log.warning("%s: unreadable, recomputing it", path)
-        return False
-
-
 def write_chunk(path: Path, window_id, pos, nll: np.ndarray) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq

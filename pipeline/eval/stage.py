@@ -5,7 +5,9 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ar_slicing.errors import ArSliceError
 from ar_slicing.io import build_meta
@@ -14,8 +16,10 @@ from pipeline.config import Command, say
 from pipeline.eval.checks import check_model_fits
 from pipeline.eval.config import EvalConfig
 from pipeline.eval.forward import resolve_batch_size
-from pipeline.eval.inputs import chunk_bounds, model_name_from_spec, open_tags
-from pipeline.eval.output import ChunkEvaluator, chunk_done, chunk_path
+from pipeline.eval.inputs import TagsInput, chunk_bounds, model_name_from_spec, open_tags
+from pipeline.eval.output import ChunkEvaluator, chunk_path
+from pipeline.eval.wiring import defaults, eval_hub_names, evaluated_models, losses_entry
+from pipeline.wiring import LOSSES, MODELS, TAGS, Wiring
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +143,87 @@ def describe_settings(settings: dict) -> str:
     return f"model settings {values}" + (f" (from {source})" if source else "")
 
 
+@dataclass(frozen=True)
+class EvalRun:
+    """What an evaluation resolved before it writes anything: the model loaded and checked
+    against the windows, where and how it runs, and the rolling windows' prefix."""
+
+    cfg: EvalConfig
+    name: str
+    tags: TagsInput
+    n_windows: int  # the windows evaluated (all, or the first --max-windows)
+    loaded: Any  # models.LoadedModel (with Ray: loaded here for the checks and meta.json)
+    executor: Any  # None: this process; else the Ray executor whose actors load their own
+    device: str
+    dtype: str
+    batch_size: int
+    prefix: int | None  # the token read before each document (rolling windows)
+    prefix_source: str | None
+    lead: tuple[int, ...]  # read after the prefix (--harness-bos)
+    t0: float
+
+    @property
+    def partial(self) -> bool:
+        return self.n_windows < self.tags.n_windows
+
+    def evaluator(self) -> ChunkEvaluator:
+        """The chunk evaluator of a local run (holding this process's model and tags)."""
+        return ChunkEvaluator(
+            self.cfg, self.device, self.dtype, self.batch_size,
+            loaded=self.loaded, tags=self.tags, prefix=self.prefix, lead=self.lead,
+        )  # fmt: skip
+
+    def actor_evaluator(self):
+        """What each Ray actor builds its own evaluator from (it loads its own model and tags)."""
+        return functools.partial(
+            ChunkEvaluator, self.cfg, self.device, self.dtype, self.batch_size,
+            prefix=self.prefix, lead=self.lead,
+        )  # fmt: skip
+
+
+def _device_and_dtype(cfg: EvalConfig):
+    """(executor, device, dtype): this process's, or, with Ray, the actors' (CUDA when the
+    cluster has GPUs; `auto` dtype resolved on one of them; CPU actors get this machine's
+    choice, as a local run)."""
+    if cfg.executor == "local":
+        device = resolve_device(cfg.device)
+        return None, device, resolve_dtype(cfg.dtype, device)
+    from ar_slicing.executor import get_executor
+
+    executor = get_executor(cfg.executor, address=cfg.ray_address)
+    device = cfg.device if cfg.device != "auto" else "cuda" if executor.cluster_gpus else "cpu"
+    return executor, device, resolve_on_cluster(executor, cfg.dtype, device)
+
+
+def _resolve(cfg, name, tags, n_windows, executor, device, dtype, t0) -> EvalRun:
+    """Load the model (on this process's device, or the CPU when Ray actors run it) and check
+    it against the windows: before OUT is made, so a bad spec or a model that does not fit
+    leaves nothing behind."""
+    from models import load_model
+
+    loaded = load_model(
+        cfg.model,
+        device=device if executor is None else "cpu",
+        fast_path=cfg.fast_path,
+        model_config=cfg.model_config,
+    )
+    if loaded.settings:
+        say(f"eval {name}: {describe_settings(loaded.settings)}")
+    prefix = prefix_source = None
+    lead, lead_source = harness_lead(cfg, loaded)
+    if cfg.windowing == "rolling":
+        prefix, prefix_source = rolling_prefix(cfg, loaded, tags.store)
+        say(f"eval {name}: each document read after token {prefix} ({prefix_source})")
+    if lead_source:
+        say(f"eval {name}: {lead_source}")
+    check_model_fits(loaded, tags, n_windows, cfg, prefix)
+    batch_size = resolve_batch_size(cfg.batch_size, device, tags.window)
+    return EvalRun(
+        cfg, name, tags, n_windows, loaded, executor, device, dtype, batch_size,
+        prefix, prefix_source, lead, t0,
+    )  # fmt: skip
+
+
 def run_eval(cfg: EvalConfig) -> dict:
     """Evaluate `cfg.model` on the windows of `cfg.tags`; write losses and meta.json to `cfg.out`."""
     from ar_slicing.plan import StagePlan, identity, open_stage
@@ -150,19 +235,7 @@ def run_eval(cfg: EvalConfig) -> dict:
     name = cfg.name or model_name_from_spec(cfg.model)
     tags = open_tags(cfg.tags, cfg.tokens)
     n_windows = tags.n_windows if cfg.max_windows is None else min(cfg.max_windows, tags.n_windows)
-
-    executor = None
-    if cfg.executor != "local":
-        from ar_slicing.executor import get_executor
-
-        executor = get_executor(cfg.executor, address=cfg.ray_address)
-        # the actors' device, not this process's: CUDA when the cluster has GPUs; `auto` dtype
-        # is resolved on one of those GPUs (CPU actors get this machine's choice, as a local run)
-        device = cfg.device if cfg.device != "auto" else "cuda" if executor.cluster_gpus else "cpu"
-        dtype = resolve_on_cluster(executor, cfg.dtype, device)
-    else:
-        device = resolve_device(cfg.device)
-        dtype = resolve_dtype(cfg.dtype, device)
+    executor, device, dtype = _device_and_dtype(cfg)
     plan = StagePlan(
         "eval",
         settings=eval_settings(cfg, device, dtype),
@@ -187,85 +260,73 @@ def run_eval(cfg: EvalConfig) -> dict:
                 "skipped": True,
             }
         extend = True  # a partial (--max-windows) result, now asked for more windows
-
-    from models import load_model
-
-    # Loaded before OUT is made, so a bad spec or a model that does not fit leaves nothing behind.
-    # With Ray the model is loaded here only for the checks and meta.json; the actors load their own.
     try:
-        loaded = load_model(
-            cfg.model,
-            device=device if executor is None else "cpu",
-            fast_path=cfg.fast_path,
-            model_config=cfg.model_config,
-        )
-        if loaded.settings:
-            say(f"eval {name}: {describe_settings(loaded.settings)}")
-        prefix = prefix_source = None
-        lead, lead_source = harness_lead(cfg, loaded)
-        if cfg.windowing == "rolling":
-            prefix, prefix_source = rolling_prefix(cfg, loaded, tags.store)
-            say(f"eval {name}: each document read after token {prefix} ({prefix_source})")
-        if lead_source:
-            say(f"eval {name}: {lead_source}")
-        check_model_fits(loaded, tags, n_windows, cfg, prefix)
-        batch_size = resolve_batch_size(cfg.batch_size, device, tags.window)
+        run = _resolve(cfg, name, tags, n_windows, executor, device, dtype, t0)
     except BaseException:
         stage.release()  # (an existing OUT is locked from the plan check on)
         raise
     with stage.running():
         if extend:
-            stage.reopen()  # incomplete again until its meta.json is rewritten
-        return _evaluate(
-            stage, cfg, name, tags, n_windows, loaded, executor, device, dtype, batch_size, t0,
-            (prefix, prefix_source, lead),
-        )  # fmt: skip
+            stage.reopen()  # incomplete again until its meta.json is rewritten, its chunks kept
+        return _evaluate(stage, run)
 
 
-def _evaluate(
-    stage, cfg, name, tags, n_windows, loaded, executor, device, dtype, batch_size, t0, prefix
-):
-    prefix, prefix_source, lead = prefix
-    out = stage.out
-    partial = n_windows < tags.n_windows
-    chunks = chunk_bounds(n_windows, cfg.chunk_windows)
+def _evaluate(stage, run: EvalRun) -> dict:
+    """Compute the chunks the ledger does not hold, record each, and write meta.json."""
+    out, tags = stage.out, run.tags
+    chunks = chunk_bounds(run.n_windows, run.cfg.chunk_windows)
     chunk_rows = [int(tags.n_targets[w0:w1].sum()) for w0, w1 in chunks]
-    todo = [c for c in range(len(chunks)) if not chunk_done(chunk_path(out, c), chunk_rows[c])]
-    reused = len(chunks) - len(todo)
-    if reused:
-        log.info("resuming %s: %d of %d chunks already done", out, reused, len(chunks))
-    scored = read = backoffs = 0
-    t_compute = 0.0
+    todo = [c for c in range(len(chunks)) if stage.done(chunk_part(*chunks[c])) is None]
+    if len(chunks) > len(todo):
+        log.info(
+            "resuming %s: %d of %d chunks already done", out, len(chunks) - len(todo), len(chunks)
+        )
+    tasks = [(c, *chunks[c]) for c in todo]
+    windows_done = run.n_windows - sum(w1 - w0 for _, w0, w1 in tasks)
+    totals = _run_chunks(stage, run, tasks, sum(chunk_rows[c] for c in todo), windows_done)
+    meta = stage.finish(_eval_meta(stage, run, chunks, todo, totals))
+    rate = f"{totals['tokens_per_s']:,.0f} tokens/s" if todo else "all chunks reused"
+    say(
+        f"eval {run.name}: {meta['tokens']:,} losses over {run.n_windows:,} windows"
+        f"{' (partial)' if run.partial else ''} -> {out} ({rate}, {meta['wall_time_s']:.1f} s)"
+    )
+    return {
+        "out": str(out),
+        "name": run.name,
+        "tokens": meta["tokens"],
+        "tokens_per_s": totals["tokens_per_s"],
+    }
+
+
+def chunk_part(w0: int, w1: int) -> str:
+    """The ledger's name of the chunk of windows w0..w1-1 (the last chunk of a partial run and
+    the same chunk of a longer one share a file, not a part)."""
+    return f"windows {w0}-{w1}"
+
+
+def _run_chunks(stage, run: EvalRun, tasks, rows: int, windows_done: int) -> dict:
+    """Evaluate `tasks` ((chunk, w0, w1)) here or on the Ray actors, recording each chunk in the
+    ledger as its file arrives; returns the totals meta.json records."""
     from tqdm import tqdm
 
-    windows_done = sum(chunks[c][1] - chunks[c][0] for c in range(len(chunks)) if c not in todo)
-    bar = tqdm(
-        total=sum(chunk_rows[c] for c in todo),
-        unit="tok",
-        unit_scale=True,
-        desc=f"eval {name}",
-        dynamic_ncols=True,
-    )
-    tasks = [(c, *chunks[c]) for c in todo]
+    scored = read = backoffs = 0
+    batch_size, t_compute = run.batch_size, 0.0
+    bar = tqdm(total=rows, unit="tok", unit_scale=True, desc=f"eval {run.name}", dynamic_ncols=True)
     t_loop = time.time()
-    if executor is None:
-        evaluator = ChunkEvaluator(
-            cfg, device, dtype, batch_size, loaded=loaded, tags=tags, prefix=prefix, lead=lead
-        )
+    if run.executor is None:
+        evaluator = run.evaluator()
         results = ((task, evaluator(task, bar.update)) for task in tasks)
     else:
-        make_evaluator = functools.partial(
-            ChunkEvaluator, cfg, device, dtype, batch_size, prefix=prefix, lead=lead
-        )
-        results = executor.map_actors(
-            make_evaluator,
+        results = run.executor.map_actors(
+            run.actor_evaluator(),
             tasks,
-            n_actors=cfg.ray_actors or None,
-            num_gpus=1 if device == "cuda" else 0,  # one GPU per actor; none for CPU evaluation
+            n_actors=run.cfg.ray_actors or None,
+            num_gpus=1 if run.device == "cuda" else 0,  # one GPU per actor; none on CPUs
         )
     try:
-        for (_c, w0, w1), result in results:
-            if executor is not None:
+        for (c, w0, w1), result in results:
+            stage.record(chunk_part(w0, w1), [chunk_path(stage.out, c)], rows=result["rows"])
+            if run.executor is not None:
                 bar.update(result["rows"])
             read += result["read"]
             t_compute += result["seconds"]
@@ -273,16 +334,23 @@ def _evaluate(
             backoffs = max(backoffs, result["backoffs"])  # each evaluator counts its own
             scored += result["rows"]
             windows_done += w1 - w0
-            bar.set_postfix_str(f"windows {windows_done}/{n_windows}")
+            bar.set_postfix_str(f"windows {windows_done}/{run.n_windows}")
     finally:
         bar.close()
-    if executor is not None:  # actors work side by side: the rate is the whole loop's
+    if run.executor is not None:  # actors work side by side: the rate is the whole loop's
         t_compute = time.time() - t_loop if tasks else 0.0
+    return {
+        "read": read,
+        "backoffs": backoffs,
+        "batch_size": batch_size,
+        "tokens_per_s": scored / t_compute if t_compute > 0 else 0.0,
+    }
 
-    total_rows = int(tags.n_targets[:n_windows].sum())
-    wall = time.time() - t0
-    tokens_per_s = scored / t_compute if t_compute > 0 else 0.0
-    meta = build_meta(
+
+def _eval_meta(stage, run: EvalRun, chunks, todo, totals: dict) -> dict:
+    cfg, tags, loaded = run.cfg, run.tags, run.loaded
+    total_rows = int(tags.n_targets[: run.n_windows].sum())
+    return build_meta(
         "eval",
         config=cfg,
         inputs={
@@ -294,51 +362,44 @@ def _evaluate(
             "model": cfg.model,
         },
         counts={
-            "windows": n_windows,
+            "windows": run.n_windows,
             "rows": total_rows,
             "chunks": len(chunks),
             "chunks_computed": len(todo),
-            "chunks_reused": reused,
-            "input_tokens_read": read,
-            "oom_backoffs": backoffs,
+            "chunks_reused": len(chunks) - len(todo),
+            "input_tokens_read": totals["read"],
+            "oom_backoffs": totals["backoffs"],
         },
-        skipped={"windows_beyond_max_windows": tags.n_windows - n_windows},
-        wall_time_s=wall,
-        throughput={"tokens_per_s": tokens_per_s},
-        name=name,
+        skipped={"windows_beyond_max_windows": tags.n_windows - run.n_windows},
+        wall_time_s=time.time() - run.t0,
+        throughput={"tokens_per_s": totals["tokens_per_s"]},
+        name=run.name,
         spec=cfg.model,
         hub_commit=loaded.hub_commit,
         architecture=loaded.architecture,
         n_params=int(loaded.n_params),
-        dtype=dtype,
-        device=device,
-        batch_size=batch_size,
+        dtype=run.dtype,
+        device=run.device,
+        batch_size=totals["batch_size"],
         batch_size_requested=str(cfg.batch_size),
         tokens=total_rows,
         tokens_store=str(Path(tags.store.path).resolve()),
-        tokens_per_s=tokens_per_s,
+        tokens_per_s=totals["tokens_per_s"],
         fingerprint=tags.store.fingerprint,
         model_tokenizer_fingerprint=getattr(loaded, "tokenizer_fingerprint", None),
         model_config=stage.plan["settings"].get("model_config"),
         loader_settings=loaded.settings,
         skip_tokenizer_check=cfg.skip_tokenizer_check,
         windowing=cfg.windowing,
-        prefix_token=prefix,
-        prefix_token_source=prefix_source,
-        harness_bos=list(lead) if cfg.harness_bos else None,
+        prefix_token=run.prefix,
+        prefix_token_source=run.prefix_source,
+        harness_bos=list(run.lead) if cfg.harness_bos else None,
         window=tags.window,
-        partial=partial,
-        windows_evaluated=n_windows,
+        partial=run.partial,
+        windows_evaluated=run.n_windows,
         windows_total=tags.n_windows,
-        files=[chunk_path(out, c).name for c in range(len(chunks))],
+        files=[chunk_path(stage.out, c).name for c in range(len(chunks))],
     )
-    stage.finish(meta)
-    rate = f"{tokens_per_s:,.0f} tokens/s" if todo else "all chunks reused"
-    say(
-        f"eval {name}: {total_rows:,} losses over {n_windows:,} windows"
-        f"{' (partial)' if partial else ''} -> {out} ({rate}, {wall:.1f} s)"
-    )
-    return {"out": str(out), "name": name, "tokens": total_rows, "tokens_per_s": tokens_per_s}
 
 
 COMMAND = Command(
@@ -357,4 +418,13 @@ COMMAND = Command(
   arslice eval --model hf:EleutherAI/pythia-160m@step3000 --tags runs/pile/tags --out runs/pile/losses/pythia-160m-step3000  # needs the hub
   arslice eval --model hf:meta-llama/Llama-2-7b-hf --tags runs/llama/tags --out runs/llama/losses/llama-harness --windowing rolling --harness-bos  # needs the hub
   arslice eval --model safari:hyena-small-150b-tok.ckpt --model-config safari/configs/evals/hyena_small_150b.yaml --tags runs/pile/tags --out runs/pile/losses/hyena  # needs a published checkpoint""",
+    hub_names=eval_hub_names,
+    pipeline=Wiring(
+        table="eval",
+        reads=(TAGS, MODELS),
+        writes=LOSSES,
+        fan_out=evaluated_models,
+        defaults=defaults,
+        entry=losses_entry,
+    ),
 )

@@ -3,19 +3,11 @@ recall gain and the copy-length curve."""
 
 from __future__ import annotations
 
-import io
 import math
 
+from pipeline.plotting import png_bytes as _png
+from pipeline.plotting import pyplot as _pyplot
 from pipeline.report.config import SLICE_LABELS
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 # Figure 1's panels per row: readable side by side up to three, then four to a row.
@@ -239,11 +231,3 @@ def slice_bars_png(report, order: list[str]) -> bytes:
     ax.legend(fontsize=8)
     fig.tight_layout()
     return _png(fig)
-
-
-def _png(fig) -> bytes:
-    plt = _pyplot()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", metadata={"Software": None})
-    plt.close(fig)
-    return buf.getvalue()

@@ -17,6 +17,7 @@ from ar_slicing.layout import (
     REPORT_MD_NAME,
     SLICE_BARS_FIGURE,
     TABLE_CSV,
+    RunLayout,
 )
 from pipeline.config import Command, config_to_dict, say
 from pipeline.mqar import mqar_results
@@ -35,6 +36,7 @@ from pipeline.report.tables import (
     table1_text,
     write_csv,
 )
+from pipeline.wiring import LOSSES, REPORT, TAGS, Wiring
 
 log = logging.getLogger(__name__)
 
@@ -277,4 +279,11 @@ COMMAND = Command(
   arslice report --run runs/pile
   arslice report --run runs/pile --reference pythia-160m --bootstrap 2000 --seed 1
   arslice report --run runs/demo --bootstrap 0 --overwrite""",
+    pipeline=Wiring(
+        table="report",
+        reads=(TAGS, LOSSES),
+        writes=REPORT,
+        defaults=lambda run, table: {"run": run.layout.run_dir},
+        output_of=lambda cfg: RunLayout(cfg.run).report,
+    ),
 )

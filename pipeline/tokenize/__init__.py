@@ -3,8 +3,8 @@
 Text sources are read in order by `ar_slicing.readers` and cut into shards of consecutive
 documents (at most `shard_docs` documents or `shard_mb` MB of text, so the cut points depend only
 on the input). Worker processes encode each shard with the tokenizer's batched encoder and write
-its tokens (EOS after every document) and document table to `<out>/.parts/` atomically; the docs
-part, written second, marks the shard done. A final assembly concatenates the parts in shard
+its tokens (EOS after every document) and document table to `<out>/.parts/` atomically, and the
+driver records the shard in the stage's ledger (`ar_slicing.plan`). A final assembly concatenates the parts in shard
 order into `tokens.bin` and `docs.parquet`, writes `tokenizer.json`, `meta.json` last, and removes
 the parts. So the store's bytes do not depend on the worker count, and a killed run resumes at
 shard granularity (it re-reads the sources but encodes only the shards not yet done).

@@ -17,7 +17,6 @@ further for more tasks); a task that dies redoes its whole file, and a rerun ski
 from __future__ import annotations
 
 import glob as globlib
-import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,11 +32,11 @@ from pipeline.tokenize.shards import (
     part_paths,
     part_schema,
     shard_documents,
+    shard_part,
 )
 
 log = logging.getLogger(__name__)
 
-STATS_KEY = b"ar_slicing.read_stats"  # a file part's ReadStats, kept for resumed runs
 _MAX_EXAMPLES = 10  # bad-record examples kept across files, as one reader keeps
 
 
@@ -91,7 +90,7 @@ def input_files(sources: list[str], glob: list[str]) -> list[tuple[str, str | No
 
 def encode_file(task: FileTask) -> dict:
     """Read one input file, encode it batch by batch into its tokens part, then write its docs
-    part (the completion marker, carrying the read stats). Returns {docs, tokens, stats}."""
+    part. Returns {docs, tokens, stats} (the read stats, which the ledger keeps for a rerun)."""
     import os
 
     import pyarrow as pa
@@ -130,27 +129,9 @@ def encode_file(task: FileTask) -> dict:
         },
         schema=part_schema(),
     )
-    read = asdict(stats)
-    table = table.replace_schema_metadata({STATS_KEY: json.dumps(read).encode()})
     with atomic_path(docs_path) as tmp:
         pq.write_table(table, tmp)
-    return {"docs": table.num_rows, "tokens": int(n_tokens), "stats": read}
-
-
-def _done_file(parts_dir: Path, index: int, itemsize: int) -> dict | None:
-    """{docs, tokens, stats} of a file part an earlier run finished, or None."""
-    import pyarrow.parquet as pq
-
-    tokens_path, docs_path = part_paths(parts_dir, index)
-    if not (docs_path.is_file() and tokens_path.is_file()):
-        return None
-    pf = pq.ParquetFile(docs_path)
-    raw = (pf.schema_arrow.metadata or {}).get(STATS_KEY)
-    return {
-        "docs": pf.metadata.num_rows,
-        "tokens": tokens_path.stat().st_size // itemsize,
-        "stats": json.loads(raw) if raw else {},
-    }
+    return {"docs": table.num_rows, "tokens": int(n_tokens), "stats": asdict(stats)}
 
 
 def _add_stats(total: ReadStats, part: dict) -> None:
@@ -163,6 +144,7 @@ def _add_stats(total: ReadStats, part: dict) -> None:
 
 
 def encode_by_file(
+    stage,
     cfg,
     executor,
     parts_dir: Path,
@@ -174,7 +156,7 @@ def encode_by_file(
     encoder: str = "tokenizers",
 ) -> int:
     """Encode every input file of `cfg.source` into part `i` (i = its place in reading order),
-    skipping files finished by an earlier run. Adds the read stats into `stats`, reports each
+    skipping the files the stage's ledger holds. Adds the read stats into `stats`, reports each
     file to `account({docs, tokens})`. Returns how many files were resumed."""
     from ar_slicing.executor import default_workers
 
@@ -187,11 +169,11 @@ def encode_by_file(
     resumed = 0
     tasks = []
     for index, (source, rel) in enumerate(units):
-        done = _done_file(parts_dir, index, dtype.itemsize)
+        done = stage.done(shard_part(index))
         if done is not None:
             resumed += 1
-            _add_stats(stats, done.pop("stats"))
-            account(done)
+            _add_stats(stats, done["stats"])
+            account({"docs": done["docs"], "tokens": done["tokens"]})
             continue
         tasks.append(
             FileTask(
@@ -211,7 +193,8 @@ def encode_by_file(
         )
     if resumed:
         log.info("resuming: %d of %d input files already encoded", resumed, len(units))
-    for _task, result in executor.map_unordered(encode_file, tasks):
-        _add_stats(stats, result.pop("stats"))
-        account(result)
+    for task, result in executor.map_unordered(encode_file, tasks):
+        stage.record(shard_part(task.index), part_paths(parts_dir, task.index), **result)
+        _add_stats(stats, result["stats"])
+        account({"docs": result["docs"], "tokens": result["tokens"]})
     return resumed

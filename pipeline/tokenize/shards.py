@@ -1,4 +1,5 @@
-"""Shards of documents: encoding one into its parts, finding finished ones, assembling the store."""
+"""Shards of documents: encoding one into its parts (a part of the stage's ledger), assembling the
+store from them."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 
 from ar_slicing.errors import ArSliceError, BadInput
 from ar_slicing.io import atomic_path
-from ar_slicing.layout import DOCS_NAME, STORE_WORK_DIR, TOKENS_NAME
+from ar_slicing.layout import DOCS_NAME, TOKENS_NAME
 from ar_slicing.store import docs_schema
 
 
@@ -39,12 +40,6 @@ def part_paths(parts_dir: str | Path, index: int) -> tuple[Path, Path]:
     """The tokens part and docs part of shard `index` (1000 shards per subdirectory)."""
     sub = Path(parts_dir) / f"{index // 1000:05d}"
     return sub / f"{index:08d}.tokens", sub / f"{index:08d}{DOCS_PART_SUFFIX}"
-
-
-def holds_finished_shards(out: str | Path) -> bool:
-    """Whether the store `out` holds a finished shard: one whose docs part is there (the
-    tokenizer copy alone is no work)."""
-    return any((Path(out) / STORE_WORK_DIR).rglob("*" + DOCS_PART_SUFFIX))
 
 
 def part_schema():
@@ -116,8 +111,13 @@ def encode_texts(encoder, texts: list[str], dtype: np.dtype, eos_id: int):
     return stream, lengths, eos_in_text
 
 
+def shard_part(index: int) -> str:
+    """The ledger's name of shard (or input file) `index`."""
+    return f"shard {index:08d}"
+
+
 def encode_shard(task: ShardTask) -> dict:
-    """Encode one shard and write its tokens part, then its docs part (the completion marker)."""
+    """Encode one shard and write its tokens part, then its docs part. Returns {docs, tokens}."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -143,19 +143,6 @@ def encode_shard(task: ShardTask) -> dict:
     with atomic_path(docs_path) as tmp:
         pq.write_table(table, tmp)
     return {"docs": len(task.texts), "tokens": int(stream.size)}
-
-
-def done_shard_counts(parts_dir: Path, index: int, itemsize: int) -> dict | None:
-    """{docs, tokens} of a shard finished by an earlier run, or None if it is not done."""
-    import pyarrow.parquet as pq
-
-    tokens_path, docs_path = part_paths(parts_dir, index)
-    if not (docs_path.is_file() and tokens_path.is_file()):
-        return None
-    return {
-        "docs": pq.ParquetFile(docs_path).metadata.num_rows,
-        "tokens": tokens_path.stat().st_size // itemsize,
-    }
 
 
 def source_identity(spec: str, glob: str | list[str] | None = None) -> dict:

@@ -9,8 +9,9 @@ from ar_slicing.readers import check_sources, check_split_options, is_pretokeniz
 from pipeline.config import Command, say
 from pipeline.tokenize.config import PARTS_FORMAT, PLAN_KEYS, TokenizeConfig
 from pipeline.tokenize.imports import import_store, import_tokenizer_info
-from pipeline.tokenize.shards import holds_finished_shards, load_tokenizer_info, source_identity
+from pipeline.tokenize.shards import load_tokenizer_info, source_identity
 from pipeline.tokenize.text import encode_store
+from pipeline.wiring import STORES, TOKENIZER, Run, Table, Wiring, per_store
 
 
 def validate_tokenize(cfg: TokenizeConfig) -> None:
@@ -80,8 +81,32 @@ def run_tokenize(cfg: TokenizeConfig) -> dict:
     if importing:
         with stage.running():
             return import_store(stage, cfg, tok, info, t0)
-    with stage.running(keep_if=holds_finished_shards):
+    # work is a shard the ledger holds (the tokenizer copy alone is no work)
+    with stage.running(keep_if=lambda out: bool(stage.ledger.parts)):
         return encode_store(stage, cfg, tok, info, t0)
+
+
+def tokenize_hub_names(cfg: TokenizeConfig, where: str) -> list[tuple[str, str, str]]:
+    """The tokenizer and the datasets a store would fetch from the hub."""
+    from ar_slicing import hub
+    from ar_slicing.readers import HF_PREFIX, parse_hf_spec
+
+    names = []
+    if cfg.tokenizer and hub.is_hub_name(cfg.tokenizer):
+        names.append((f"tokenizer {cfg.tokenizer!r} ({where})", cfg.tokenizer, "model"))
+    for source in cfg.source:
+        if source.startswith(HF_PREFIX) and hub.is_hub_name(parse_hf_spec(source)[0]):
+            names.append((f"dataset {source} ({where})", source, "dataset"))
+    return names
+
+
+def _defaults(run: Run, table: Table) -> dict:
+    """A store per [tokenize.train]/[tokenize.val], with the run's tokenizer (and its part of a
+    split)."""
+    defaults = {"out": run.layout.store(table.name), "tokenizer": run.layout.tokenizer}
+    if "split_fraction" in table.values:
+        defaults["split_part"] = table.name
+    return defaults
 
 
 COMMAND = Command(
@@ -101,4 +126,8 @@ COMMAND = Command(
   arslice tokenize --source hf://monology/pile-uncopyrighted@validation --tokenizer gpt2 --out val --max-docs 10000  # needs the hub
   arslice tokenize --source pythia/document.bin --vocab-size 50304 --eos-id 0 --out runs/pythia/tokens/train
   arslice tokenize --source train.bin --source-format raw-uint16 --vocab-size 50257 --eos-id 50256 --out store""",
+    hub_names=tokenize_hub_names,
+    pipeline=Wiring(
+        table="tokenize", reads=(TOKENIZER,), writes=STORES, fan_out=per_store, defaults=_defaults
+    ),
 )

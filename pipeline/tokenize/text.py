@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from collections.abc import Iterator
 
@@ -24,10 +23,11 @@ from pipeline.tokenize.shards import (
     ShardTask,
     assemble_store,
     cached_encoder,
-    done_shard_counts,
     encode_shard,
+    part_paths,
     preload_pyarrow_pandas,
     shard_documents,
+    shard_part,
     source_identity,
 )
 
@@ -74,7 +74,7 @@ def encode_store(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict
 
     def tasks() -> Iterator[ShardTask]:
         for index, batch in shard_documents(docs, cfg.shard_docs, int(cfg.shard_mb * 1e6)):
-            done = done_shard_counts(parts_dir, index, dtype.itemsize)
+            done = stage.done(shard_part(index))
             if done is not None:
                 totals["resumed"] += 1
                 account(done)
@@ -99,6 +99,7 @@ def encode_store(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict
             from pipeline.tokenize.by_file import encode_by_file
 
             totals["resumed"] = encode_by_file(
+                stage,
                 cfg,
                 executor,
                 parts_dir,
@@ -110,7 +111,8 @@ def encode_store(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict
                 encoder.name,
             )
         else:
-            for _task, counts in executor.map_unordered(encode_shard, tasks()):
+            for task, counts in executor.map_unordered(encode_shard, tasks()):
+                stage.record(shard_part(task.index), part_paths(parts_dir, task.index), **counts)
                 account(counts)
     finally:
         progress.close()
@@ -160,8 +162,7 @@ def encode_store(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict
         eos_appended=True,
         bad_record_examples=stats.bad_examples,
     )
-    stage.finish(meta)
-    shutil.rmtree(parts_dir, ignore_errors=True)
+    stage.finish(meta)  # (which drops the shards)
     summary = {
         "out": str(out),
         "skipped": False,

@@ -17,29 +17,22 @@ makes resuming exact.
 Outputs (`--out DIR`): `config.json` + `model.safetensors` (the `native` format, read back by
 `native:DIR` model specs), the store's `tokenizer.json`, and `meta.json` written last (final
 train/validation loss, tokens seen, parameter count, wall time, the loss history). While
-training, `DIR/.train-state/` holds the last periodic checkpoint (model, optimizer, step); a
-killed run leaves no `meta.json`, and rerunning the same command resumes from that checkpoint.
+training, `DIR/.train-state/step-<n>/` holds the last periodic checkpoint (model, optimizer,
+step), recorded in the stage's ledger; a killed run leaves no `meta.json`, and rerunning the
+same command resumes from the checkpoint the ledger holds.
 
-The loop is here; `config` holds `TrainConfig`, `schedule` the batch order and learning rate,
-`model` the model, optimizer and loss, `state` the plan settings and the checkpoints.
+The run is put together here; `loop` holds the steps and the validation loss, `config`
+`TrainConfig`, `schedule` the batch order and learning rate, `model` the model, optimizer and
+loss, `state` the plan settings and the checkpoints.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from pathlib import Path
 
-import numpy as np
-
-from ar_slicing.errors import ArSliceError, BadInput
-from ar_slicing.io import (
-    build_meta,
-)
-from ar_slicing.layout import TOKENIZER_NAME
-from ar_slicing.store import TokenStore
-from ar_slicing.tokenizer import require_same_fingerprint
+from ar_slicing.io import build_meta
 from pipeline.config import Command, say
 from pipeline.train.config import (  # noqa: F401  (re-exported)
     _RESUMABLE_CHANGES,
@@ -47,6 +40,7 @@ from pipeline.train.config import (  # noqa: F401  (re-exported)
     STATE_DIR,
     TrainConfig,
 )
+from pipeline.train.loop import Progress, TrainInputs, train_steps
 from pipeline.train.model import (  # noqa: F401  (re-exported)
     count_parameters,
     make_optimizer,
@@ -59,13 +53,17 @@ from pipeline.train.schedule import (  # noqa: F401  (re-exported)
     learning_rate,
     validation_rows,
 )
+from pipeline.train.side_by_side import SIDE_BY_SIDE_KEY, run_models
 from pipeline.train.state import (  # noqa: F401  (re-exported)
     build_model,
+    checkpoint,
     load_state,
+    resume,
     save_state,
     train_settings,
     validate_train,
 )
+from pipeline.wiring import MODELS, STORES, Run, Table, Wiring, per_model
 
 log = logging.getLogger(__name__)
 
@@ -92,153 +90,66 @@ def train(cfg: TrainConfig) -> dict:
     if stage.complete:
         say(f"train {cfg.arch}: {out} is complete, skipped (use --overwrite to retrain)")
         return stage.skip()
-    with stage.running(keep_if=lambda out: (out / STATE_DIR).exists()), torch_threads(cfg.threads):
+    # work is a checkpoint the ledger holds
+    keep = stage.running(keep_if=lambda out: bool(stage.ledger.parts))
+    with keep, torch_threads(cfg.threads):
         return _train(stage, cfg, device, dtype, t0)
 
 
 def _train(stage, cfg: TrainConfig, device: str, dtype: str, t0: float) -> dict:
+    """Build the model (resumed from the ledger's latest checkpoint), run the steps left, save
+    the model and write meta.json."""
     import torch
-    from tqdm.auto import tqdm
 
     from models.checkpoints.native import save_native
     from models.precision import autocast
 
     out = stage.out
-    store = TokenStore.open(cfg.tokens)
-    order = BatchOrder(store.n_tokens, cfg.seq_len, cfg.batch_size, cfg.seed)
-    if order.n_rows < 1:
-        raise BadInput(
-            f"token store {cfg.tokens}: {store.n_tokens} tokens is fewer than one training row of "
-            f"{cfg.seq_len + 1}; use a smaller --seq-len or a larger corpus"
-        )
-    val_store = TokenStore.open(cfg.val_tokens) if cfg.val_tokens else None
-    if val_store is not None:
-        require_same_fingerprint(
-            store.fingerprint,
-            f"training store {cfg.tokens}",
-            val_store.fingerprint,
-            f"validation store {cfg.val_tokens}",
-        )
-    tokenizer_path = store.path / TOKENIZER_NAME
-    tokenizer_json = str(tokenizer_path) if tokenizer_path.is_file() else None
-
+    inputs = TrainInputs.open(cfg)
     torch.manual_seed(cfg.seed)
-    model_cfg = model_config_for(cfg, store.vocab_size)
+    model_cfg = model_config_for(cfg, inputs.store.vocab_size)
     model = build_model(model_cfg, device)
     n_params = count_parameters(model)
     optimizer = make_optimizer(model, cfg)
+    progress = resume(stage, model, optimizer, device)
+    if progress is not None:
+        log.info("resuming %s from step %d of %d", out, progress.step, cfg.steps)
+    progress = progress or Progress()
+    start_step = progress.step
 
     def autocast_ctx():
         return autocast(device, dtype)
 
-    state_dir = out / STATE_DIR
-    state = load_state(state_dir, model, optimizer, device)
-    start_step = int(state["step"]) if state else 0
-    history: list[dict] = list(state["history"]) if state else []
-    if state:
-        log.info("resuming %s from step %d of %d", out, start_step, cfg.steps)
-
-    val_starts = (
-        validation_rows(val_store.n_tokens, cfg.seq_len, cfg.eval_batches * cfg.batch_size)
-        if val_store is not None
-        else np.zeros(0, dtype=np.int64)
-    )
-
-    @torch.no_grad()
-    def validation_loss() -> float | None:
-        if val_starts.size == 0:
-            return None
-        model.eval()
-        total, n = 0.0, 0
-        for i in range(0, val_starts.size, cfg.batch_size):
-            rows = np.stack(
-                [
-                    np.asarray(val_store.tokens[s : s + cfg.seq_len + 1], dtype=np.int64)
-                    for s in val_starts[i : i + cfg.batch_size]
-                ]
-            )
-            batch = torch.from_numpy(rows).to(device)
-            total += sequence_loss(model, batch, autocast_ctx).item() * len(rows)
-            n += len(rows)
-        model.train()
-        return total / n
-
-    tokens_per_step = cfg.batch_size * cfg.seq_len
-    model.train()
-    train_loss_ema = state.get("train_loss_ema") if state else None
-    last_val = state.get("last_val") if state else None
     t_loop = time.time()
-    bar = tqdm(
-        range(start_step, cfg.steps),
-        initial=start_step,
-        total=cfg.steps,
-        desc=f"train {out.name}",
-        unit="step",
-        disable=not cfg.progress,
-        dynamic_ncols=True,
-    )
-    for step in bar:
-        lr = learning_rate(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        batch = torch.from_numpy(order.batch(store.tokens, step)).to(device)
-        loss = sequence_loss(model, batch, autocast_ctx)
-        if not torch.isfinite(loss):
-            raise ArSliceError(
-                f"train {cfg.arch}: loss became {loss.item()} at step {step}; lower --lr "
-                f"(now {cfg.lr}) or raise --warmup-steps"
-            )
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = (
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            if cfg.grad_clip > 0
-            else None
-        )
-        optimizer.step()
-
-        value = loss.item()
-        train_loss_ema = value if train_loss_ema is None else 0.95 * train_loss_ema + 0.05 * value
-        done = step + 1
-        if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
-            last_val = validation_loss()
-            history.append(
-                {
-                    "step": done,
-                    "tokens": done * tokens_per_step,
-                    "train_loss": round(train_loss_ema, 5),
-                    "val_loss": None if last_val is None else round(last_val, 5),
-                    "lr": lr,
-                    "grad_norm": None if grad_norm is None else round(float(grad_norm), 4),
-                }
-            )
-        elapsed = time.time() - t_loop
-        postfix = {
-            "loss": f"{train_loss_ema:.3f}",
-            "tok/s": f"{(done - start_step) * tokens_per_step / max(elapsed, 1e-9):,.0f}",
-        }
-        if last_val is not None:
-            postfix["val"] = f"{last_val:.3f}"
-        bar.set_postfix(postfix, refresh=False)
-        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
-            save_state(
-                state_dir,
-                model,
-                optimizer,
-                done,
-                {
-                    "history": history,
-                    "train_loss_ema": train_loss_ema,
-                    "last_val": last_val,
-                },
-            )
-    bar.close()
-
+    train_steps(
+        cfg, model, optimizer, inputs, progress, device, autocast_ctx,
+        checkpoint=lambda p: checkpoint(stage, model, optimizer, p), name=out.name,
+    )  # fmt: skip
+    t_loop = time.time() - t_loop
     model.eval()
-    save_native(model, out, tokenizer_json=tokenizer_json)  # each file atomically
-    wall = time.time() - t0
-    trained_tokens = (cfg.steps - start_step) * tokens_per_step
-    meta = build_meta(
+    save_native(model, out, tokenizer_json=inputs.tokenizer_json)  # each file atomically
+    trained_tokens = (cfg.steps - start_step) * cfg.batch_size * cfg.seq_len
+    meta = _train_meta(cfg, inputs, model_cfg, n_params, progress, start_step, device, dtype)
+    meta = stage.finish(
+        {
+            **meta,
+            "wall_time_s": round(time.time() - t0, 3),
+            "throughput": {"train_tokens_per_s": trained_tokens / max(t_loop, 1e-9)},
+        }
+    )  # (which drops the checkpoints)
+    val_text = "n/a" if progress.last_val is None else f"{progress.last_val:.3f}"
+    say(
+        f"train {cfg.arch}: {n_params / 1e6:.2f}M params, {meta['tokens_seen']:,} tokens "
+        f"({meta['epochs']:.2f} epochs), train loss {progress.train_loss_ema:.3f}, val loss "
+        f"{val_text}, {meta['wall_time_s']:.0f} s -> {out}"
+    )
+    return meta
+
+
+def _train_meta(cfg, inputs: TrainInputs, model_cfg, n_params, progress, start_step, device, dtype):
+    """meta.json of a trained model (its timings are added by the caller)."""
+    store, val_store, order = inputs.store, inputs.val_store, inputs.order
+    return build_meta(
         "train",
         config=cfg,
         inputs={
@@ -255,30 +166,44 @@ def _train(stage, cfg: TrainConfig, device: str, dtype: str, t0: float) -> dict:
             "rows_per_epoch": order.n_rows,
         },
         batch_order_digest=order.digest(cfg.steps),
-        wall_time_s=wall,
-        throughput={"train_tokens_per_s": trained_tokens / max(time.time() - t_loop, 1e-9)},
+        wall_time_s=0.0,
         arch=cfg.arch,
         model_config=model_cfg,
         n_params=n_params,
         fingerprint=store.fingerprint,
-        tokens_seen=cfg.steps * tokens_per_step,
+        tokens_seen=cfg.steps * cfg.batch_size * cfg.seq_len,
         epochs=cfg.steps * cfg.batch_size / order.n_rows,
-        final_train_loss=train_loss_ema,
-        final_val_loss=last_val,
+        final_train_loss=progress.train_loss_ema,
+        final_val_loss=progress.last_val,
         device=device,
         dtype=dtype,
-        history=history,
+        history=progress.history,
     )
-    meta = stage.finish(meta)
-    if state_dir.exists():
-        shutil.rmtree(state_dir)
-    val_text = "n/a" if last_val is None else f"{last_val:.3f}"
-    say(
-        f"train {cfg.arch}: {n_params / 1e6:.2f}M params, {meta['tokens_seen']:,} tokens "
-        f"({meta['epochs']:.2f} epochs), train loss {train_loss_ema:.3f}, val loss {val_text}, "
-        f"{wall:.0f} s -> {out}"
+
+
+# ---- in a pipeline config: [train] and [train.models.<name>] -----------------------------------
+
+
+def _defaults(run: Run, table: Table) -> dict:
+    return {
+        "tokens": run.layout.store("train"),
+        "val_tokens": run.layout.store("val"),
+        "out": run.layout.model(table.name),
+    }
+
+
+def model_entry(name: str, out: Path, meta: dict) -> dict:
+    """A trained model in `models/meta.json`: where it is, its spec, and how it went."""
+    keep = (
+        "arch",
+        "n_params",
+        "tokens_seen",
+        "epochs",
+        "final_train_loss",
+        "final_val_loss",
+        "wall_time_s",
     )
-    return meta
+    return {"dir": str(out), "spec": f"native:{out}", **{k: meta.get(k) for k in keep}}
 
 
 COMMAND = Command(
@@ -292,4 +217,14 @@ COMMAND = Command(
       --out runs/demo/models/attention --d-model 128 --n-layers 4 --steps 600
   arslice train --arch hyena --tokens runs/demo/tokens/train --out runs/demo/models/hyena \\
       --mixer-options filter_order=32""",
+    pipeline=Wiring(
+        table="train",
+        reads=(STORES,),
+        writes=MODELS,
+        fan_out=per_model,
+        defaults=_defaults,
+        pipeline_keys=(SIDE_BY_SIDE_KEY,),
+        run_all=run_models,
+        entry=model_entry,
+    ),
 )

@@ -1,5 +1,9 @@
 """What a training run is (its plan settings, checked before it starts), the model it builds and
-the periodic checkpoint under `OUT/.train-state/` that a killed run resumes from."""
+the periodic checkpoints under `OUT/.train-state/` that a killed run resumes from.
+
+A checkpoint is a part of the stage's ledger: `.train-state/step-<n>/` (model, optimizer,
+state.json) is written whole under a temporary name, recorded, and only then is the one before
+it removed, so a kill at any moment leaves a recorded checkpoint whole (or none yet)."""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from ar_slicing.io import (
 )
 from ar_slicing.layout import MODEL_WEIGHTS_NAME
 from pipeline.config import config_to_dict
-from pipeline.train.config import _RESUMABLE_CHANGES, TrainConfig
+from pipeline.train.config import _RESUMABLE_CHANGES, STATE_DIR, TrainConfig
 from pipeline.train.model import (
     model_config_for,
 )
@@ -60,16 +64,24 @@ def build_model(model_cfg, device: str):
         ) from None
 
 
+CHECKPOINT = "checkpoint"  # the ledger's names of checkpoints: "checkpoint <step>"
+# a resumable checkpoint's files: the model's weights, the optimizer's state, the step and history
+OPTIMIZER_NAME = "optimizer.pt"
+STATE_NAME = "state.json"
+STATE_FILES = (MODEL_WEIGHTS_NAME, OPTIMIZER_NAME, STATE_NAME)
+
+
 def save_state(state_dir: Path, model, optimizer, step: int, extra: dict) -> None:
-    """Atomically replace the resumable checkpoint (model, optimizer, step) in `state_dir`."""
+    """Write the resumable checkpoint (model, optimizer, step) to the folder `state_dir`
+    atomically (replacing one there)."""
     import torch
     from safetensors.torch import save_model
 
     with atomic_dir(state_dir) as tmp:
         # save_model (not save_file) handles the tied embedding / output head
         save_model(model, str(tmp / MODEL_WEIGHTS_NAME))
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        write_json_atomic(tmp / "state.json", {"step": step, **extra})
+        torch.save(optimizer.state_dict(), tmp / OPTIMIZER_NAME)
+        write_json_atomic(tmp / STATE_NAME, {"step": step, **extra})
 
 
 def load_state(state_dir: Path, model, optimizer, device: str) -> dict | None:
@@ -78,11 +90,44 @@ def load_state(state_dir: Path, model, optimizer, device: str) -> dict | None:
     import torch
     from safetensors.torch import load_model
 
-    if not (state_dir / "state.json").is_file():
+    if not (state_dir / STATE_NAME).is_file():
         return None
-    state = read_json(state_dir / "state.json")
+    state = read_json(state_dir / STATE_NAME)
     load_model(model, str(state_dir / MODEL_WEIGHTS_NAME), device=device)
     optimizer.load_state_dict(
-        torch.load(state_dir / "optimizer.pt", map_location=device, weights_only=True)
+        torch.load(state_dir / OPTIMIZER_NAME, map_location=device, weights_only=True)
     )
     return state
+
+
+def checkpoint(stage, model, optimizer, progress) -> None:
+    """Save the run's checkpoint at `progress.step` and record it in the stage's ledger, then
+    remove the checkpoints before it."""
+    from ar_slicing.ownership import remove_work
+
+    state_dir = stage.out / STATE_DIR / f"step-{progress.step:08d}"
+    save_state(state_dir, model, optimizer, progress.step, progress.saved())
+    stage.record(
+        f"{CHECKPOINT} {progress.step:08d}",
+        [state_dir / f for f in STATE_FILES],
+        step=progress.step,
+    )
+    for old in state_dir.parent.glob("step-*"):
+        if old.name != state_dir.name:
+            remove_work(old)
+
+
+def resume(stage, model, optimizer, device: str):
+    """The `Progress` of the latest checkpoint the ledger holds, loaded into `model` and
+    `optimizer`; None when there is none (the run starts at step 0)."""
+    from pipeline.train.loop import Progress
+
+    steps = [
+        facts["step"]
+        for name in stage.ledger.parts
+        if name.startswith(CHECKPOINT) and (facts := stage.done(name)) is not None
+    ]
+    if not steps:
+        return None
+    state_dir = stage.out / STATE_DIR / f"step-{max(steps):08d}"
+    return Progress.from_saved(load_state(state_dir, model, optimizer, device))

@@ -1,5 +1,6 @@
-"""Pipeline config files: read a TOML file with its `{run_dir}`/`{stdlib}` placeholders, and
-write the resolved configuration back as TOML (`<run_dir>/config.toml`)."""
+"""Pipeline config files: read a TOML file with its `{run_dir}`/`{stdlib}` placeholders (its
+tables are the pipeline stages' own), and write the resolved configuration back as TOML
+(`<run_dir>/config.toml`)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ar_slicing.errors import BadInput
-from pipeline.stages import PIPELINE_STAGES
+from pipeline.runner.registry import stage_names
 
 # ---- reading the config -------------------------------------------------------------------------
 
@@ -55,14 +56,15 @@ def load_pipeline_config(path: str | Path) -> dict:
         raise BadInput(f"pipeline config {path}: not valid TOML ({e})") from None
     if not isinstance(raw.get("run_dir"), str) or not raw["run_dir"]:
         raise BadInput(f'pipeline config {path}: needs a top-level `run_dir = "runs/<name>"`')
-    allowed = {"run_dir", "description", *PIPELINE_STAGES}
+    tables = stage_names()
+    allowed = {"run_dir", "description", *tables}
     unknown = sorted(set(raw) - allowed)
     if unknown:
         raise BadInput(
             f"pipeline config {path}: unknown top-level key(s) {', '.join(unknown)}; "
             f"valid keys: {', '.join(sorted(allowed))}"
         )
-    for name in PIPELINE_STAGES:
+    for name in tables:
         if name in raw and not isinstance(raw[name], dict):
             raise BadInput(f"pipeline config {path}: `{name}` must be a table ([{name}])")
     placeholders = {"stdlib": stdlib_dir()}

@@ -42,13 +42,16 @@ with other settings is named, all at once; nothing is written until all of that 
 the resolved config goes to `<run_dir>/config.toml` and each stage's resolved settings to
 `<run_dir>/.settings/<stage>.json` (rewritten only when they change, so the Makefile's stage
 targets, which depend on them, rerun exactly the stages whose settings changed), and the
-stages run. The markers that span several commands are written here: `<run_dir>/models/meta.json`
-(after every model is trained) and `<run_dir>/losses/meta.json` (after every model is evaluated).
+stages run. The markers over a stage of many configs are written here, under the plan like every
+output: `<run_dir>/models/meta.json` (after every model is trained) and `<run_dir>/losses/meta.json`
+(after every model is evaluated).
+
+Which tables there are, what each fills in and in which order the stages run come from the
+stages' own declarations (`pipeline.runner.registry`, `pipeline.wiring`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -56,33 +59,13 @@ from pathlib import Path
 
 from ar_slicing.errors import ArSliceError
 from ar_slicing.layout import REPORT_HTML_NAME
-from pipeline.config import (
-    Command,
-    print_config,
-    say,
-)
-from pipeline.pipeline_file import (  # noqa: F401  (re-exported: the config-file helpers)
-    dumps_toml,
-    load_pipeline_config,
-    resolve_placeholders,
-    stdlib_dir,
-)
-from pipeline.run_stages import (  # noqa: F401  (re-exported: what tests and scripts build on)
-    SIDE_BY_SIDE_KEY,
-    Pipeline,
-    build_config,
-    load_command,
-)
-from pipeline.run_steps import (  # noqa: F401
-    PretrainedTokenizer,
-    copy_pretrained_tokenizer,
-    train_side_by_side,
-)
-from pipeline.stages import PIPELINE_STAGES
+from pipeline.config import Command, print_config, say
+from pipeline.runner.checks import check, conflicts
+from pipeline.runner.config_file import load_pipeline_config
+from pipeline.runner.registry import stage_names
+from pipeline.runner.stages_run import Pipeline
 
 log = logging.getLogger(__name__)
-
-STAGES = PIPELINE_STAGES
 
 
 @dataclass(frozen=True)
@@ -91,8 +74,8 @@ class RunConfig:
         metadata={"help": "pipeline config file (TOML), e.g. pipeline/configs/demo.toml"}
     )
     stage: list[str] = field(
-        default_factory=lambda: list(STAGES),
-        metadata={"help": "stages to run (always in pipeline order)", "choices": list(STAGES)},
+        default_factory=stage_names,
+        metadata={"help": "stages to run (always in pipeline order)", "choices": stage_names},
     )
     overwrite: bool = field(
         default=False,
@@ -116,13 +99,13 @@ class RunConfig:
 
 def prepare_pipeline(cfg: RunConfig) -> tuple[Pipeline, dict, list[str]]:
     """The pipeline of `cfg.config`, every stage's configs checked, and the chosen stages."""
-    unknown = sorted(set(cfg.stage) - set(STAGES))
+    stages = stage_names()
+    unknown = sorted(set(cfg.stage) - set(stages))
     if unknown:
-        raise ArSliceError(f"unknown stage(s) {', '.join(unknown)}; stages: {', '.join(STAGES)}")
+        raise ArSliceError(f"unknown stage(s) {', '.join(unknown)}; stages: {', '.join(stages)}")
     pipeline = Pipeline(Path(cfg.config), load_pipeline_config(cfg.config), overwrite=cfg.overwrite)
-    chosen = [s for s in STAGES if s in cfg.stage]
-    all_configs = pipeline.check(chosen)
-    return pipeline, all_configs, chosen
+    chosen = [s for s in stages if s in cfg.stage]
+    return pipeline, check(pipeline, chosen), chosen
 
 
 def run_pipeline(cfg: RunConfig) -> dict:
@@ -132,7 +115,7 @@ def run_pipeline(cfg: RunConfig) -> dict:
 
     pipeline, all_configs, chosen = prepare_pipeline(cfg)
     if not (cfg.overwrite or cfg.redo_changed):
-        lines = pipeline.conflicts(chosen, all_configs)
+        lines = conflicts(pipeline, chosen, all_configs)
         if lines:
             raise PlanMismatch(
                 f"{cfg.config}: these outputs were made with other settings than the config "
@@ -156,9 +139,9 @@ def run_pipeline(cfg: RunConfig) -> dict:
         t0 = time.time()
         if cfg.redo_changed:
             with redoing_changed():
-                results[stage] = pipeline.run_stage(stage)
+                results[stage] = pipeline.run_stage(stage, all_configs[stage])
         else:
-            results[stage] = pipeline.run_stage(stage)
+            results[stage] = pipeline.run_stage(stage, all_configs[stage])
         timings[stage] = round(time.time() - t0, 1)
         say(f"== {stage} done in {timings[stage]:.1f} s")
     if "report" in chosen:
@@ -171,13 +154,10 @@ def dry_run(cfg: RunConfig) -> None:
     """`arslice run --dry-run`: every stage's resolved and checked configs, nothing written."""
     pipeline, all_configs, chosen = prepare_pipeline(cfg)
     for stage in chosen:
-        for name, stage_cfg in all_configs[stage].items():
-            print(f"# [{stage}] {name}")
-            if isinstance(stage_cfg, PretrainedTokenizer):
-                print(json.dumps({"pretrained": stage_cfg.pretrained, "out": stage_cfg.out}))
-            else:
-                print_config(stage_cfg)
-    lines = pipeline.conflicts(chosen, all_configs)
+        for c in all_configs[stage]:
+            print(f"# [{stage}] {c.name}")
+            print_config(c.config)
+    lines = conflicts(pipeline, chosen, all_configs)
     if lines:
         print(
             "# outputs made with other settings (a run would refuse them):\n# " + "\n# ".join(lines)

@@ -1,0 +1,58 @@
+"""The eval stage in a pipeline config: `[eval]` shared by every model, each trained model (as
+`native:<dir>`) and each `[eval.models.<name>]` with a `model` spec evaluated into `losses/<name>/`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ar_slicing.errors import BadInput
+from pipeline.wiring import Fanned, Run, Table, model_tables
+
+
+def evaluated_models(f: Fanned) -> list[Table]:
+    """Every trained model, then every `[eval.models.<name>]` table."""
+    common, extra = model_tables(f.values)
+    trained = list(model_tables(f.config["train"])[1]) if f.config.get("train") else []
+    overlap = sorted(set(trained) & set(extra))
+    if overlap:
+        raise BadInput(
+            f"{f.path}: model name(s) {', '.join(overlap)} are both trained and listed in "
+            "[eval.models]; give the external checkpoint another name"
+        )
+    entries = {name: {"model": f"native:{f.layout.model(name)}"} for name in trained}
+    for name, table in extra.items():
+        if "model" not in table:
+            raise BadInput(
+                f'{f.path} [{f.table}.models.{name}]: needs `model = "<spec>"` '
+                "(hf:..., native:..., safari:..., zoology:..., based:...)"
+            )
+        entries[name] = table
+    if not entries:
+        raise BadInput(
+            f"{f.path}: nothing to evaluate; add [train.models.<name>] or "
+            "[eval.models.<name>] tables"
+        )
+    return [
+        Table(name, {**common, **table}, f"[{f.table}.models.{name}]")
+        for name, table in entries.items()
+    ]
+
+
+def defaults(run: Run, table: Table) -> dict:
+    return {"tags": run.layout.tags, "out": run.layout.losses(table.name), "name": table.name}
+
+
+def losses_entry(name: str, out: Path, meta: dict) -> dict:
+    """An evaluated model in `losses/meta.json`."""
+    return {"dir": str(out), "spec": meta.get("spec"), "tokens": meta.get("tokens")}
+
+
+def eval_hub_names(cfg, where: str) -> list[tuple[str, str, str]]:
+    """The model an evaluation would fetch from the hub."""
+    from ar_slicing import hub
+    from models.checkpoints.registry import parse_spec, reads_hub_models
+
+    prefix, target = parse_spec(cfg.model)
+    if reads_hub_models(prefix) and hub.is_hub_name(target):
+        return [(f"model {cfg.model} ({where})", target, "model")]
+    return []

@@ -1,0 +1,193 @@
+"""The training loop: the inputs a run reads, where it stands (`Progress`), its steps and the
+periodic validation loss. Every float operation is the one the trainer has always made, in the
+same order, so a run and its resumed twin write the same weights."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ar_slicing.errors import ArSliceError, BadInput
+from ar_slicing.layout import TOKENIZER_NAME
+from ar_slicing.store import TokenStore
+from ar_slicing.tokenizer import require_same_fingerprint
+from pipeline.train.config import TrainConfig
+from pipeline.train.model import sequence_loss
+from pipeline.train.schedule import BatchOrder, learning_rate, validation_rows
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainInputs:
+    """The token stores a run reads, its batch order and the tokenizer saved beside the model."""
+
+    store: TokenStore
+    val_store: TokenStore | None
+    order: BatchOrder
+    tokenizer_json: str | None  # the training store's tokenizer.json, when it has one
+
+    @classmethod
+    def open(cls, cfg: TrainConfig) -> TrainInputs:
+        store = TokenStore.open(cfg.tokens)
+        order = BatchOrder(store.n_tokens, cfg.seq_len, cfg.batch_size, cfg.seed)
+        if order.n_rows < 1:
+            raise BadInput(
+                f"token store {cfg.tokens}: {store.n_tokens} tokens is fewer than one training "
+                f"row of {cfg.seq_len + 1}; use a smaller --seq-len or a larger corpus"
+            )
+        val_store = TokenStore.open(cfg.val_tokens) if cfg.val_tokens else None
+        if val_store is not None:
+            require_same_fingerprint(
+                store.fingerprint,
+                f"training store {cfg.tokens}",
+                val_store.fingerprint,
+                f"validation store {cfg.val_tokens}",
+            )
+        tokenizer_path = store.path / TOKENIZER_NAME
+        tokenizer_json = str(tokenizer_path) if tokenizer_path.is_file() else None
+        return cls(store, val_store, order, tokenizer_json)
+
+    def validation_starts(self, cfg: TrainConfig) -> np.ndarray:
+        """Where the rows of every validation estimate start (none without a validation store)."""
+        if self.val_store is None:
+            return np.zeros(0, dtype=np.int64)
+        return validation_rows(
+            self.val_store.n_tokens, cfg.seq_len, cfg.eval_batches * cfg.batch_size
+        )
+
+
+@dataclass
+class Progress:
+    """Where a run stands: the steps done, the loss history, the smoothed training loss and the
+    last validation loss (what a checkpoint saves besides the weights)."""
+
+    step: int = 0
+    history: list[dict] = field(default_factory=list)
+    train_loss_ema: float | None = None
+    last_val: float | None = None
+
+    def saved(self) -> dict:
+        """What a checkpoint's state.json keeps besides the step."""
+        return {
+            "history": self.history,
+            "train_loss_ema": self.train_loss_ema,
+            "last_val": self.last_val,
+        }
+
+    @classmethod
+    def from_saved(cls, state: dict) -> Progress:
+        return cls(
+            step=int(state["step"]),
+            history=list(state["history"]),
+            train_loss_ema=state.get("train_loss_ema"),
+            last_val=state.get("last_val"),
+        )
+
+
+def validation_loss(model, inputs: TrainInputs, starts: np.ndarray, cfg, device, autocast_ctx):
+    """Mean loss over the validation rows starting at `starts` (None without any)."""
+    import torch
+
+    if starts.size == 0:
+        return None
+    model.eval()
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, starts.size, cfg.batch_size):
+            rows = np.stack(
+                [
+                    np.asarray(inputs.val_store.tokens[s : s + cfg.seq_len + 1], dtype=np.int64)
+                    for s in starts[i : i + cfg.batch_size]
+                ]
+            )
+            batch = torch.from_numpy(rows).to(device)
+            total += sequence_loss(model, batch, autocast_ctx).item() * len(rows)
+            n += len(rows)
+    model.train()
+    return total / n
+
+
+def train_steps(
+    cfg: TrainConfig,
+    model,
+    optimizer,
+    inputs: TrainInputs,
+    progress: Progress,
+    device: str,
+    autocast_ctx,
+    checkpoint,
+    name: str,
+) -> None:
+    """Steps `progress.step .. cfg.steps - 1`, updating `progress`; `checkpoint(progress)` is
+    called every `checkpoint_every` steps (not after the last: the model itself is saved then)."""
+    import torch
+    from tqdm.auto import tqdm
+
+    starts = inputs.validation_starts(cfg)
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    start_step = progress.step
+    model.train()
+    t_loop = time.time()
+    bar = tqdm(
+        range(start_step, cfg.steps),
+        initial=start_step,
+        total=cfg.steps,
+        desc=f"train {name}",
+        unit="step",
+        disable=not cfg.progress,
+        dynamic_ncols=True,
+    )
+    for step in bar:
+        lr = learning_rate(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        batch = torch.from_numpy(inputs.order.batch(inputs.store.tokens, step)).to(device)
+        loss = sequence_loss(model, batch, autocast_ctx)
+        if not torch.isfinite(loss):
+            raise ArSliceError(
+                f"train {cfg.arch}: loss became {loss.item()} at step {step}; lower --lr "
+                f"(now {cfg.lr}) or raise --warmup-steps"
+            )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = (
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            if cfg.grad_clip > 0
+            else None
+        )
+        optimizer.step()
+
+        value = loss.item()
+        ema = progress.train_loss_ema
+        progress.train_loss_ema = value if ema is None else 0.95 * ema + 0.05 * value
+        done = progress.step = step + 1
+        if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
+            progress.last_val = validation_loss(model, inputs, starts, cfg, device, autocast_ctx)
+            progress.history.append(
+                {
+                    "step": done,
+                    "tokens": done * tokens_per_step,
+                    "train_loss": round(progress.train_loss_ema, 5),
+                    "val_loss": None if progress.last_val is None else round(progress.last_val, 5),
+                    "lr": lr,
+                    "grad_norm": None if grad_norm is None else round(float(grad_norm), 4),
+                }
+            )
+        _show(bar, progress, (done - start_step) * tokens_per_step, time.time() - t_loop)
+        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
+            checkpoint(progress)
+    bar.close()
+
+
+def _show(bar, progress: Progress, tokens: int, elapsed: float) -> None:
+    postfix = {
+        "loss": f"{progress.train_loss_ema:.3f}",
+        "tok/s": f"{tokens / max(elapsed, 1e-9):,.0f}",
+    }
+    if progress.last_val is not None:
+        postfix["val"] = f"{progress.last_val:.3f}"
+    bar.set_postfix(postfix, refresh=False)
