@@ -65,6 +65,7 @@ from pipeline.pipeline_file import (  # noqa: F401  (re-exported: the config-fil
     load_pipeline_config,
     resolve_placeholders,
     stdlib_dir,
+    torch_dir,
 )
 from pipeline.run_stages import (  # noqa: F401  (re-exported: what tests and scripts build on)
     SIDE_BY_SIDE_KEY,
