@@ -12,11 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import stdlib_files
 
 from pipeline.cli import main as cli_main
+from tests import REPO
+from tests.conftest import stdlib_files
 
-REPO = Path(__file__).resolve().parent.parent
 WINDOW = 64  # tag window of the tiny runs: short, so there are many windows and parts
 
 
