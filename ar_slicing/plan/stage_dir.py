@@ -1,5 +1,5 @@
-"""The stage plan: the settings that decide a stage's output bytes and the identity of each
-input, recorded with the output and checked on every rerun. One rule for every stage:
+"""A stage's output folder under its plan (`StageDir`): the plan (`stage_plan`) is recorded with
+the output and checked on every rerun. One rule for every stage:
 
   * same plan as a complete output          -> skip (the output is touched, so `make` sees it fresh)
   * same plan as an unfinished one          -> resume from its finished parts
@@ -9,10 +9,8 @@ input, recorded with the output and checked on every rerun. One rule for every s
     their inputs differ; their own settings follow the rule above.
 
 While a stage runs, its plan is in `OUT/.plan.json`; when it ends, `meta.json` (written last)
-carries it under `"plan"`. An input's identity is the digest of its plan (or, for an output made
-before plans existed, of its meta.json's stable fields), so an input redone with other
-settings, or from other inputs, is a different input, and one redone under the same plan is
-the same.
+carries it under `"plan"`. The outputs that are not such a folder (a marker over other outputs,
+a single file) are its kinds (`kinds`).
 
 **Parts.** A stage that works in parts asks the plan which are done and records each one it
 finishes, with the files it wrote and the facts it needs back (`ar_slicing.ledger`: a part is
@@ -44,29 +42,23 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import glob
-import hashlib
-import json
 import logging
 import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ar_slicing.errors import ArSliceError
-from ar_slicing.io import read_json, stable_meta, sweep_temporaries, to_jsonable, write_json_atomic
+from ar_slicing.io import read_json, sweep_temporaries, write_json_atomic
 from ar_slicing.layout import LEDGER_NAME, LOCK_NAME, META_NAME, PLAN_NAME, STAGE_WORK
 from ar_slicing.ledger import Ledger
 from ar_slicing.ownership import (
-    ForeignFiles,
     LockHold,
     OutputBusy,
     acquire,
     files_of,
     foreign_files,
     holds_work,
-    is_temporary,
     lock_path,
     refuse_foreign,
     remove_if_empty,
@@ -75,15 +67,9 @@ from ar_slicing.ownership import (
     stage_owns,
     stage_patterns,
 )
+from ar_slicing.plan.stage_plan import PlanMismatch, StagePlan, differences, same_plan, without
 
 log = logging.getLogger(__name__)
-
-_SHOWN_DIGEST = 12  # hex digits of a digest shown in a message
-
-
-class PlanMismatch(ArSliceError):
-    """An output made with other settings or inputs than the ones asked for."""
-
 
 _REDO_CHANGED = contextvars.ContextVar("redo_changed", default=False)
 
@@ -97,95 +83,6 @@ def redoing_changed() -> Iterator[None]:
         yield
     finally:
         _REDO_CHANGED.reset(token)
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    stage: str
-    settings: Mapping[str, Any]
-    inputs: Mapping[str, Any]
-    # which parts are asked for, when that changes no part's bytes (an MQAR sweep's grid):
-    # another scope reopens a complete output instead of being refused
-    scope: Mapping[str, Any] = field(default_factory=dict)
-
-    def as_json(self) -> dict:
-        plan = {"stage": self.stage, "settings": dict(self.settings), "inputs": dict(self.inputs)}
-        if self.scope:  # (recorded only when there is one: other plans keep their digests)
-            plan["scope"] = dict(self.scope)
-        return to_jsonable(plan)
-
-
-def digest(obj: Any) -> str:
-    """sha256 of the canonical JSON of `obj`."""
-    text = json.dumps(to_jsonable(obj), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def identity(stage_dir: str | os.PathLike) -> str:
-    """The identity of a complete stage output: the digest of the plan it was made with (its
-    settings and its inputs' identities decide its bytes, so two outputs of one plan are one
-    input to the next stage, whatever the worker count, the host or the time); for an output
-    that recorded no plan, the digest of its meta.json's stable fields."""
-    meta = read_json(Path(stage_dir) / META_NAME)
-    plan = meta.get("plan")
-    return digest(plan if isinstance(plan, Mapping) and plan else stable_meta(meta))
-
-
-def file_identity(path: str | os.PathLike) -> dict:
-    """A file's (or a directory's files') size and modification time: what identifies an input
-    too large to hash on every run, such as a checkpoint."""
-    path = Path(path)
-    if path.is_dir():
-        return {
-            p.name: file_identity(p)
-            for p in sorted(path.iterdir())
-            if p.is_file() and not p.name.startswith(".")
-        }
-    st = path.stat()
-    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
-
-
-def _flat(obj: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(obj, Mapping) and obj:
-        out: dict[str, Any] = {}
-        for k, v in obj.items():
-            out.update(_flat(v, f"{prefix}{k}."))
-        return out
-    return {prefix.rstrip("."): obj}
-
-
-def _shown(value: Any) -> str:
-    if isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value):
-        return value[:_SHOWN_DIGEST] + "…"
-    if value is _ABSENT:
-        return "(absent)"
-    return json.dumps(value, default=str)
-
-
-_ABSENT = object()
-
-
-def differences(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> list[str]:
-    """`["settings.threshold: 8 -> 100", ...]`, one line per differing leaf field."""
-    a, b = _flat(old or {}), _flat(new)
-    keys = sorted(set(a) | set(b))
-    return [
-        f"{k}: {_shown(a.get(k, _ABSENT))} -> {_shown(b.get(k, _ABSENT))}"
-        for k in keys
-        if a.get(k, _ABSENT) != b.get(k, _ABSENT)
-    ]
-
-
-def _same(old: Any, new: dict) -> bool:
-    return json.loads(json.dumps(old, sort_keys=True)) == json.loads(
-        json.dumps(new, sort_keys=True)
-    )
-
-
-def _without(plan: Any, key: str) -> Any:
-    if not isinstance(plan, Mapping):
-        return plan
-    return {k: v for k, v in plan.items() if k != key}
 
 
 class StageDir:
@@ -253,11 +150,11 @@ class StageDir:
             old = meta.get("plan")
             if overwrite:
                 self._clear = True
-            elif _same(old, self.plan):
+            elif same_plan(old, self.plan):
                 self.meta = meta
-            elif _same(_without(old, "scope"), _without(self.plan, "scope")):
+            elif same_plan(without(old, "scope"), without(self.plan, "scope")):
                 self._reopen = meta  # other parts asked for: the finished ones are kept
-            elif follow_inputs and _same(_without_inputs(old), _without_inputs(self.plan)):
+            elif follow_inputs and same_plan(without(old, "inputs"), without(self.plan, "inputs")):
                 log.info("%s: its inputs changed; rebuilding it", out)
                 for line in differences(old, self.plan):
                     log.info("  %s", line)
@@ -268,7 +165,7 @@ class StageDir:
             old = read_json(plan_path)
             if overwrite:
                 self._clear = True
-            elif not _same(_without(old, "scope"), _without(self.plan, "scope")):
+            elif not same_plan(without(old, "scope"), without(self.plan, "scope")):
                 self._refuse(old, "holds the finished parts of an unfinished run")
         elif self._holds_work():
             if not overwrite:
@@ -304,7 +201,7 @@ class StageDir:
 
     def _refuse(self, old: Any, what: str) -> None:
         if isinstance(old, Mapping):
-            lines = differences(_without(old, "scope"), _without(self.plan, "scope"))
+            lines = differences(without(old, "scope"), without(self.plan, "scope"))
         else:
             lines = []
         if _REDO_CHANGED.get():
@@ -448,99 +345,6 @@ class StageDir:
         return meta
 
 
-class MarkerDir(StageDir):
-    """The folder of a marker over other stages' outputs (`models/meta.json` over every
-    `models/<name>/`): it owns only its meta.json, its sub-folders are those outputs, and it
-    keeps no work, so any other plan rewrites it. A second writer waits for the lock."""
-
-    wait = True
-
-    def _check_plan(self, overwrite: bool, follow_inputs: bool) -> None:
-        self._refuse_foreign()
-        meta = read_json(self.meta_path) if self.meta_path.is_file() else None
-        if meta is not None and not overwrite and _same(meta.get("plan"), self.plan):
-            self.meta = meta
-
-    def _refuse_foreign(self) -> None:
-        found = [rel for rel in foreign_files(self.out, ()) if not (self.out / rel).is_dir()]
-        refuse_foreign(self.out, found, (), f"the {self.plan['stage']} marker")
-
-    def _holds_work(self) -> bool:
-        return False
-
-    def _remove(self) -> None:
-        self.meta_path.unlink(missing_ok=True)
-
-    def _sweep(self) -> None:  # (only its own: each sub-folder is swept by its stage)
-        for p in self.out.glob(".*"):
-            if p.is_file() and is_temporary(p.name):
-                p.unlink(missing_ok=True)
-
-    def finish(self, meta: Mapping[str, Any]) -> dict:
-        meta = {**meta, "plan": self.plan}
-        write_json_atomic(self.meta_path, meta)
-        self.plan_path.unlink(missing_ok=True)
-        self.meta = meta
-        return meta
-
-
-class StageFile(StageDir):
-    """A stage whose output is one file (a tokenizer): written atomically, so it is never
-    unfinished; its meta sits beside it as `<stem>.meta.json`, its lock as `.<name>.lock`."""
-
-    single_file = True
-
-    @property
-    def _lock_dir(self) -> Path:
-        return self.out.parent
-
-    def _check_kind(self) -> None:
-        if self.out.is_dir():
-            raise PlanMismatch(f"{self.out}: a folder, not a file; choose another output")
-
-    @property
-    def meta_path(self) -> Path:
-        return self.out.with_name(self.out.stem + ".meta.json")
-
-    @property
-    def plan_path(self) -> Path | None:
-        return None
-
-    def _output_present(self) -> bool:
-        return self.out.is_file()
-
-    def _holds_work(self) -> bool:
-        return False
-
-    def _refuse_foreign(self) -> None:
-        if self.out.exists() and not self.meta_path.is_file():
-            raise ForeignFiles(
-                f"{self.out}: a file this stage did not write (there is no {self.meta_path.name} "
-                "beside it); move it away or choose another output. Nothing was changed (not "
-                "even with --overwrite: a stage removes only its own files)"
-            )
-
-    def _remove(self) -> None:
-        self.out.unlink(missing_ok=True)
-        self.meta_path.unlink(missing_ok=True)
-
-    @contextlib.contextmanager
-    def running(self, keep_if=None) -> Iterator[StageFile]:
-        try:
-            self._prepare()
-            yield self
-        finally:
-            self.release()
-
-    def finish(self, meta: Mapping[str, Any]) -> dict:
-        meta = {**meta, "plan": self.plan}
-        if self._patterns:
-            meta["owns"] = list(self._patterns)
-        write_json_atomic(self.meta_path, meta)
-        self.meta = meta
-        return meta
-
-
 def _missing_folders(path: Path) -> list[Path]:
     """`path` and those of its parents that do not exist yet (what a mkdir -p would make)."""
     missing = []
@@ -550,63 +354,9 @@ def _missing_folders(path: Path) -> list[Path]:
     return missing
 
 
-def _without_inputs(plan: Any) -> Any:
-    return _without(plan, "inputs")
-
-
 def _holds_nothing_but_the_plan(out: Path) -> bool:
     for root, _dirs, files in os.walk(out):
         for name in files:
             if not (Path(root) == out and name in (PLAN_NAME, LOCK_NAME)):
                 return False
     return True
-
-
-def open_stage(
-    out: str | os.PathLike,
-    plan: StagePlan,
-    *,
-    overwrite: bool = False,
-    follow_inputs: bool = False,
-    single_file: bool = False,
-) -> StageDir:
-    """What a run with `plan` must do with `out` (see the module docstring). Raises
-    `PlanMismatch` before anything is touched when the plan differs and `overwrite` is off.
-    `single_file`: `out` is one file, its meta beside it (`StageFile`)."""
-    kind = StageFile if single_file else StageDir
-    return kind(Path(out), plan, overwrite=overwrite, follow_inputs=follow_inputs)
-
-
-def open_marker(folder: str | os.PathLike, plan: StagePlan) -> MarkerDir:
-    """What a marker over other outputs must do (see `MarkerDir`): complete when its plan (the
-    identities of those outputs) is the one it recorded, else rewritten."""
-    return MarkerDir(Path(folder), plan, overwrite=False, follow_inputs=True)
-
-
-def recorded_plan(out: str | os.PathLike, single_file: bool = False) -> dict | None:
-    """The plan a complete output was made with (None: no complete output; {}: no plan)."""
-    out = Path(out)
-    meta = out.with_name(out.stem + ".meta.json") if single_file else out / META_NAME
-    if not meta.is_file() or (single_file and not out.is_file()):
-        return None
-    plan = read_json(meta).get("plan")
-    return plan if isinstance(plan, Mapping) else {}
-
-
-def settings_differences(
-    out: str | os.PathLike, settings: Mapping[str, Any], single_file: bool = False
-) -> list[str]:
-    """How `settings` differ from those the complete output `out` was made with, a line per
-    field as a rerun would refuse them (`settings.threshold: 2 -> 3`); empty when they agree or
-    there is no complete output. A setting given as None is decided by the stage's inputs (a
-    default reference model) and is not compared: what `arslice run` checks before anything
-    runs, when the inputs may not exist yet."""
-    old = recorded_plan(out, single_file)
-    if old is None:
-        return []
-    asked = {k: v for k, v in settings.items() if v is not None}
-    recorded = old.get("settings", {})
-    lines = differences({"settings": {k: recorded.get(k) for k in asked}}, {"settings": asked})
-    if not old and asked:
-        return ["(made by an older version, which recorded no plan)"]
-    return lines
