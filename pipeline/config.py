@@ -15,7 +15,9 @@ outputs it reads and writes); `pipeline.runner.registry` lists every command.
 Field name `x_y` becomes flag `--x-y`; a field without a default is a required flag; `list[...]`
 fields take one or more values; `bool` fields are switches (`--flag` / `--no-flag`); metadata may
 carry `choices` (or a function giving them), `flag` (a different flag name), `positional: True` and, on list fields,
-`repeatable: True` (the flag may be given several times; the values are collected).
+`repeatable: True` (the flag may be given several times; the values are collected). `help`, like
+`choices`, may be a function, called when the flags are made (so `arslice --help` imports
+nothing to list the commands).
 """
 
 from __future__ import annotations
@@ -151,7 +153,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             continue
         tp = _unwrap_optional(_field_type(cls, f))
         origin = typing.get_origin(tp)
-        help_text = f.metadata.get("help", "")
+        help_text = _help(f)
         kwargs: dict[str, Any] = {"help": help_text, "dest": f.name}
         has_default = f.default is not MISSING or f.default_factory is not MISSING
         default = (
@@ -272,6 +274,11 @@ def _checked_value(f: dataclasses.Field, tp: Any, value: Any, context: str) -> A
 def _choices(f: dataclasses.Field) -> list | None:
     choices = f.metadata.get("choices")
     return choices() if callable(choices) else choices
+
+
+def _help(f: dataclasses.Field) -> str:
+    text = f.metadata.get("help", "")
+    return text() if callable(text) else text
 
 
 def _shown(value: Any) -> str:

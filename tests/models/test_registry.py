@@ -38,6 +38,7 @@ def test_a_registered_format_is_accepted_listed_and_loaded(monkeypatch):
     assert registry.reads_hub_models("toy") and not registry.reads_hub_models("native")
     with pytest.raises(ArSliceError, match="one of hf:, zoology:, safari:, based:, native:, toy:"):
         registry.parse_spec("gguf:model.bin")
+    assert registry.spec_forms().endswith(", native:<dir>, toy:<hub id or dir>")
     with pytest.raises(ArSliceError, match="; hf:, native: and toy: directories carry"):
         load_model("toy:./weights", model_config="config.json")
     # a bare name is a hub id only for a format registered with bare_hub_ids (hf:)
@@ -48,6 +49,15 @@ def test_a_registered_format_is_accepted_listed_and_loaded(monkeypatch):
     assert (request.spec, request.target, request.is_hub, request.commit) == (
         "toy:./weights", "./weights", False, None,
     )  # fmt: skip
+
+
+def test_eval_help_lists_the_formats_as_registered():
+    from pipeline.cli import build_parser
+
+    text = " ".join(build_parser("eval")[0].format_help().split())
+    forms = "hf:<hub id or dir>, zoology:<file or dir>, safari:<hub id, file or dir>, "
+    assert f"--model MODEL model spec: {forms}based:<hub id or dir>, native:<dir>" in text
+    assert "--model-config MODEL_CONFIG zoology:, safari: or based: model config file" in text
 
 
 def test_reading_a_spec_imports_neither_torch_nor_transformers():

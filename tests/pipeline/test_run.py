@@ -247,7 +247,9 @@ def test_unknown_stage_keys_name_the_table(tmp_path):
     with pytest.raises(BadInput, match=r"\[train.models.<name>\]"):
         Pipeline(cfg, load_pipeline_config(cfg)).configs("train")
     cfg.write_text('run_dir = "r"\n[eval.models.x]\ndevice = "cpu"\n')
-    with pytest.raises(BadInput, match="needs `model"):
+    with pytest.raises(
+        BadInput, match=r"needs `model.*\(hf:\.\.\., zoology:\.\.\., .*native:\.\.\.\)"
+    ):
         Pipeline(cfg, load_pipeline_config(cfg)).configs("eval")
 
 
