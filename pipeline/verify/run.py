@@ -16,8 +16,6 @@ from ar_slicing.layout import (
 )
 from pipeline.config import Command, say
 from pipeline.verify.checks import Checks, VerifyConfig
-from pipeline.verify.stores import verify_counts, verify_store
-from pipeline.verify.tags import verify_losses, verify_tags
 
 
 def _complete_dirs(found: Folders, checks: Checks, what: str) -> list[Path]:
@@ -29,6 +27,8 @@ def _complete_dirs(found: Folders, checks: Checks, what: str) -> list[Path]:
 
 def verify_run(cfg: VerifyConfig) -> dict:
     from ar_slicing.io import read_json
+    from pipeline.verify.stores import verify_counts, verify_store
+    from pipeline.verify.tags import verify_losses, verify_tags
 
     run = Path(cfg.run)
     require_dir(run, "run directory")

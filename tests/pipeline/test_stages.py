@@ -171,3 +171,21 @@ def test_the_make_rules_are_the_ones_the_stage_table_gave(tmp_path):
         f"{run}/tokens/train/meta.json {run}/tokens/val/meta.json &: "
         f"{run}/.settings/tokenize.json {run}/tokenizer.json\n\t$(STAGE) tokenize\n"
     ) in body
+
+
+def test_reading_the_declarations_imports_no_heavy_library():
+    """`arslice --help` imports every stage module for its summary: each keeps torch,
+    transformers, tokenizers, pyarrow, duckdb, polars and matplotlib inside the functions that
+    use them, so listing the commands stays fast."""
+    import subprocess
+    import sys
+
+    heavy = {"torch", "transformers", "tokenizers", "pyarrow", "duckdb", "polars", "matplotlib"}
+    code = (
+        "import sys\n"
+        "from pipeline.cli import top_level_help\n"
+        "top_level_help()\n"
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {heavy!r}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
