@@ -298,6 +298,14 @@ def print_config(cfg: Any, file=None) -> None:
 # ---- options shared by the commands that read text sources ----------------------------------------
 
 
+def executor_option(help_text: str):
+    """`--executor local|ray`: the stage's work in local processes or on a Ray cluster;
+    `help_text` says what runs where and which paths every node must see."""
+    return dataclasses.field(
+        default="local", metadata={"help": help_text, "choices": ["local", "ray"]}
+    )
+
+
 def ray_address_option():
     return dataclasses.field(
         default=None,

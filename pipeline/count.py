@@ -32,7 +32,13 @@ from pathlib import Path
 
 from ar_slicing.errors import BadInput
 from ar_slicing.layout import STORE_PARTS
-from pipeline.config import Command, config_to_dict, ray_address_option, say
+from pipeline.config import (
+    Command,
+    config_to_dict,
+    executor_option,
+    ray_address_option,
+    say,
+)
 from pipeline.wiring import COUNTS, STORES, Run, Table, Wiring
 
 log = logging.getLogger(__name__)
@@ -85,13 +91,9 @@ class CountConfig:
         metadata={"help": "with --import: the tokenizer the counts were made with (file or dir)"},
     )
     overwrite: bool = field(default=False, metadata={"help": "redo a complete output directory"})
-    executor: str = field(
-        default="local",
-        metadata={
-            "help": "where map and reduce tasks run: local processes, or a Ray cluster (every "
-            "node must see --tokens and --out under the same paths)",
-            "choices": ["local", "ray"],
-        },
+    executor: str = executor_option(
+        "where map and reduce tasks run: local processes, or a Ray cluster (every node must "
+        "see --tokens and --out under the same paths)"
     )
     ray_address: str | None = ray_address_option()
 

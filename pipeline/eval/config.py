@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.config import ray_address_option
+from pipeline.config import executor_option, ray_address_option
 
 # On CPU a few windows per batch amortise per-op overhead; more only grows memory.
 CPU_TOKENS_PER_BATCH = 8192
@@ -110,13 +110,9 @@ class EvalConfig:
         default=256, metadata={"help": "windows per output file (the unit of resuming)"}
     )
     overwrite: bool = field(default=False, metadata={"help": "redo a complete output directory"})
-    executor: str = field(
-        default="local",
-        metadata={
-            "help": "local = this process; ray = chunks spread over Ray actors, one per GPU of the "
-            "cluster (every node must see --tags, the store and --out under the same paths)",
-            "choices": ["local", "ray"],
-        },
+    executor: str = executor_option(
+        "local = this process; ray = chunks spread over Ray actors, one per GPU of the cluster "
+        "(every node must see --tags, the store and --out under the same paths)"
     )
     ray_address: str | None = ray_address_option()
     ray_actors: int = field(
