@@ -23,6 +23,7 @@ from pipeline.count import CountConfig, run_count
 from pipeline.eval import EvalConfig, run_eval
 from pipeline.tag import TagConfig, run_tag
 from pipeline.tokenize import TokenizeConfig, run_tokenize
+from tests.tiny_models import save_native_lm
 
 ray = pytest.importorskip("ray")
 
@@ -343,11 +344,6 @@ def test_a_task_error_reaches_the_driver_as_itself(cluster, tmp_path):
 @pytest.fixture(scope="module")
 def eval_inputs(tmp_path_factory, bpe_tokenizer, bpe_tokenizer_path, stdlib_texts):
     """A validation store of real text, its tags (count and tag stages) and a tiny native model."""
-    import torch
-
-    from models.backbone import LanguageModel, ModelConfig
-    from models.checkpoints.native import save_native
-
     root = tmp_path_factory.mktemp("eval")
     info = describe(bpe_tokenizer, "bpe")
     docs = [bpe_tokenizer.encode(t).ids[:n] for t, n in zip(stdlib_texts[5:], [45, 5, 90, 64, 7])]
@@ -358,17 +354,15 @@ def eval_inputs(tmp_path_factory, bpe_tokenizer, bpe_tokenizer_path, stdlib_text
             tokens=str(store.path), counts=str(root / "counts"), out=str(root / "tags"), window=L
         )
     )
-    torch.manual_seed(2)
-    model = LanguageModel(
-        ModelConfig(
-            vocab_size=1024,
-            d_model=64,
-            n_layers=2,
-            sequence_mixer_kwargs={"num_heads": 4},
-            l_max=64,
-        )
-    ).eval()
-    save_native(model, root / "model", tokenizer_json=bpe_tokenizer_path)
+    save_native_lm(
+        root / "model",
+        1024,
+        tokenizer=bpe_tokenizer_path,
+        d_model=64,
+        num_heads=4,
+        l_max=64,
+        seed=2,
+    )
     return {"tags": root / "tags", "model": f"native:{root / 'model'}"}
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.backbone import LanguageModel, ModelConfig
 from models.checkpoints.registry import wrap_language_model
 from models.mixers.rwkv import wkv_chunked, wkv_sequential
 from models.nll import per_token_nll
+from tests.tiny_models import tiny_mixer_lm
 
 # tiny tensors: one intra-op thread avoids OpenMP stalls on a busy machine
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -18,17 +18,7 @@ MIXERS = ["attention", "base_conv", "hyena", "rwkv"]
 
 
 def loaded_model(mixer: str, device: str = "cpu"):
-    torch.manual_seed(0)
-    kwargs = {"filter_order": 16} if mixer == "hyena" else {}
-    cfg = ModelConfig(
-        vocab_size=300,
-        d_model=32,
-        n_layers=2,
-        sequence_mixer=mixer,
-        sequence_mixer_kwargs=kwargs,
-        l_max=64,
-    )
-    model = LanguageModel(cfg).eval().to(device)
+    model = tiny_mixer_lm(mixer, 300, d_model=32, l_max=64).eval().to(device)
     return wrap_language_model(model, f"native:{mixer}", tokenizer_fingerprint=None)
 
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from models import load_model
-from models.backbone import LanguageModel, ModelConfig
 from models.checkpoints.native import save_native
 from models.mixers.rwkv import wkv_chunked, wkv_sequential
 from models.nll import per_token_nll
+from tests.tiny_models import tiny_mixer_lm
 
 # tiny tensors: one intra-op thread avoids OpenMP stalls on a busy machine
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -25,17 +25,7 @@ def token_stream(bpe_tokenizer, stdlib_texts) -> torch.Tensor:
 
 
 def train_and_score(mixer, token_stream, tmp_path, bpe_tokenizer_path, steps=40, seq=64):
-    torch.manual_seed(0)
-    kwargs = {"filter_order": 16} if mixer == "hyena" else {}
-    cfg = ModelConfig(
-        vocab_size=1024,
-        d_model=48,
-        n_layers=2,
-        sequence_mixer=mixer,
-        sequence_mixer_kwargs=kwargs,
-        l_max=seq,
-    )
-    model = LanguageModel(cfg)
+    model = tiny_mixer_lm(mixer, 1024, d_model=48, l_max=seq)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(0)
     held_out = token_stream[-(4 * (seq + 1)) :].view(4, seq + 1)

@@ -34,6 +34,7 @@ from pipeline.eval import (
 )
 from pipeline.tag import TagConfig, run_tag
 from tests import UPSTREAM
+from tests.tiny_models import save_native_lm, save_neox
 
 torch = pytest.importorskip("torch")
 
@@ -72,19 +73,11 @@ def _save_hf(model, path: Path, tokenizer_path: Path | None) -> Path:
 
 
 def make_neox(path: Path, tokenizer_path, *, vocab=VOCAB, max_positions=64) -> Path:
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
-
-    torch.manual_seed(0)
-    config = GPTNeoXConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        max_position_embeddings=max_positions,
+    return save_neox(
+        path, vocab, tokenizer=tokenizer_path, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=128, max_position_embeddings=max_positions,
         initializer_range=0.3,  # wide logits, so a misaligned target changes the NLL visibly
-    )
-    return _save_hf(GPTNeoXForCausalLM(config).eval(), path, tokenizer_path)
+    )  # fmt: skip
 
 
 def make_rwkv(path: Path, tokenizer_path) -> Path:
@@ -120,22 +113,9 @@ def make_mamba(path: Path, tokenizer_path) -> Path:
 
 
 def make_native(path: Path, tokenizer_path) -> Path:
-    from models.backbone import LanguageModel, ModelConfig
-    from models.checkpoints.native import save_native
-
-    torch.manual_seed(2)
-    model = LanguageModel(
-        ModelConfig(
-            vocab_size=VOCAB,
-            d_model=64,
-            n_layers=2,
-            sequence_mixer_kwargs={"num_heads": 4},
-            l_max=64,
-        )
-    ).eval()
-    with torch.no_grad():
-        model.backbone.embeddings.word_embeddings.weight.normal_(0, 0.5)
-    return save_native(model, path, tokenizer_json=tokenizer_path)
+    return save_native_lm(
+        path, VOCAB, tokenizer=tokenizer_path, d_model=64, num_heads=4, l_max=64, seed=2, spread=0.5
+    )
 
 
 def make_based(path: Path, tokenizer_path) -> Path:
@@ -877,18 +857,11 @@ def test_cuda_bf16_matches_cpu_fp32(corpus, models_dir, tmp_path):
 def test_other_native_architectures_equal_plain_forward(
     mixer, corpus, bpe_tokenizer_path, tmp_path
 ):
-    from models.backbone import LanguageModel, ModelConfig
-    from models.checkpoints.native import save_native
-
-    torch.manual_seed(3)
-    model = LanguageModel(
-        ModelConfig(vocab_size=VOCAB, d_model=64, n_layers=2, sequence_mixer=mixer, l_max=64)
-    )
-    with torch.no_grad():
-        model.backbone.embeddings.word_embeddings.weight.normal_(0, 0.5)
-    spec = (
-        f"native:{save_native(model.eval(), tmp_path / mixer, tokenizer_json=bpe_tokenizer_path)}"
-    )
+    model = save_native_lm(
+        tmp_path / mixer, VOCAB, tokenizer=bpe_tokenizer_path, mixer=mixer, d_model=64, l_max=64,
+        seed=3, spread=0.5,
+    )  # fmt: skip
+    spec = f"native:{model}"
     run_eval(config(corpus, spec, tmp_path / "out"))
     got = read_losses(tmp_path / "out").column("nll").to_numpy()
     np.testing.assert_allclose(got, plain_fixed_losses(spec, corpus["store"], L), rtol=0, atol=2e-4)

@@ -37,6 +37,7 @@ import pytest
 
 from tests import REPO
 from tests.conftest import small_pipeline_config
+from tests.tiny_models import save_neox
 
 NEEDS = re.compile(
     r"#.*\bneeds (the hub|a GPU|a Ray cluster|the Pile|a published checkpoint)", re.IGNORECASE
@@ -171,16 +172,10 @@ def _pile_records(texts: list[str], subset: str) -> bytes:
 
 
 def _tiny_neox(path: Path, tokenizer_json: Path, vocab: int) -> None:
-    import torch
     import transformers
     from tokenizers import Tokenizer
 
-    torch.manual_seed(0)
-    cfg = transformers.GPTNeoXConfig(
-        vocab_size=vocab, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=512,
-    )  # fmt: skip
-    transformers.GPTNeoXForCausalLM(cfg).save_pretrained(path)
+    save_neox(path, vocab, num_attention_heads=4, max_position_embeddings=512)
     tok = transformers.PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_file(str(tokenizer_json)), eos_token="<|endoftext|>"
     )

@@ -20,6 +20,7 @@ from ar_slicing.io import read_json
 from pipeline.runner.run import RunConfig, run_pipeline
 from tests.conftest import small_pipeline_config
 from tests.reliability import REPO, cli, run_subprocess, tiny_run  # noqa: F401  (a fixture)
+from tests.tiny_models import save_neox
 
 
 def make(*targets: str, config: Path, **variables: str) -> subprocess.CompletedProcess:
@@ -36,24 +37,6 @@ def stages_run(done: subprocess.CompletedProcess) -> list[str]:
     return [line.split()[1] for line in done.stdout.splitlines() if line.startswith("[1/1] ")]
 
 
-def tiny_hf_model(path: Path, vocab_size: int) -> Path:
-    """A real transformers GPT-NeoX, randomly initialised, saved with save_pretrained."""
-    import torch
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
-
-    torch.manual_seed(0)
-    config = GPTNeoXConfig(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    )
-    GPTNeoXForCausalLM(config).save_pretrained(path)
-    return path
-
-
 # ---- 1, 2: editing the config, and make ------------------------------------------------------
 
 
@@ -68,9 +51,8 @@ def test_editing_the_config_reruns_exactly_what_it_changed(tmp_path):
 
     # a new [eval.models] table: that model is evaluated, the report rebuilt, nothing else
     upstream = {p: p.read_bytes() for p in run.glob("*/meta.json") if p.parent.name != "report"}
-    model = tiny_hf_model(
-        tmp_path / "mine", read_json(run / "tokens/val/meta.json")["tokenizer"]["vocab_size"]
-    )
+    vocab_size = read_json(run / "tokens/val/meta.json")["tokenizer"]["vocab_size"]
+    model = save_neox(tmp_path / "mine", vocab_size, max_position_embeddings=64)
     cfg.write_text(cfg.read_text() + f'\n[eval.models.mine]\nmodel = "hf:{model}"\n')
     second = make("all", config=cfg)
     assert second.returncode == 0, second.stderr
