@@ -524,6 +524,12 @@ def real_text_run(tmp_path_factory, bpe_tokenizer, stdlib_texts):
     return store, tmp_path / "counts", val, subsets, pairs, info, train_stream
 
 
+def in_small_parts(store, counts_dir, out, **settings) -> TagConfig:
+    """The real text tagged in windows of 256 and parts of 2048 tokens (many parts), one worker."""
+    settings = {"window": 256, "workers": 1, "part_tokens": 2048, **settings}
+    return TagConfig(tokens=str(store.path), counts=str(counts_dir), out=str(out), **settings)
+
+
 def test_real_text_matches_reference_and_is_plausible(tmp_path, real_text_run):
     store, counts_dir, val, subsets, pairs, info, train_stream = real_text_run
     out = tmp_path / "tags"
@@ -573,14 +579,7 @@ def test_two_workers_write_the_same_files_as_one(tmp_path, real_text_run):
     store, counts_dir, *_ = real_text_run
     metas = []
     for workers in (1, 2):
-        cfg = TagConfig(
-            tokens=str(store.path),
-            counts=str(counts_dir),
-            out=str(tmp_path / f"w{workers}"),
-            window=256,
-            workers=workers,
-            part_tokens=2048,
-        )
+        cfg = in_small_parts(store, counts_dir, tmp_path / f"w{workers}", workers=workers)
         metas.append(run_tag(cfg))
     parts = metas[0]["parts"]
     assert len(parts) > 2
@@ -613,14 +612,7 @@ def test_store_and_counts_of_different_tokenizers_are_refused(tmp_path):
 def test_resume_after_interruption_gives_identical_output(tmp_path, real_text_run):
     store, counts_dir, *_ = real_text_run
     out = tmp_path / "tags"
-    cfg = TagConfig(
-        tokens=str(store.path),
-        counts=str(counts_dir),
-        out=str(out),
-        window=256,
-        workers=1,
-        part_tokens=2048,
-    )
+    cfg = in_small_parts(store, counts_dir, out)
     first = run_tag(cfg)
     saved = tmp_path / "saved"
     shutil.copytree(out, saved)
@@ -663,14 +655,7 @@ def test_changed_settings_on_a_complete_output_are_refused(tmp_path, real_text_r
 def test_unfinished_run_with_other_parameters_is_not_mixed_in(tmp_path, real_text_run):
     store, counts_dir, *_ = real_text_run
     out = tmp_path / "tags"
-    cfg = TagConfig(
-        tokens=str(store.path),
-        counts=str(counts_dir),
-        out=str(out),
-        window=256,
-        workers=1,
-        part_tokens=2048,
-    )
+    cfg = in_small_parts(store, counts_dir, out)
     first = run_tag(cfg)
     write_json_atomic(out / ".plan.json", first["plan"])  # as a killed run leaves it
     (out / "meta.json").unlink()
