@@ -323,7 +323,7 @@ def test_lookup_matches_counts_including_unseen(tmp_path, wide, engine):
 def test_lookup_large_counts_and_empty_table(tmp_path, engine):
     import pyarrow as pa
 
-    from ar_slicing.io import build_meta, write_meta
+    from tests.handmade import write_handmade_meta
 
     out = tmp_path / "big"
     out.mkdir()
@@ -335,9 +335,7 @@ def test_lookup_large_counts_and_empty_table(tmp_path, engine):
         }
     )
     pq.write_table(table, out / "bigrams.parquet")
-    write_meta(
-        out, build_meta("count", config={}, inputs={}, counts={}, wall_time_s=0, fingerprint=FP)
-    )
+    write_handmade_meta(out, "count", fingerprint=FP)
     counts = BigramCounts.open(out)
     assert counts.lookup(np.array([1, 1, 7, 2]), np.array([2, 3, 7, 1])).tolist() == [
         5 << 33,
@@ -349,10 +347,7 @@ def test_lookup_large_counts_and_empty_table(tmp_path, engine):
     # an empty table (restricted counts of bigrams never seen, say) looks everything up as 0
     (tmp_path / "empty").mkdir()
     pq.write_table(table.slice(0, 0), tmp_path / "empty" / "bigrams.parquet")
-    write_meta(
-        tmp_path / "empty",
-        build_meta("count", config={}, inputs={}, counts={}, wall_time_s=0, fingerprint=FP),
-    )
+    write_handmade_meta(tmp_path / "empty", "count", fingerprint=FP)
     empty = BigramCounts.open(tmp_path / "empty")
     assert empty.lookup(np.arange(5), np.arange(5)).tolist() == [0] * 5
     # while counting a stream without one pair is refused, not an empty success

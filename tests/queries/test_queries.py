@@ -28,12 +28,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from ar_slicing.errors import ArSliceError, BadInput, TokenizerMismatch
-from ar_slicing.io import build_meta, write_meta
 from ar_slicing.store import write_token_store
 from ar_slicing.tags import tags_schema
 from ar_slicing.tokenizer import describe
 from tests import REPO
-from tests.ar_slicing.test_tags import naive_match_len
+from tests.ar_slicing.test_tags import naive_match_len, write_counts
+from tests.handmade import write_handmade_meta
 
 QUERIES = REPO / "queries"
 
@@ -107,34 +107,7 @@ def write_run(
     doc_rows = store.doc_index_of(np.arange(len(stream)))
     doc_of = [int(store.doc_ids[r]) for r in doc_rows]
 
-    counts_dir = run / "counts"
-    counts_dir.mkdir(parents=True)
-    keys = sorted(counts)
-    pq.write_table(
-        pa.table(
-            {
-                "prev": pa.array([k[0] for k in keys], pa.int32()),
-                "next": pa.array([k[1] for k in keys], pa.int32()),
-                "count": pa.array([counts[k] for k in keys], pa.int64()),
-            }
-        ),
-        counts_dir / "bigrams.parquet",
-    )
-    write_meta(
-        counts_dir,
-        build_meta(
-            "count",
-            config={},
-            inputs={},
-            counts={},
-            wall_time_s=0,
-            fingerprint=info["fingerprint"],
-            total_pairs=sum(counts.values()),
-            distinct_bigrams=len(counts),
-            unit="stream",
-            sources=[],
-        ),
-    )
+    counts_dir = write_counts(run / "counts", Counter(counts), info["fingerprint"])
 
     rows, windows = naive_tags(stream, doc_of, subsets, counts, window)
     tags = run / "tags"
@@ -154,22 +127,17 @@ def write_run(
             pa.Table.from_pylist(rows[lo : lo + shard_rows], TAG_SCHEMA),
             tags / f"tags-{k:05d}.parquet",
         )
-    write_meta(
+    write_handmade_meta(
         tags,
-        build_meta(
-            "tag",
-            config={},
-            inputs={},
-            counts={"tokens": len(rows)},
-            wall_time_s=0,
-            tokens=str(store.path.resolve()),
-            counts_dir=str(counts_dir.resolve()),
-            fingerprint=info["fingerprint"],
-            window=window,
-            threshold=1250,
-            reset_at_doc_boundary=False,
-            span_order=1,  # span_train_count = the bigram's count
-        ),
+        "tag",
+        counts={"tokens": len(rows)},
+        tokens=str(store.path.resolve()),
+        counts_dir=str(counts_dir.resolve()),
+        fingerprint=info["fingerprint"],
+        window=window,
+        threshold=1250,
+        reset_at_doc_boundary=False,
+        span_order=1,  # span_train_count = the bigram's count
     )
     for name, nll in losses.items():
         out = run / "losses" / name
@@ -188,32 +156,24 @@ def write_run(
             out / "losses-00000.parquet",
         )
         arch = (architectures or {}).get(name, name)
-        write_meta(
+        write_handmade_meta(
             out,
-            build_meta(
-                "eval",
-                config={},
-                inputs={},
-                counts={},
-                wall_time_s=0,
-                name=name,
-                spec=f"native:{name}",
-                architecture=arch,
-                n_params=1000 * (1 + len(name)),
-                dtype="float32",
-                device="cpu",
-                batch_size=4,
-                tokens=len(rows),
-                tokens_per_s=100.0,
-                fingerprint=info["fingerprint"],
-                windowing="fixed",
-                **(loss_meta or {}).get(name, {}),
-            ),
+            "eval",
+            name=name,
+            spec=f"native:{name}",
+            architecture=arch,
+            n_params=1000 * (1 + len(name)),
+            dtype="float32",
+            device="cpu",
+            batch_size=4,
+            tokens=len(rows),
+            tokens_per_s=100.0,
+            fingerprint=info["fingerprint"],
+            windowing="fixed",
+            **(loss_meta or {}).get(name, {}),
         )
     # what `arslice run` writes once every model is evaluated: a file, not a model folder
-    write_meta(
-        run / "losses", build_meta("eval-all", config={}, inputs={}, counts={}, wall_time_s=0)
-    )
+    write_handmade_meta(run / "losses", "eval-all")
     return rows
 
 
