@@ -36,7 +36,7 @@ test-slow:
 
 # `make all` end to end on a reduced demo config (also part of test-slow).
 test-demo:
-	$(PY) -m pytest -m slow tests/test_demo_e2e.py -q
+	$(PY) -m pytest -m slow tests/pipeline/test_demo_e2e.py -q
 
 test-gpu:
 	$(PY) -m pytest -m gpu -q

@@ -124,6 +124,25 @@ def _reraise(err: BaseException) -> None:
     raise err
 
 
+def _as_finished(
+    ray, pending: dict[Any, Any], refill: Callable[[Any], tuple[Any, Any] | None]
+) -> Iterator[tuple[Any, Any]]:
+    """Yield (key, result) for each Ray ref of `pending` (ref -> key) as it finishes, the task's
+    own error raised (`_reraise`); after each, `refill(key)` may start one more, as (ref, key)."""
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1)
+        for ref in done:
+            key = pending.pop(ref)
+            try:
+                result = ray.get(ref)
+            except Exception as err:
+                _reraise(err)
+            yield key, result
+            started = refill(key)
+            if started is not None:
+                pending[started[0]] = started[1]
+
+
 class RayExecutor:
     """Runs the map steps of a stage as Ray tasks (see the module docstring).
 
@@ -198,23 +217,15 @@ class RayExecutor:
         cwd = os.getcwd()
         tasks = iter(tasks)
         pending: dict[Any, Any] = {}
+
+        def next_task(_done=None) -> tuple[Any, Any] | None:
+            task = next(tasks, None)
+            return None if task is None else (submit(fn_ref, task, cwd), task)
+
         try:
-            for task in tasks:
-                pending[submit(fn_ref, task, cwd)] = task
-                if len(pending) >= 2 * self.workers:
-                    break
-            while pending:
-                done, _ = ray.wait(list(pending), num_returns=1)
-                for ref in done:
-                    task = pending.pop(ref)
-                    try:
-                        result = ray.get(ref)
-                    except Exception as err:
-                        _reraise(err)
-                    yield task, result
-                    nxt = next(tasks, None)
-                    if nxt is not None:
-                        pending[submit(fn_ref, nxt, cwd)] = nxt
+            while len(pending) < max(2 * self.workers, 1) and (started := next_task()) is not None:
+                pending[started[0]] = started[1]
+            yield from _as_finished(ray, pending, next_task)
         finally:
             for ref in pending:  # the driver stopped early (an error, or the consumer left)
                 ray.cancel(ref)
@@ -264,24 +275,18 @@ class RayExecutor:
         actors = [actor_cls.remote(make_state, os.getcwd()) for _ in range(n_actors)]
         queue = iter(tasks)
         pending: dict[Any, tuple[Any, Any]] = {}
+
+        def next_for(actor) -> tuple[Any, Any] | None:
+            task = next(queue, None)
+            return None if task is None else (actor.run.remote(task), (actor, task))
+
         try:
             for actor in actors:
-                task = next(queue, None)
-                if task is None:
+                if (started := next_for(actor)) is None:
                     break
-                pending[actor.run.remote(task)] = (actor, task)
-            while pending:
-                done, _ = ray.wait(list(pending), num_returns=1)
-                for ref in done:
-                    actor, task = pending.pop(ref)
-                    try:
-                        result = ray.get(ref)
-                    except Exception as err:
-                        _reraise(err)
-                    yield task, result
-                    nxt = next(queue, None)
-                    if nxt is not None:
-                        pending[actor.run.remote(nxt)] = (actor, nxt)
+                pending[started[0]] = started[1]
+            for (_actor, task), result in _as_finished(ray, pending, lambda key: next_for(key[0])):
+                yield task, result
         finally:
             for actor in actors:
                 ray.kill(actor)

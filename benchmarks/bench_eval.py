@@ -62,21 +62,15 @@ def peak_rss_mib() -> float:
 
 def build_inputs(root: Path, n_windows: int) -> tuple[Path, str, int]:
     """A validation store of real text, its tags, and a saved GPT-NeoX. Returns (tags, spec, n_params)."""
-    import torch
     from eval_inputs import build_tagged_text
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from tests.tiny_models import neox_lm
 
     tok = build_tagged_text(root, n_windows, WINDOW, TOKENIZER_VOCAB, train_docs=10**6)
-    torch.manual_seed(0)
-    config = GPTNeoXConfig(
-        vocab_size=VOCAB,
-        hidden_size=96,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        intermediate_size=384,
+    model = neox_lm(
+        VOCAB, hidden_size=96, num_hidden_layers=6, num_attention_heads=4, intermediate_size=384,
         max_position_embeddings=WINDOW,
-    )
-    model = GPTNeoXForCausalLM(config)
+    )  # fmt: skip
     model.save_pretrained(root / "neox")
     (root / "neox" / "tokenizer.json").write_text(tok.to_str())
     return root / "tags", f"hf:{root / 'neox'}", sum(p.numel() for p in model.parameters())

@@ -27,8 +27,8 @@ import pyarrow.parquet as pq
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ar_slicing.io import build_meta, write_meta  # noqa: E402
 from ar_slicing.metrics import WindowSums, bootstrap  # noqa: E402
+from tests.handmade import write_handmade_meta  # noqa: E402
 
 MODELS = ("attention", "hyena", "rwkv")
 
@@ -71,19 +71,8 @@ def make_run(root: Path, n_windows: int, window: int, seed: int = 0):
         tags / "tags-00000.parquet",
         row_group_size=1 << 20,
     )
-    write_meta(
-        tags,
-        build_meta(
-            "tag",
-            config={},
-            inputs={},
-            counts={},
-            wall_time_s=0,
-            tokens=None,
-            fingerprint="f" * 64,
-            window=window,
-            threshold=1250,
-        ),
+    write_handmade_meta(
+        tags, "tag", tokens=None, fingerprint="f" * 64, window=window, threshold=1250
     )
     nll = {}
     base = rng.gamma(2.0, 1.5, n).astype(np.float32)
@@ -94,19 +83,7 @@ def make_run(root: Path, n_windows: int, window: int, seed: int = 0):
         pq.write_table(
             pa.table({"window_id": w, "pos": pos, "nll": nll[m]}), out / "losses-00000.parquet"
         )
-        write_meta(
-            out,
-            build_meta(
-                "eval",
-                config={},
-                inputs={},
-                counts={},
-                wall_time_s=0,
-                name=m,
-                architecture=m,
-                fingerprint="f" * 64,
-            ),
-        )
+        write_handmade_meta(out, "eval", name=m, architecture=m, fingerprint="f" * 64)
     return w, is_ar, np.stack([nll[m].astype(np.float64) for m in MODELS], axis=1)
 
 

@@ -18,6 +18,7 @@ some layers (`layer_mixers`); `models/checkpoints/based.py` maps its key names o
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -29,76 +30,48 @@ from torch import nn
 from models.mixers.base import StateMixer
 from models.options import options_dict, options_from
 
-SEQUENCE_MIXERS = (
-    "attention", "base_conv", "hyena", "rwkv", "based_conv", "linear_attention", "sliding_attention"
-)  # fmt: skip
+# name -> (module, class) of every mixer: each lives in its own file, imported when it is built
+SEQUENCE_MIXERS: dict[str, tuple[str, str]] = {
+    "attention": ("models.mixers.attention", "MHA"),
+    "base_conv": ("models.mixers.base_conv", "BaseConv"),
+    "hyena": ("models.mixers.hyena", "Hyena"),
+    "rwkv": ("models.mixers.rwkv", "RWKVTimeMixer"),
+    "based_conv": ("models.mixers.base_conv", "GatedConv"),
+    "linear_attention": ("models.mixers.linear_attention", "LinearAttention"),
+    "sliding_attention": ("models.mixers.sliding_attention", "SlidingWindowAttention"),
+}
 # "rwkv" as a state mixer is RWKV-4's channel mixing; "base_conv" is a second BaseConv, as the
 # Zoology of 2023-10-28 .. 2023-11-20 built every block's state mixer from the sequence mixer's config
-STATE_MIXERS = ("mlp", "glu", "swiglu", "rwkv", "identity", "base_conv")
+STATE_MIXERS: dict[str, tuple[str, str]] = {
+    "mlp": ("models.mixers.mlp", "MLP"),
+    "glu": ("models.mixers.mlp", "GLU"),
+    "swiglu": ("models.mixers.mlp", "SwiGLU"),
+    "rwkv": ("models.mixers.rwkv", "RWKVChannelMixer"),
+    "identity": ("models.backbone", "IdentityMixer"),
+    "base_conv": SEQUENCE_MIXERS["base_conv"],
+}
+MIXERS = {"sequence": SEQUENCE_MIXERS, "state": STATE_MIXERS}
 NORMS = ("layernorm", "rmsnorm")
 
 
-def sequence_mixer_class(name: str) -> type[nn.Module]:
-    """The class behind a sequence-mixer name (imported lazily: each lives in its own file)."""
-    if name == "attention":
-        from models.mixers.attention import MHA
-
-        return MHA
-    if name == "base_conv":
-        from models.mixers.base_conv import BaseConv
-
-        return BaseConv
-    if name == "hyena":
-        from models.mixers.hyena import Hyena
-
-        return Hyena
-    if name == "rwkv":
-        from models.mixers.rwkv import RWKVTimeMixer
-
-        return RWKVTimeMixer
-    if name == "based_conv":
-        from models.mixers.base_conv import GatedConv
-
-        return GatedConv
-    if name == "linear_attention":
-        from models.mixers.linear_attention import LinearAttention
-
-        return LinearAttention
-    if name == "sliding_attention":
-        from models.mixers.sliding_attention import SlidingWindowAttention
-
-        return SlidingWindowAttention
-    raise ValueError(f"unknown sequence mixer {name!r}; choose one of {', '.join(SEQUENCE_MIXERS)}")
+def check_mixer(kind: str, name: Any) -> None:
+    """Refuse a `kind` ("sequence" or "state") mixer name that is not in its table."""
+    table = MIXERS[kind]
+    if not isinstance(name, str) or name not in table:
+        raise ValueError(f"unknown {kind} mixer {name!r}; choose one of {', '.join(table)}")
 
 
-def state_mixer_class(name: str) -> type[nn.Module]:
-    if name == "mlp":
-        from models.mixers.mlp import MLP
-
-        return MLP
-    if name == "glu":
-        from models.mixers.mlp import GLU
-
-        return GLU
-    if name == "swiglu":
-        from models.mixers.mlp import SwiGLU
-
-        return SwiGLU
-    if name == "rwkv":
-        from models.mixers.rwkv import RWKVChannelMixer
-
-        return RWKVChannelMixer
-    if name == "identity":
-        return IdentityMixer
-    if name == "base_conv":
-        return sequence_mixer_class(name)
-    raise ValueError(f"unknown state mixer {name!r}; choose one of {', '.join(STATE_MIXERS)}")
+def mixer_class(kind: str, name: str) -> type[nn.Module]:
+    """The class behind a `kind` ("sequence" or "state") mixer name."""
+    check_mixer(kind, name)
+    module, cls = MIXERS[kind][name]
+    return getattr(importlib.import_module(module), cls)
 
 
 def resolved_options(kind: str, name: str, options: dict[str, Any]) -> dict[str, Any]:
     """Every option of mixer `name` (kind "sequence" or "state"), defaults filled in; unknown
     keys are refused by name (ArSliceError)."""
-    cls = sequence_mixer_class(name) if kind == "sequence" else state_mixer_class(name)
+    cls = mixer_class(kind, name)
     return options_dict(options_from(cls.Options, options, f"{kind} mixer {name!r}"))
 
 
@@ -153,18 +126,12 @@ class ModelConfig:
 
     def __post_init__(self):
         for name in [self.sequence_mixer] + [m.get("name") for m in self.layer_mixers]:
-            if name not in SEQUENCE_MIXERS:
-                raise ValueError(
-                    f"unknown sequence mixer {name!r}; choose one of {', '.join(SEQUENCE_MIXERS)}"
-                )
+            check_mixer("sequence", name)
         if self.norm not in NORMS:
             raise ValueError(f"unknown norm {self.norm!r}; choose one of {', '.join(NORMS)}")
         if self.state_mixer is None:
             self.state_mixer = "rwkv" if self.sequence_mixer == "rwkv" else "mlp"
-        if self.state_mixer not in STATE_MIXERS:
-            raise ValueError(
-                f"unknown state mixer {self.state_mixer!r}; choose one of {', '.join(STATE_MIXERS)}"
-            )
+        check_mixer("state", self.state_mixer)
         self.sequence_mixer_kwargs = resolved_options(
             "sequence", self.sequence_mixer, self.sequence_mixer_kwargs
         )
@@ -245,8 +212,8 @@ class Block(nn.Module):
             layer_idx=layer_idx,
             n_layers=config.n_layers,
         )
-        self.sequence_mixer = sequence_mixer_class(mixer)(**shape, **mixer_kwargs)
-        self.state_mixer = state_mixer_class(config.state_mixer)(
+        self.sequence_mixer = mixer_class("sequence", mixer)(**shape, **mixer_kwargs)
+        self.state_mixer = mixer_class("state", config.state_mixer)(
             **shape, **config.state_mixer_kwargs
         )
         self.dropout1 = nn.Dropout(config.embed_dropout if layer_idx == 0 else config.resid_dropout)

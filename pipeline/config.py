@@ -15,7 +15,9 @@ outputs it reads and writes); `pipeline.runner.registry` lists every command.
 Field name `x_y` becomes flag `--x-y`; a field without a default is a required flag; `list[...]`
 fields take one or more values; `bool` fields are switches (`--flag` / `--no-flag`); metadata may
 carry `choices` (or a function giving them), `flag` (a different flag name), `positional: True` and, on list fields,
-`repeatable: True` (the flag may be given several times; the values are collected).
+`repeatable: True` (the flag may be given several times; the values are collected). `help`, like
+`choices`, may be a function, called when the flags are made (so `arslice --help` imports
+nothing to list the commands).
 """
 
 from __future__ import annotations
@@ -151,7 +153,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             continue
         tp = _unwrap_optional(_field_type(cls, f))
         origin = typing.get_origin(tp)
-        help_text = f.metadata.get("help", "")
+        help_text = _help(f)
         kwargs: dict[str, Any] = {"help": help_text, "dest": f.name}
         has_default = f.default is not MISSING or f.default_factory is not MISSING
         default = (
@@ -274,6 +276,11 @@ def _choices(f: dataclasses.Field) -> list | None:
     return choices() if callable(choices) else choices
 
 
+def _help(f: dataclasses.Field) -> str:
+    text = f.metadata.get("help", "")
+    return text() if callable(text) else text
+
+
 def _shown(value: Any) -> str:
     return json.dumps(value) if isinstance(value, (str, list, bool)) else str(value)
 
@@ -289,6 +296,14 @@ def print_config(cfg: Any, file=None) -> None:
 
 
 # ---- options shared by the commands that read text sources ----------------------------------------
+
+
+def executor_option(help_text: str):
+    """`--executor local|ray`: the stage's work in local processes or on a Ray cluster;
+    `help_text` says what runs where and which paths every node must see."""
+    return dataclasses.field(
+        default="local", metadata={"help": help_text, "choices": ["local", "ray"]}
+    )
 
 
 def ray_address_option():

@@ -30,14 +30,15 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ar_slicing.counts.keys import (
-    key_shift_for,
-    parse_unit,
-)
-from ar_slicing.counts.tasks import count_full, make_work_dir, stream_pairs
 from ar_slicing.errors import BadInput
 from ar_slicing.layout import STORE_PARTS
-from pipeline.config import Command, config_to_dict, ray_address_option, say
+from pipeline.config import (
+    Command,
+    config_to_dict,
+    executor_option,
+    ray_address_option,
+    say,
+)
 from pipeline.wiring import COUNTS, STORES, Run, Table, Wiring
 
 log = logging.getLogger(__name__)
@@ -90,13 +91,9 @@ class CountConfig:
         metadata={"help": "with --import: the tokenizer the counts were made with (file or dir)"},
     )
     overwrite: bool = field(default=False, metadata={"help": "redo a complete output directory"})
-    executor: str = field(
-        default="local",
-        metadata={
-            "help": "where map and reduce tasks run: local processes, or a Ray cluster (every "
-            "node must see --tokens and --out under the same paths)",
-            "choices": ["local", "ray"],
-        },
+    executor: str = executor_option(
+        "where map and reduce tasks run: local processes, or a Ray cluster (every node must "
+        "see --tokens and --out under the same paths)"
     )
     ray_address: str | None = ray_address_option()
 
@@ -194,6 +191,8 @@ def count_stores(
     """
     import time
 
+    from ar_slicing.counts.keys import parse_unit
+
     t0 = time.time()
     row = parse_unit(unit)
     _check_shard_tokens(shard_tokens)
@@ -231,6 +230,8 @@ def _count(
     import time
 
     from ar_slicing.counts.kernels import warm_kernels
+    from ar_slicing.counts.keys import key_shift_for
+    from ar_slicing.counts.tasks import count_full, make_work_dir, stream_pairs
     from ar_slicing.executor import LocalExecutor
     from ar_slicing.io import build_meta
 
@@ -282,6 +283,8 @@ def _count(
 
 
 def validate_count(cfg: CountConfig) -> None:
+    from ar_slicing.counts.keys import parse_unit
+
     _check_shard_tokens(cfg.shard_tokens)
     if cfg.workers < 0:
         raise BadInput(f"--workers must be >= 0 (0 = all cores), got {cfg.workers}")

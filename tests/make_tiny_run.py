@@ -1,6 +1,6 @@
-"""Write the tiny hand-built run of tests/test_queries.py (docs/design.md's worked example, three
-models) to a directory, for trying `arslice query` and `arslice report` on numbers worked out
-by hand:
+"""Write the tiny hand-built run of tests/queries/test_queries.py (docs/design.md's worked
+example, three models) to a directory, for trying `arslice query` and `arslice report` on numbers
+worked out by hand:
 
     python tests/make_tiny_run.py runs/tiny
 """
@@ -11,8 +11,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from conftest import read_stdlib_texts, train_bpe_tokenizer
-from test_queries import build_tiny_run
+# run as a script: the repository root, so that the `tests` package imports
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.conftest import read_stdlib_texts, train_bpe_tokenizer  # noqa: E402
+from tests.queries.test_queries import build_tiny_run  # noqa: E402
 
 
 def main(argv: list[str]) -> int:

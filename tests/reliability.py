@@ -12,11 +12,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import stdlib_files
 
 from pipeline.cli import main as cli_main
+from tests import REPO
+from tests.conftest import stdlib_files
+from tests.tiny_models import save_native_lm
 
-REPO = Path(__file__).resolve().parent.parent
 WINDOW = 64  # tag window of the tiny runs: short, so there are many windows and parts
 
 
@@ -46,23 +47,7 @@ def run_subprocess(*argv, **kw) -> subprocess.CompletedProcess:
 
 def save_tiny_native(out: Path, tokenizer_path: Path, *, vocab: int = 1024, l_max: int = 128):
     """A real native checkpoint (2-block attention LM) with the tokenizer beside it."""
-    import torch
-
-    from models.backbone import LanguageModel, ModelConfig
-    from models.checkpoints.native import save_native
-
-    torch.manual_seed(3)
-    model = LanguageModel(
-        ModelConfig(
-            vocab_size=vocab,
-            d_model=32,
-            n_layers=2,
-            sequence_mixer_kwargs={"num_heads": 2},
-            l_max=l_max,
-        )
-    ).eval()
-    save_native(model, out, tokenizer_json=tokenizer_path)
-    return out
+    return save_native_lm(out, vocab, tokenizer=tokenizer_path, num_heads=2, l_max=l_max, seed=3)
 
 
 def run_commands(run: Path, src_train: Path, src_val: Path, tokenizer_path: Path, model: Path):

@@ -199,11 +199,12 @@ def count_restricted_stores(
     from ar_slicing.counts.tasks import (
         REDUCED_PART,
         boundary_keys,
+        pair_ranges,
         run_map,
         stream_pairs,
         work_part,
     )
-    from ar_slicing.layout import BIGRAMS_NAME, COUNT_PARTIALS_DIR, COUNT_REDUCED_DIR, TOKENS_NAME
+    from ar_slicing.layout import BIGRAMS_NAME, COUNT_PARTIALS_DIR, COUNT_REDUCED_DIR
 
     t_keys = time.time()
     keys_path = work / "only-keys.bin"
@@ -215,26 +216,19 @@ def count_restricted_stores(
 
     total = max(sum(s.n_tokens - 1 for s in stores if s.n_tokens), 1)
     group_pairs = max(shard_tokens, -(-total // max(groups, 1)))
-    tasks, offset = [], 0
-    for s, store in enumerate(stores):
-        for start in range(0, max(store.n_tokens - 1, 0), group_pairs):
-            stop = min(start + group_pairs, store.n_tokens - 1)
-            tasks.append(
-                RestrictedTask(
-                    tokens_path=str((store.path / TOKENS_NAME).resolve()),
-                    dtype=store.dtype.name,
-                    n_tokens=store.n_tokens,
-                    start=start,
-                    stop=stop,
-                    stream_offset=offset,
-                    row=row,
-                    shift=shift,
-                    shard_tokens=shard_tokens,
-                    keys=str(keys_path),
-                    out=str(work / COUNT_PARTIALS_DIR / f"g{s:04d}-{start:012d}-{stop:012d}.bin"),
-                )
+    tasks = []
+    for s, _k, pairs in pair_ranges(stores, group_pairs):
+        name = f"g{s:04d}-{pairs['start']:012d}-{pairs['stop']:012d}.bin"
+        tasks.append(
+            RestrictedTask(
+                **pairs,
+                row=row,
+                shift=shift,
+                shard_tokens=shard_tokens,
+                keys=str(keys_path),
+                out=str(work / COUNT_PARTIALS_DIR / name),
             )
-        offset += store.n_tokens
+        )
     t_map = time.time()
     resumed = run_map(executor, tasks, count_restricted, progress, stage=stage)
     t_map = time.time() - t_map

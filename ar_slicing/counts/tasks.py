@@ -8,6 +8,7 @@ each as its task returns (the workers only write files).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -142,31 +143,44 @@ def run_reduce(
         return write_bigrams(path, reduced_in_order(bar))
 
 
-def plan_map_tasks(
-    stores, work: Path, row: int | None, shard_tokens: int, shift: int, vocab_size: int
-):
-    """One MapTask per shard of every store; shards overlap by one token so no pair is lost."""
-    tasks = []
+def pair_ranges(stores, size: int) -> Iterator[tuple[int, int, dict]]:
+    """Every store of the concatenation cut into ranges of at most `size` pairs, in order, as
+    (store index, range index, the fields of a task over the range: the store's file, dtype and
+    length, pairs start..stop-1 and the store's offset in the stream). Consecutive ranges
+    overlap by one token, so no pair is lost."""
     offset = 0
     for s, store in enumerate(stores):
         n_pairs = max(store.n_tokens - 1, 0)
-        for k, start in enumerate(range(0, n_pairs, shard_tokens)):
-            tasks.append(
-                MapTask(
-                    tokens_path=str((store.path / TOKENS_NAME).resolve()),
-                    dtype=store.dtype.name,
-                    n_tokens=store.n_tokens,
-                    start=start,
-                    stop=min(start + shard_tokens, n_pairs),
-                    stream_offset=offset,
-                    row=row,
-                    shift=shift,
-                    vocab_size=vocab_size,
-                    out=str(work / COUNT_PARTIALS_DIR / f"s{s:04d}-{k:06d}.bin"),
-                )
+        for k, start in enumerate(range(0, n_pairs, size)):
+            yield (
+                s,
+                k,
+                {
+                    "tokens_path": str((store.path / TOKENS_NAME).resolve()),
+                    "dtype": store.dtype.name,
+                    "n_tokens": store.n_tokens,
+                    "start": start,
+                    "stop": min(start + size, n_pairs),
+                    "stream_offset": offset,
+                },
             )
         offset += store.n_tokens
-    return tasks
+
+
+def plan_map_tasks(
+    stores, work: Path, row: int | None, shard_tokens: int, shift: int, vocab_size: int
+):
+    """One MapTask per shard of every store (`pair_ranges`)."""
+    return [
+        MapTask(
+            **pairs,
+            row=row,
+            shift=shift,
+            vocab_size=vocab_size,
+            out=str(work / COUNT_PARTIALS_DIR / f"s{s:04d}-{k:06d}.bin"),
+        )
+        for s, k, pairs in pair_ranges(stores, shard_tokens)
+    ]
 
 
 def boundary_keys(stores, row: int | None, shift: int) -> np.ndarray:

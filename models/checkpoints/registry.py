@@ -9,7 +9,8 @@ Each format is one module of models/checkpoints that registers its loader under 
 The first lookup imports every module of the package (each keeps torch and transformers inside
 its functions, so that is cheap), and what the rest of the project knows of formats is read from
 the registrations: the prefixes `parse_spec` accepts and names, which specs take a hub id
-(`hub_target`, `reads_hub_models`), where `--model-config` applies. A new format is one new file.
+(`hub_target`, `reads_hub_models`), where `--model-config` applies, and the spec forms the help
+texts list (`spec_forms`). A new format is one new file.
 
 A hub id takes a revision, `ID@REVISION` (a branch, tag or commit, e.g.
 `hf:EleutherAI/pythia-160m@step3000`): it is resolved to its commit once (`hub.resolve_commit`:
@@ -99,6 +100,13 @@ class CheckpointFormat:
     model_config: bool = False  # --model-config may replace the config found with the weights
     # its directories hold this project's meta.json (arslice train), whose digest identifies them
     identified_by_meta: bool = False
+    local: tuple[str, ...] = ("dir",)  # what a local TARGET may be: a "file", a "dir"
+
+    @property
+    def spec_form(self) -> str:
+        """`hf:<hub id or dir>`: what a spec of this format names, for help texts."""
+        names = (["hub id"] if self.hub else []) + list(self.local)
+        return f"{self.prefix}:<{_listed(names, 'or')}>"
 
 
 _FORMATS: dict[str, CheckpointFormat] = {}
@@ -113,6 +121,7 @@ def register_loader(
     bare_hub_ids: bool = False,
     model_config: bool = False,
     identified_by_meta: bool = False,
+    local: tuple[str, ...] = ("dir",),
 ):
     """Register the decorated `load(request: LoadRequest) -> LoadedModel` as the loader of specs
     `PREFIX:TARGET`. `order` places it where prefixes are listed (hf: 1 .. native: 5); the flags
@@ -132,6 +141,7 @@ def register_loader(
             bare_hub_ids=bare_hub_ids,
             model_config=model_config,
             identified_by_meta=identified_by_meta,
+            local=local,
         )
         return load
 
@@ -158,9 +168,19 @@ def checkpoint_format(prefix: str) -> CheckpointFormat | None:
     return next((f for f in formats() if f.prefix == prefix), None)
 
 
-def _listed(words: list[str]) -> str:
+def _listed(words: list[str], conjunction: str = "and") -> str:
     """["a", "b", "c"] -> "a, b and c"."""
-    return words[-1] if len(words) < 2 else f"{', '.join(words[:-1])} and {words[-1]}"
+    return words[-1] if len(words) < 2 else f"{', '.join(words[:-1])} {conjunction} {words[-1]}"
+
+
+def spec_forms() -> str:
+    """`hf:<hub id or dir>, zoology:<file or dir>, ...`: every format's spec, for help texts."""
+    return ", ".join(f.spec_form for f in formats())
+
+
+def model_config_prefixes(conjunction: str = "or") -> str:
+    """`zoology:, safari: or based:`: the formats whose config `--model-config` may replace."""
+    return _listed([f"{f.prefix}:" for f in formats() if f.model_config], conjunction)
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
@@ -246,10 +266,10 @@ def load_model(
     dtype = torch_dtype(dtype)
     found = checkpoint_format(prefix)
     if model_config is not None and not found.model_config:
-        takes = [f"{f.prefix}:" for f in formats() if f.model_config]
+        takes = model_config_prefixes("and")
         others = [f"{f.prefix}:" for f in formats() if not f.model_config]
         raise ArSliceError(
-            f"{spec}: a model config file (--model-config) applies to {_listed(takes)} "
+            f"{spec}: a model config file (--model-config) applies to {takes} "
             f"checkpoints only; {_listed(others)} directories carry their own config.json"
         )
     request = LoadRequest(spec, target, is_hub, commit, device, dtype, fast_path, model_config)

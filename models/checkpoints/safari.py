@@ -436,7 +436,7 @@ def load_safari(
     return model, weights_file.parent, used
 
 
-@register_loader("safari", order=3, hub=True, model_config=True)
+@register_loader("safari", order=3, hub=True, model_config=True, local=("file", "dir"))
 def load_spec(request: LoadRequest) -> LoadedModel:
     model, tokenizer_dir, settings = load_safari(
         request.target, request.model_config, request.commit

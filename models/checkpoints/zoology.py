@@ -241,7 +241,7 @@ def load_zoology(target: str | Path, model_config: str | Path | None = None):
     return model, weights_file.parent, {"config": source, **layout}
 
 
-@register_loader("zoology", order=2, model_config=True)
+@register_loader("zoology", order=2, model_config=True, local=("file", "dir"))
 def load_spec(request: LoadRequest) -> LoadedModel:
     model, tokenizer_dir, settings = load_zoology(request.target, request.model_config)
     return loaded_language_model(model, request, tokenizer_dir, settings)

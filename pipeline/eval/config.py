@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.config import ray_address_option
+from pipeline.config import executor_option, ray_address_option
 
 # On CPU a few windows per batch amortise per-op overhead; more only grows memory.
 CPU_TOKENS_PER_BATCH = 8192
@@ -13,14 +13,25 @@ CUDA_TOKENS_PER_BATCH = 1 << 18
 CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".safetensors")
 
 
+def _model_help() -> str:
+    from models.checkpoints.registry import spec_forms
+
+    return f"model spec: {spec_forms()} (a hub id may end in @REVISION)"
+
+
+def _model_config_help() -> str:
+    from models.checkpoints.registry import model_config_prefixes
+
+    return (
+        f"{model_config_prefixes()} model config file (YAML or JSON, as the format's own code "
+        "writes it) to use instead of the one found with the checkpoint (based: a config.json "
+        "with `fla_version`, see the README's model table)"
+    )
+
+
 @dataclass(frozen=True)
 class EvalConfig:
-    model: str = field(
-        metadata={
-            "help": "model spec: hf:<hub id or dir>, native:<dir>, safari:<ckpt>, zoology:<ckpt>, "
-            "based:<hub id or dir>"
-        }
-    )
+    model: str = field(metadata={"help": _model_help})
     tags: str = field(metadata={"help": "tag directory written by `arslice tag` (windows.parquet)"})
     out: str = field(metadata={"help": "output directory for losses-*.parquet and meta.json"})
     name: str | None = field(
@@ -79,11 +90,7 @@ class EvalConfig:
     )
     model_config: str | None = field(
         default=None,
-        metadata={
-            "help": "safari:, zoology: or based: model config file (YAML or JSON, as safari, "
-            "Zoology or HazyResearch/based writes it) to use instead of the one found with the "
-            "checkpoint (based: a config.json with `fla_version`, see the README's model table)"
-        },
+        metadata={"help": _model_config_help},
     )
     skip_tokenizer_check: bool = field(
         default=False,
@@ -103,13 +110,9 @@ class EvalConfig:
         default=256, metadata={"help": "windows per output file (the unit of resuming)"}
     )
     overwrite: bool = field(default=False, metadata={"help": "redo a complete output directory"})
-    executor: str = field(
-        default="local",
-        metadata={
-            "help": "local = this process; ray = chunks spread over Ray actors, one per GPU of the "
-            "cluster (every node must see --tags, the store and --out under the same paths)",
-            "choices": ["local", "ray"],
-        },
+    executor: str = executor_option(
+        "local = this process; ray = chunks spread over Ray actors, one per GPU of the cluster "
+        "(every node must see --tags, the store and --out under the same paths)"
     )
     ray_address: str | None = ray_address_option()
     ray_actors: int = field(

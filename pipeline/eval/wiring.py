@@ -22,9 +22,11 @@ def evaluated_models(f: Fanned) -> list[Table]:
     entries = {name: {"model": f"native:{f.layout.model(name)}"} for name in trained}
     for name, table in extra.items():
         if "model" not in table:
+            from models.checkpoints.registry import formats
+
+            prefixes = ", ".join(f"{c.prefix}:..." for c in formats())
             raise BadInput(
-                f'{f.path} [{f.table}.models.{name}]: needs `model = "<spec>"` '
-                "(hf:..., native:..., safari:..., zoology:..., based:...)"
+                f'{f.path} [{f.table}.models.{name}]: needs `model = "<spec>"` ({prefixes})'
             )
         entries[name] = table
     if not entries:

@@ -5,9 +5,9 @@ files, and the complete outputs made with other settings (under the plan's own c
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 
 from ar_slicing.errors import ArSliceError, BadInput
+from ar_slicing.layout import file_meta_path
 from pipeline.config import missing_inputs
 from pipeline.runner.stages_run import Pipeline, StageConfig
 
@@ -61,7 +61,7 @@ def refuse_foreign(pipeline: Pipeline, all_configs: dict[str, list[StageConfig]]
         for c in configs:
             if not one_file:
                 outputs[c.output] = stage
-            elif c.output.exists() and not _meta_beside(c.output).is_file():
+            elif c.output.exists() and not file_meta_path(c.output).is_file():
                 files.append(c.output)  # a one-file output: its meta.json beside it
     found = sorted({*foreign_in_run(pipeline.layout, outputs), *files})
     if found:
@@ -71,10 +71,6 @@ def refuse_foreign(pipeline: Pipeline, all_configs: dict[str, list[StageConfig]]
             "this project did not write; nothing was written. Point run_dir at a new folder (or "
             "one an earlier `arslice run` made), or move those files out"
         )
-
-
-def _meta_beside(path: Path) -> Path:
-    return path.with_name(path.stem + ".meta.json")
 
 
 def conflicts(pipeline: Pipeline, chosen, all_configs: dict[str, list[StageConfig]]) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipeline.config import (
+    executor_option,
     glob_option,
     normalize_glob,
     on_bad_record_option,
@@ -98,13 +99,9 @@ class TokenizeConfig:
     shard_docs: int = field(default=10_000, metadata={"help": "most documents per shard"})
     shard_mb: float = field(default=1.0, metadata={"help": "most MB of text per shard"})
     overwrite: bool = field(default=False, metadata={"help": "redo a complete store"})
-    executor: str = field(
-        default="local",
-        metadata={
-            "help": "where shards are encoded: local processes, or a Ray cluster, one task per "
-            "shard (every node must see --out under the same path; the sources are read here)",
-            "choices": ["local", "ray"],
-        },
+    executor: str = executor_option(
+        "where shards are encoded: local processes, or a Ray cluster, one task per shard "
+        "(every node must see --out under the same path; the sources are read here)"
     )
     ray_address: str | None = ray_address_option()
     shard_by_file: bool = field(

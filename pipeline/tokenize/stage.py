@@ -8,9 +8,6 @@ from ar_slicing.errors import ArSliceError
 from ar_slicing.readers import check_sources, check_split_options, is_pretokenized
 from pipeline.config import Command, say
 from pipeline.tokenize.config import PARTS_FORMAT, PLAN_KEYS, TokenizeConfig
-from pipeline.tokenize.imports import import_store, import_tokenizer_info
-from pipeline.tokenize.shards import load_tokenizer_info, source_identity
-from pipeline.tokenize.text import encode_store
 from pipeline.wiring import STORES, TOKENIZER, Run, Table, Wiring, per_store
 
 
@@ -60,6 +57,9 @@ def tokenize_settings(cfg: TokenizeConfig) -> dict:
 
 def run_tokenize(cfg: TokenizeConfig) -> dict:
     from ar_slicing.plan import StagePlan, open_stage
+    from pipeline.tokenize.imports import import_store, import_tokenizer_info
+    from pipeline.tokenize.shards import load_tokenizer_info, source_identity
+    from pipeline.tokenize.text import encode_store
 
     t0 = time.time()
     validate_tokenize(cfg)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ar_slicing.io import build_meta
 from pipeline.config import Command, say
@@ -40,7 +41,6 @@ from pipeline.train.config import (  # noqa: F401  (re-exported)
     STATE_DIR,
     TrainConfig,
 )
-from pipeline.train.loop import Progress, TrainInputs, train_steps
 from pipeline.train.model import (  # noqa: F401  (re-exported)
     count_parameters,
     make_optimizer,
@@ -64,6 +64,9 @@ from pipeline.train.state import (  # noqa: F401  (re-exported)
     validate_train,
 )
 from pipeline.wiring import MODELS, STORES, Run, Table, Wiring, per_model
+
+if TYPE_CHECKING:
+    from pipeline.train.loop import TrainInputs
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +106,7 @@ def _train(stage, cfg: TrainConfig, device: str, dtype: str, t0: float) -> dict:
 
     from models.checkpoints.native import save_native
     from models.precision import autocast
+    from pipeline.train.loop import Progress, TrainInputs, train_steps
 
     out = stage.out
     inputs = TrainInputs.open(cfg)

@@ -7,10 +7,12 @@ import hashlib
 import logging
 import math
 from dataclasses import dataclass
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from pipeline.train.config import TrainConfig
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +36,14 @@ class BatchOrder:
         return max(0, (self.n_tokens - 1) // self.seq_len)
 
     def epoch_order(self, epoch: int) -> np.ndarray:
+        import numpy as np
+
         return np.random.default_rng([self.seed, epoch]).permutation(self.n_rows)
 
     def rows(self, step: int) -> np.ndarray:
         """Row indices of batch `step` (int64, length batch_size)."""
+        import numpy as np
+
         k = np.arange(step * self.batch_size, (step + 1) * self.batch_size, dtype=np.int64)
         epochs, within = np.divmod(k, self.n_rows)
         out = np.empty_like(k)
@@ -55,6 +61,8 @@ class BatchOrder:
 
     def batch(self, tokens: np.ndarray, step: int) -> np.ndarray:
         """(batch_size, seq_len + 1) int64 array of the rows of batch `step`."""
+        import numpy as np
+
         starts = self.rows(step) * self.seq_len
         return np.stack(
             [np.asarray(tokens[s : s + self.seq_len + 1], dtype=np.int64) for s in starts]
@@ -73,6 +81,8 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
 
 def validation_rows(n_tokens: int, seq_len: int, n_rows: int) -> np.ndarray:
     """Start indices of `n_rows` rows spread evenly over a held-out stream (fixed across runs)."""
+    import numpy as np
+
     available = max(0, (n_tokens - 1) // seq_len)
     if available == 0:
         return np.zeros(0, dtype=np.int64)

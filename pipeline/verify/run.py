@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 from ar_slicing.errors import ArSliceError
@@ -16,8 +17,6 @@ from ar_slicing.layout import (
 )
 from pipeline.config import Command, say
 from pipeline.verify.checks import Checks, VerifyConfig
-from pipeline.verify.stores import verify_counts, verify_store
-from pipeline.verify.tags import verify_losses, verify_tags
 
 
 def _complete_dirs(found: Folders, checks: Checks, what: str) -> list[Path]:
@@ -27,8 +26,25 @@ def _complete_dirs(found: Folders, checks: Checks, what: str) -> list[Path]:
     return found.complete
 
 
-def verify_run(cfg: VerifyConfig) -> dict:
+def _outputs(
+    found: Folders, heading: str, what: str, checks: Checks, fingerprints: dict
+) -> Iterator[tuple[Path, dict]]:
+    """Each complete folder of `found` with its meta.json, under `heading` (said when there is
+    one), its fingerprint recorded as `what FOLDER`; each incomplete one is a note."""
     from ar_slicing.io import read_json
+
+    folders = _complete_dirs(found, checks, what)
+    if folders:
+        say(heading)
+    for d in folders:
+        meta = read_json(meta_path(d))
+        fingerprints[f"{what} {d}"] = meta.get("fingerprint")
+        yield d, meta
+
+
+def verify_run(cfg: VerifyConfig) -> dict:
+    from pipeline.verify.stores import verify_counts, verify_store
+    from pipeline.verify.tags import verify_losses, verify_tags
 
     run = Path(cfg.run)
     require_dir(run, "run directory")
@@ -80,23 +96,13 @@ def verify_run(cfg: VerifyConfig) -> dict:
     elif tags_dir.exists():
         checks.note(f"{tags_dir}: incomplete (no meta.json), not checked")
 
-    model_dirs = _complete_dirs(layout.trained_models(), checks, "model")
-    if model_dirs:
-        say("models")
-    for d in model_dirs:
-        meta = read_json(meta_path(d))
-        fingerprints[f"model {d}"] = meta.get("fingerprint")
+    for d, _meta in _outputs(layout.trained_models(), "models", "model", checks, fingerprints):
         checks.check(
             (d / MODEL_WEIGHTS_NAME).is_file() and (d / MODEL_CONFIG_NAME).is_file(),
             f"{d}: {MODEL_CONFIG_NAME} and {MODEL_WEIGHTS_NAME} present",
         )
 
-    loss_dirs = _complete_dirs(layout.loss_folders(), checks, "losses")
-    if loss_dirs:
-        say("losses")
-    for d in loss_dirs:
-        meta = read_json(meta_path(d))
-        fingerprints[f"losses {d}"] = meta.get("fingerprint")
+    for d, meta in _outputs(layout.loss_folders(), "losses", "losses", checks, fingerprints):
         model_fp = meta.get("model_tokenizer_fingerprint")
         if model_fp and model_fp != meta.get("fingerprint"):
             what = f"{d}: the model's own tokenizer {model_fp[:12]}… is not the tags' one"

@@ -1,0 +1,1 @@
+"""Tests of `models`: the mixers, the backbone and every checkpoint format."""

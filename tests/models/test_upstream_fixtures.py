@@ -1,0 +1,89 @@
+"""Checkpoints made by Zoology's, safari's and transformers' own code (tests/fixtures/upstream,
+written by its make_fixtures.py) load through `models.load_model` and give, token by token, the
+losses their code gave."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from models import load_model
+from models.nll import per_token_nll
+from tests import UPSTREAM
+
+CASES = sorted(p.parent.name for p in UPSTREAM.glob("*/expected.json"))
+TOLERANCE = 1e-4  # nats per token, fp32
+
+
+# tiny tensors: one intra-op thread avoids OpenMP stalls on a busy machine
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def expected(case: str) -> dict:
+    return json.loads((UPSTREAM / case / "expected.json").read_text())
+
+
+def load_case(case: str, **kwargs):
+    data = expected(case)
+    prefix, target = data["spec"].split(":", 1)
+    config = data.get("model_config")
+    return load_model(
+        f"{prefix}:{UPSTREAM / case / target}",
+        model_config=None if config is None else UPSTREAM / case / config,
+        **kwargs,
+    )
+
+
+def max_nll_error(loaded, windows) -> float:
+    worst = 0.0
+    for window in windows:
+        inputs = torch.tensor([window["inputs"]])
+        targets = torch.tensor([window["targets"]])
+        got = per_token_nll(loaded, inputs, targets)[0]
+        worst = max(worst, (got - torch.tensor(window["nll"])).abs().max().item())
+    return worst
+
+
+def test_every_family_and_layout_has_a_fixture():
+    assert len(CASES) >= 15
+    for prefix in ("zoology-", "safari-", "hf-"):
+        assert any(c.startswith(prefix) for c in CASES)
+    total = sum(f.stat().st_size for f in UPSTREAM.rglob("*") if f.is_file())
+    assert total < 3 * 2**20
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_losses_equal_the_upstream_codes(case):
+    data = expected(case)
+    loaded = load_case(case)
+    windows = data["windows"]
+    assert len(windows[1]["inputs"]) < len(windows[0]["inputs"])  # a window shorter than l_max
+    assert max_nll_error(loaded, windows) <= TOLERANCE
+    for key, value in data.get("settings", {}).items():
+        assert loaded.settings[key] == value
+
+
+def with_config_changed(loaded, **change):
+    """The same weights in a model whose config differs by `change`."""
+    import dataclasses
+
+    from models.backbone import LanguageModel
+    from models.checkpoints.registry import wrap_language_model
+
+    model = LanguageModel(dataclasses.replace(loaded.model.config, **change)).eval()
+    model.load_state_dict(loaded.model.state_dict())
+    return wrap_language_model(model, loaded.spec, None)
+
+
+def test_the_fixtures_tell_a_wrong_model_apart():
+    """The choices the loaders make matter at these magnitudes: the same weights with the
+    upstream-contrary choice miss the recorded losses by far more than the tolerance."""
+    eps = load_case("zoology-eps")
+    wrong = with_config_changed(eps, block_norm_epsilon=None)  # 1e-3 in every norm
+    assert max_nll_error(wrong, expected("zoology-eps")["windows"]) > 1e-2
+    safari = load_case("safari-eval-yaml")
+    kwargs = {**safari.model.config.sequence_mixer_kwargs, "modulate": True}
+    wrong = with_config_changed(safari, sequence_mixer_kwargs=kwargs)
+    assert max_nll_error(wrong, expected("safari-eval-yaml")["windows"]) > 1.0

@@ -1,0 +1,1 @@
+"""Tests of `queries`: every question of queries/*.sql on runs built by hand."""
