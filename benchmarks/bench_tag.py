@@ -211,7 +211,8 @@ def copy_length_cost(
     first per batch so that both see the same load. The span counts here are the rows' numbers
     (their values change nothing of the work). Also timed, on their own: the stage's pass that
     finds the long copies and gathers their n-grams (`long_spans` and `NgramTable.add`, once per
-    run, before the n-grams are counted in training)."""
+    run, before the n-grams are counted in training). Times are this thread's CPU time, so that
+    other processes on a shared machine count as little as they can."""
     from ar_slicing.counts import BigramCounts
     from ar_slicing.counts.ngrams import NgramTable
     from ar_slicing.store import TokenStore
@@ -238,14 +239,14 @@ def copy_length_cost(
     collect_s = 0.0
     span_counts = []
     for w, stream in batches:
-        t = time.perf_counter()
+        t = time.thread_time()
         ends, orders = long_spans(stream, w, window, **args, span_order=span_order, out=buffers)
         span_counts.append(table.add(stream, ends, orders))
-        collect_s += time.perf_counter() - t
+        collect_s += time.thread_time() - t
 
     def run(k, copies):
         w, stream = batches[k]
-        t = time.perf_counter()
+        t = time.thread_time()
         tag_windows(
             stream,
             w,
@@ -258,7 +259,7 @@ def copy_length_cost(
             span_order=span_order if copies else 1,
             span_counts=span_counts[k] if copies else None,
         )
-        return time.perf_counter() - t
+        return time.thread_time() - t
 
     run(0, True), run(0, False)  # compiled code loaded, caches warm
     seconds = {True: 0.0, False: 0.0}

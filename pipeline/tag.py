@@ -169,7 +169,8 @@ def span_grams_of_part(task: PartTask) -> tuple[np.ndarray, list[np.ndarray]]:
 
     store = _opened("store", task.tokens)
     docs = _opened("docs", task.tokens)
-    table = NgramTable.empty(task.span_order, 1 << 16)
+    # room for an n-gram per four targets from the start (growing the table costs more)
+    table = NgramTable.empty(task.span_order, max(1 << 16, task.n_windows * task.window // 4))
     rows = []
     for w, stream in _batches(task):
         ends, orders = long_spans(

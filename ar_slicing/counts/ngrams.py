@@ -79,7 +79,8 @@ def insert_kernel(slots, grams, orders, K, bits, tokens, ends, lengths, lowest, 
     table yet, and set rows[k] to the row of the one of order lengths[k], from end k on.
     Returns (rows now, ends done): it stops early at an end whose n-grams might not fit (the
     table holds at most half as many rows as slots). The table is suffix-closed, so a top
-    n-gram already held needs nothing more; its home slot is asked for PREFETCH ends ahead."""
+    n-gram already held needs nothing more. The home slots of every order of the end PREFETCH
+    ahead are asked for (most ends bring new n-grams, each probed before it is added)."""
     mask = (np.int64(1) << bits) - 1
     shift = np.uint64(64 - bits)
     top = np.empty(ends.size, np.uint64)
@@ -88,8 +89,11 @@ def insert_kernel(slots, grams, orders, K, bits, tokens, ends, lengths, lowest, 
     while k < ends.size:
         a = k + PREFETCH
         if a < ends.size:
-            top[a] = _top_hash(tokens, ends[a], lengths[a])
-            prefetch(slots, np.int64(top[a] >> shift))
+            h = gram_hash(gram_hash(np.uint64(0), tokens[ends[a]]), tokens[ends[a] - 1])
+            for n in range(3, lengths[a] + 1):
+                h = gram_hash(h, tokens[ends[a] - n + 1])
+                prefetch(slots, np.int64(h >> shift))
+            top[a] = h
         t = ends[k]
         rows[k] = _find(slots, grams, orders, K, bits, top[k], tokens, t, lengths[k])
         if rows[k] < 0:
@@ -108,8 +112,8 @@ def insert_kernel(slots, grams, orders, K, bits, tokens, ends, lengths, lowest, 
                         s = (s + 1) & mask
                     slots[s] = _slot_tag(h) | np.uint64(n_rows + 1)
                     orders[n_rows] = n
-                    for q in range(n):
-                        grams[n_rows, K - q] = tokens[t - q]
+                    for q in range(K + 1):
+                        grams[n_rows, K - q] = tokens[t - q] if q < n else -1
                     r = n_rows
                     n_rows += 1
                 rows[k] = r
@@ -118,13 +122,22 @@ def insert_kernel(slots, grams, orders, K, bits, tokens, ends, lengths, lowest, 
 
 
 def rehash_kernel(slots, grams, orders, K, bits, n_rows):
-    """Put rows 0..n_rows-1 in the (empty) slots of a table that grew."""
+    """Put rows 0..n_rows-1 in the (empty) slots of a table that grew, the slot of the row
+    PREFETCH ahead asked for early."""
     mask = (np.int64(1) << bits) - 1
     shift = np.uint64(64 - bits)
-    for r in range(n_rows):
-        h = gram_hash(np.uint64(0), grams[r, K])
-        for q in range(1, orders[r]):
-            h = gram_hash(h, grams[r, K - q])
+    ahead = np.empty(PREFETCH, np.uint64)  # the hash of row r, at r % PREFETCH
+    for r in range(-PREFETCH, n_rows):
+        h = ahead[r % PREFETCH]
+        a = r + PREFETCH
+        if a < n_rows:
+            g = gram_hash(np.uint64(0), grams[a, K])
+            for q in range(1, orders[a]):
+                g = gram_hash(g, grams[a, K - q])
+            prefetch(slots, np.int64(g >> shift))
+            ahead[a % PREFETCH] = g
+        if r < 0:
+            continue
         s = np.int64(h >> shift)
         while slots[s] != 0:
             s = (s + 1) & mask
@@ -285,8 +298,9 @@ class NgramTable:
             bits += 1
         return cls(
             span_order=span_order,
-            grams=np.full((max(capacity, 1), span_order + 1), -1, np.int32),
-            orders=np.zeros(max(capacity, 1), np.int8),
+            # rows are written whole as they are added: memory is touched only as it fills
+            grams=np.empty((max(capacity, 1), span_order + 1), np.int32),
+            orders=np.empty(max(capacity, 1), np.int8),
             slots=np.zeros(1 << bits, np.uint64),
             bits=bits,
         )
