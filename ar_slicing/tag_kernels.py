@@ -15,9 +15,10 @@ are the earlier occurrences of its bigram, most recent first. match_len(i) <= ma
 target's match extended by one token is already the longest, one comparison; only where that
 fails does the chain get walked, extending each candidate backwards token by token (capped at
 match_len(i-1) + 1, stopping at the first candidate that reaches it or once the candidates lie too
-close to the window start to beat the best so far). Each bigram's slot also keeps a 64-bit mask
-of the tokens that came just before its occurrences (by their low 6 bits): when the target's own
-preceding token is not in it, no candidate extends to two bigrams and there is no walk at all.
+close to the window start to beat the best so far). Each bigram's slot also keeps a 32-bit mask
+of the tokens that came just before its occurrences (by their low 5 bits), beside its most
+recent target: when the target's own preceding token is not in it, no candidate extends to two
+bigrams and there is no walk at all.
 
 Span counts are not looked up while tagging. With `long_spans_only` the same pass, its copy
 lengths capped at the span order K, writes no columns and looks up no counts: it lists the
@@ -43,6 +44,8 @@ from ar_slicing.jit import lazily_compiled
 from ar_slicing.windows import first_target
 
 _FIB64 = 0x9E3779B97F4A7C15
+_LOW32 = np.uint64(0xFFFFFFFF)
+_ZERO = np.uint64(0)
 
 # Target k of a batch (0-based) is the bigram tokens[k], tokens[k+1], stream index
 # first_target(first_window, L) + k; `n` targets in windows of `L`.
@@ -98,8 +101,10 @@ def tag_batch_kernel(batch, docs, rules, tables, columns, scratch):
     mask = (1 << bits) - 1
     shift = np.uint64(64 - bits)
     lkey = np.zeros(1 << bits, np.uint64)  # bigram key + 1; 0 = empty
-    lidx = np.zeros(1 << bits, np.int32)  # its most recent target, as an index in the window
-    lmask = np.zeros(1 << bits, np.uint64)  # the tokens before its targets, by their low 6 bits
+    # its most recent target (an index in the window) in the low 32 bits, and above them the
+    # mask of the tokens that came before its targets (by their low 5 bits): the mask costs no
+    # load or store of its own
+    lidx = np.zeros(1 << bits, np.uint64)
     touched = np.empty(span, np.int64)
     drow = np.empty(span, np.int64)
     first = first_target(first_window, L)
@@ -141,15 +146,16 @@ def tag_batch_kernel(batch, docs, rules, tables, columns, scratch):
                     break
                 h = (h + 1) & mask
             found = v == key
-            earlier = lidx[h] if found else -1
+            entry = lidx[h] if found else np.uint64(0)
+            earlier = np.int64(entry & _LOW32) if found else -1
             pp = 0
             # the most recent earlier target: in the same document unless one started since
             if found and (not reset or drow[earlier] == d):
                 pp = earlier + 1
             if copy_lengths:
-                bit = np.uint64(1) << np.uint64(tokens[k - 1] & 63) if j > 0 else np.uint64(0)
-                seen = found and (lmask[h] & bit) != 0
-                lmask[h] = lmask[h] | bit if found else bit
+                bit = np.uint64(1) << np.uint64(32 + (tokens[k - 1] & 31)) if j > 0 else _ZERO
+                seen = (entry & bit) != 0
+                entry |= bit
                 chain[j] = earlier
                 if pp == 0:
                     run_m = 0
@@ -168,7 +174,7 @@ def tag_batch_kernel(batch, docs, rules, tables, columns, scratch):
                 lkey[h] = key
                 touched[n_touched] = h
                 n_touched += 1
-            lidx[h] = j
+            lidx[h] = (entry & ~_LOW32) | np.uint64(j)
             if listing:
                 if run_m >= 2:
                     ends[used] = k + 1
