@@ -7,8 +7,9 @@ of orders 3..min(m, K)+1 ending at it. That set is suffix-closed (with an n-gram
 shorter one ending at the same token, down to order 3), so a training position is looked up
 order by order and the walk stops at the first n-gram it does not hold; a bit array of the
 trigrams' hashes, small enough to stay in cache, turns away nearly every position whose trigram
-is not held before the table is probed. Memory is bounded by the evaluated text (a few dozen bytes per distinct n-gram), never by
-the training set, which is streamed in groups of consecutive tokens.
+is not held before the table is probed. Memory is bounded by the evaluated text (a few dozen
+bytes per distinct n-gram), never by the training set, which is streamed in groups of
+consecutive tokens.
 
 `NgramTable` holds the n-grams: `grams` (one row of K+1 token ids per n-gram, right-aligned,
 -1 before the first token), `orders`, and an open-addressing hash table (linear probing, load at
@@ -258,7 +259,8 @@ compiled = lazily_compiled(_jit_all)
 
 def warm() -> None:
     """Compile (or load from numba's cache) the kernels a tag run calls, in this process: the
-    public methods on a tiny table, with the types a run gives them."""
+    public methods on a tiny table, with the types a run gives them (`rows_of`, which a run
+    does not call, is left to be compiled where it is used)."""
     if compiled() is None:
         return
     tokens = read_only(np.arange(8, dtype=np.uint16))
@@ -267,7 +269,6 @@ def warm() -> None:
     table.add(tokens, ends, lengths)
     table.add_rows(table.grams[: table.n_rows])
     table._reserve(2 * len(table.orders))
-    table.rows_of(tokens, ends, lengths)
     table.count_stream(tokens, 0, 0, None)
 
 
