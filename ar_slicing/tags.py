@@ -449,9 +449,10 @@ def _checked_tokens(stream: np.ndarray, vocab_size: int, first_window: int) -> n
             f"token id {bad} in the windows from {first_window} is outside the vocabulary of "
             f"{vocab_size}; the store's tokens.bin does not match its meta.json"
         )
-    if vocab_size <= 1 << 16 and tokens.dtype != np.uint16:
-        tokens = tokens.astype(np.uint16)  # radix sorting needs 16-bit ids
-    return tokens
+    # the store's own dtypes: radix sorting needs 16-bit ids, and the compiled kernels are
+    # compiled for these two only
+    dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
+    return tokens if tokens.dtype == dtype else tokens.astype(dtype)
 
 
 def _bigram_order(prev: np.ndarray, token: np.ndarray, vocab_size: int) -> np.ndarray:

@@ -341,10 +341,12 @@ class NgramTable:
             self.n_rows = b
             return self.rows_of(rows.ravel(), np.arange(K, rows.size, K + 1), orders)
         where = np.empty(len(rows), np.int64)
+        # the ids as a token store holds them (the kernels are compiled for those dtypes)
+        dtype = np.uint16 if rows.max(initial=0) < 1 << 16 else np.uint32
         for n in range(3, K + 2):
             # the rows of order n as one token sequence, each row's n tokens in turn
             at = np.flatnonzero(orders == n)
-            seq = np.ascontiguousarray(rows[at, K + 1 - n :]).ravel()
+            seq = rows[at, K + 1 - n :].astype(dtype).ravel()
             ends = np.arange(n - 1, seq.size, n, dtype=np.int64)
             where[at] = self._insert(kernels, seq, ends, np.full(ends.size, n, np.int64), n)
         return where
