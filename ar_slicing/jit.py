@@ -7,6 +7,8 @@ import os
 import threading
 from collections.abc import Callable
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 
@@ -34,3 +36,11 @@ def lazily_compiled(jit_all: Callable[[Callable], dict]) -> Callable[[], dict | 
 
     compiled.__doc__ = jit_all.__doc__
     return compiled
+
+
+def read_only(array) -> np.ndarray:
+    """A read-only view of `array`: kernels are given their inputs so, and compiled once for
+    them whatever the caller's flags (a memory-mapped store is read-only, a test's array is not)."""
+    view = np.asarray(array).view()
+    view.flags.writeable = False
+    return view

@@ -32,10 +32,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ar_slicing.errors import BadInput
+from ar_slicing.jit import read_only
+from ar_slicing.windows import first_target
 
 if TYPE_CHECKING:
     from ar_slicing.counts.lookup import BigramCounts
-    from ar_slicing.counts.ngrams import NgramTable
 
 # (prev, next) -> training count, int64, 0 for pairs never seen (BigramCounts.lookup).
 Lookup = Callable[[np.ndarray, np.ndarray], np.ndarray]
@@ -54,8 +55,8 @@ TAG_COLUMNS = (
     "match_len",
     "span_train_count",
 )
-# the columns the compiled kernel writes, in its argument order
-_KERNEL_COLUMNS = ("train_count", "prev_pos", "is_repeat", "is_ar_hit", "subset")
+# the columns the compiled kernel writes after `window_id`, `doc_id` and the ids (its `Columns`)
+_KERNEL_COLUMNS = TAG_COLUMNS[5:]
 
 
 def tags_schema():
@@ -141,24 +142,25 @@ def tag_windows(
     vocab_size: int,
     reset_at_doc_boundary: bool = False,
     span_order: int = 1,
-    spans: NgramTable | None = None,
+    span_counts: np.ndarray | None = None,
     out: dict[str, np.ndarray] | None = None,
     copy_lengths: bool = True,
 ) -> dict[str, np.ndarray]:
     """Tag every target of consecutive windows starting at `first_window`.
 
     `stream` is `S[first_window*L : e]`: the windows' tokens including the last window's final
-    target (`e = min((last_window+1)*L + 1, n_tokens)`), so it holds `len(stream) - 1` targets and
-    only its last window may be partial. `lookup` is a `BigramCounts` or any function
+    target (`ar_slicing.windows.stream_range`), so it holds `len(stream) - 1` targets and only
+    its last window may be partial. `lookup` is a `BigramCounts` or any function
     `(prev, next) -> counts`. Returns numpy columns named as in `TAG_COLUMNS`, with `prev_pos` 0
     where there is no earlier occurrence and `subset` as codes into `docs.subset_names`
     (-1 = none). `out` (from `column_buffers`) is where the compiled path writes them: a caller
     tagging batch after batch reuses memory instead of having fresh pages mapped for each one.
     `match_len` is each target's copy length and `span_train_count` the training count of its
     `(min(match_len, span_order) + 1)`-gram (0 for a non-repeat, whose column is null): order 2
-    is the bigram's `train_count`, orders 3 and up come from `spans` (`ar_slicing.counts.ngrams`),
-    which must hold them when `span_order >= 2`. `copy_lengths=False` leaves `match_len` and the
-    span counts out of the compiled pass (the benchmark's baseline; the columns are then zeros).
+    is the bigram's `train_count`; the counts of orders 3 and up, one per long copy of the batch
+    in target order (those `long_spans` lists), are `span_counts`, which must hold exactly them
+    when `span_order >= 2`. `copy_lengths=False` leaves `match_len` and the span counts out of
+    the compiled pass (the benchmark's baseline; the columns are then zeros).
 
     Example (docs/design.md), `L = 8`, stream `5 6 7 8 5 6 9 5 6`: targets at pos 1..8 are
     `6 7 8 5 6 9 5 6`; pos 5 and 8 repeat bigram (5, 6) with prev_pos 1 and 5; with a training
@@ -166,21 +168,22 @@ def tag_windows(
     match_len 1 at pos 5, 2 at pos 6 (`1 2 3` occurred at stream indices 0..2), 0 elsewhere.
     """
     from ar_slicing.counts.lookup import BigramCounts
-    from ar_slicing.tag_kernels import compiled
+    from ar_slicing.tag_kernels import Rules, Tables, compiled
 
     L = int(window)
-    n = len(stream) - 1  # targets; target k (0-based) is stream index first_window*L + 1 + k
+    n = len(stream) - 1  # targets; target k (0-based) is stream index first_target + k
     if n <= 0:
         return _empty_columns()
     tokens = _checked_tokens(stream, vocab_size, first_window)
     kernels = compiled()
     table = lookup.region_table if isinstance(lookup, BigramCounts) else None
     lookup_fn = lookup.lookup if isinstance(lookup, BigramCounts) else lookup
+    span_counts = np.zeros(0, np.int64) if span_counts is None else span_counts
     if kernels is None:
         columns = _tag_windows_numpy(
             tokens, first_window, L, docs, lookup_fn, threshold, vocab_size, reset_at_doc_boundary
         )
-        columns["span_train_count"] = span_train_counts(columns, tokens, span_order, spans)
+        columns["span_train_count"] = span_train_counts(columns, span_order, span_counts)
         return columns
     use_table = table is not None and tokens.dtype == np.uint16
     starts, slots = (
@@ -196,30 +199,20 @@ def tag_windows(
     columns = {name: out[name][:n] for name in TAG_COLUMNS if name not in ("token", "prev")}
     if not copy_lengths:
         columns["match_len"][:] = 0
+        columns["span_train_count"][:] = 0
     # the batch's ids as int32 once: `prev` and `token` are the same memory, one apart
     columns["prev"], columns["token"] = out["ids"][:n], out["ids"][1 : n + 1]
     head_of = out["head_of"][:n] if not use_table else out["head_of"][:1]
-    d0 = int(np.searchsorted(docs.offsets, first_window * L + 1, side="right")) - 1
-    kernels["tag_batch"](
-        *map(_read_only, (tokens, docs.offsets, docs.doc_ids, docs.subset_code)),
-        n,
-        L,
-        first_window,
+    rules = Rules(
         max(int(vocab_size), 1),
-        d0,
         bool(reset_at_doc_boundary),
         int(threshold),
-        use_table,
-        *map(_read_only, (starts, slots)),
-        columns["window_id"],
-        columns["doc_id"],
-        out["ids"][: n + 1],
-        *(columns[name] for name in _KERNEL_COLUMNS),
-        head_of,
         bool(copy_lengths),
-        out["chain"],
-        columns["match_len"],
+        int(span_order),
+        False,
     )
+    tables = Tables(use_table, read_only(starts), read_only(slots), read_only(span_counts))
+    used = _tag_batch(kernels, tokens, first_window, L, docs, rules, tables, out, n, head_of)
     if not use_table:
         # counts of each window's first occurrences, spread to the later ones
         heads = head_of == np.arange(n)
@@ -227,40 +220,96 @@ def tag_windows(
         count[heads] = lookup_fn(columns["prev"][heads], columns["token"][heads])
         count[:] = count[head_of]
         columns["is_ar_hit"] = columns["is_repeat"] & (count <= threshold)
-    if copy_lengths:
-        columns["span_train_count"] = span_train_counts(
-            columns, tokens, span_order, spans, out=columns["span_train_count"]
-        )
-    else:
-        columns["span_train_count"][:] = 0
+        if copy_lengths:
+            bigram_spans = (columns["match_len"] > 0) & (
+                (columns["match_len"] < 2) | (span_order < 2)
+            )
+            np.copyto(columns["span_train_count"], count, where=bigram_spans)
+    if copy_lengths and span_order >= 2 and used != len(span_counts):
+        raise RuntimeError(f"{len(span_counts)} span counts for {used} long copies")
     return columns
 
 
-def span_train_counts(columns, tokens, span_order: int, spans, out=None) -> np.ndarray:
-    """Training count of each target's `(min(match_len, K) + 1)`-gram (0 for non-repeats).
+def _tag_batch(kernels, tokens, first_window, L, docs, rules, tables, out, n, head_of, spans=()):
+    """The compiled tag kernel over a batch of n targets, writing into the buffers `out`
+    (`spans`: where the long copies are listed)."""
+    from ar_slicing.tag_kernels import Batch, BatchDocs, Columns, Scratch
 
-    Target k's n-gram ends at tokens[k + 1]. Order 2 is the bigram's `train_count`; orders 3..K+1
-    come from `spans`, an `NgramTable` that must hold every one of them (the tag stage builds it
-    from the same windows, so a missing n-gram is a bug, not bad input).
+    first_row = int(np.searchsorted(docs.offsets, first_target(first_window, L), side="right")) - 1
+    docs = (docs.offsets, docs.doc_ids, docs.subset_code)
+    columns = [out[name][:n] for name in ("window_id", "doc_id", *_KERNEL_COLUMNS)]
+    columns.insert(2, out["ids"][: n + 1])
+    return kernels["tag_batch"](
+        Batch(read_only(tokens), n, L, first_window),
+        BatchDocs(*map(read_only, docs), first_row),
+        rules,
+        tables,
+        Columns(*columns),
+        Scratch(head_of, out["chain"], *(spans or (np.zeros(0, np.int64), np.zeros(0, np.int32)))),
+    )
+
+
+def long_spans(
+    stream: np.ndarray,
+    first_window: int,
+    window: int,
+    *,
+    docs: DocTable,
+    vocab_size: int,
+    span_order: int,
+    reset_at_doc_boundary: bool = False,
+    out: dict[str, np.ndarray] | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The long copies of a batch (`stream` as for `tag_windows`): the targets whose
+    `min(match_len, span_order)` is 2 or more, in order, as `(ends, orders)`: the index in
+    `stream` where each one's span n-gram ends (k + 1 for target k) and that n-gram's order,
+    `min(match_len, span_order) + 1`. `tag_windows` needs their training counts in this order.
     """
+    from ar_slicing.tag_kernels import Rules, Tables, compiled
+
+    L = int(window)
+    n = len(stream) - 1
+    if n <= 0 or span_order < 2:
+        return np.zeros(0, np.int64), np.zeros(0, np.int32)
+    tokens = _checked_tokens(stream, vocab_size, first_window)
+    kernels = compiled()
+    if kernels is None:
+        origin = None
+        if reset_at_doc_boundary:
+            doc_rows = docs.rows_of_range(first_target(first_window, L), n)
+            origin = docs.offsets[doc_rows] - first_target(first_window, L)
+        match_len = copy_lengths_numpy(tokens, L, origin)
+        ends = np.flatnonzero(match_len >= 2) + 1
+        return ends, np.minimum(match_len[ends - 1], span_order).astype(np.int32) + 1
+    if out is None or len(out["chain"]) < min(n, L):
+        out = column_buffers(min(n, L))
+    ends, orders = np.empty(n, np.int64), np.empty(n, np.int32)  # pages only where written
+    rules = Rules(
+        max(int(vocab_size), 1), bool(reset_at_doc_boundary), 0, True, int(span_order), True
+    )
+    none = (np.zeros(2, np.int64), np.zeros(1, np.uint64), np.zeros(0, np.int64))
+    tables = Tables(False, *map(read_only, none))
+    # no column is written: buffers shorter than the batch will do
+    spans = (ends, orders)
+    n_long = _tag_batch(
+        kernels, tokens, first_window, L, docs, rules, tables, out, n, out["head_of"][:1], spans
+    )
+    return ends[:n_long], orders[:n_long]
+
+
+def span_train_counts(columns, span_order: int, span_counts: np.ndarray) -> np.ndarray:
+    """Training count of each target's `(min(match_len, K) + 1)`-gram (0 for non-repeats):
+    order 2 is the bigram's `train_count`, orders 3..K+1 are `span_counts`, one per target with
+    `min(match_len, K) >= 2`, in order (the numpy path of `tag_windows`)."""
     match_len = columns["match_len"]
-    if span_order < 2 or spans is None:
-        if span_order >= 2 and match_len.max(initial=0) >= 2:
-            raise ValueError(f"span order {span_order}: n-gram counts of order 3 and up needed")
-        out = np.empty(len(match_len), np.int64) if out is None else out
-        return np.multiply(columns["train_count"], match_len > 0, out=out)
-    out = spans.span_counts(tokens, match_len, columns["train_count"], out=out)
-    if out.min(initial=0) < 0:
-        raise RuntimeError("n-gram counts lack a span the tagger needs")
+    out = np.multiply(columns["train_count"], match_len > 0)
+    if span_order < 2:
+        return out
+    long = np.flatnonzero(match_len >= 2)
+    if len(long) != len(span_counts):
+        raise RuntimeError(f"{len(span_counts)} span counts for {len(long)} long copies")
+    out[long] = span_counts
     return out
-
-
-def _read_only(array: np.ndarray) -> np.ndarray:
-    """A read-only view: the kernel is compiled once for its inputs whatever their flags (a
-    memory-mapped store is read-only, a test's array is not)."""
-    view = np.asarray(array).view()
-    view.flags.writeable = False
-    return view
 
 
 def column_buffers(n: int) -> dict[str, np.ndarray]:
@@ -298,7 +347,7 @@ def _tag_windows_numpy(
     same = (sorted_prev[1:] == sorted_prev[:-1]) & (sorted_token[1:] == sorted_token[:-1])
     earlier, later = order[:-1], order[1:]
     in_context = same & (earlier // L == later // L)
-    doc_rows = docs.rows_of_range(first_window * L + 1, n)
+    doc_rows = docs.rows_of_range(first_target(first_window, L), n)
     if reset_at_doc_boundary:
         in_context &= doc_rows[earlier] == doc_rows[later]
     prev_pos = np.zeros(n, dtype=np.int32)
@@ -316,7 +365,9 @@ def _tag_windows_numpy(
     del order, sorted_prev, sorted_token, run_head
 
     is_repeat = prev_pos > 0
-    origin = docs.offsets[doc_rows] - first_window * L - 1 if reset_at_doc_boundary else None
+    origin = (
+        docs.offsets[doc_rows] - first_target(first_window, L) if reset_at_doc_boundary else None
+    )
     match_len = copy_lengths_numpy(tokens, L, origin)
     if np.any((match_len > 0) != is_repeat):
         raise RuntimeError("copy lengths and repeats disagree")
@@ -398,9 +449,10 @@ def _checked_tokens(stream: np.ndarray, vocab_size: int, first_window: int) -> n
             f"token id {bad} in the windows from {first_window} is outside the vocabulary of "
             f"{vocab_size}; the store's tokens.bin does not match its meta.json"
         )
-    if vocab_size <= 1 << 16 and tokens.dtype != np.uint16:
-        tokens = tokens.astype(np.uint16)  # radix sorting needs 16-bit ids
-    return tokens
+    # the store's own dtypes: radix sorting needs 16-bit ids, and the compiled kernels are
+    # compiled for these two only
+    dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
+    return tokens if tokens.dtype == dtype else tokens.astype(dtype)
 
 
 def _bigram_order(prev: np.ndarray, token: np.ndarray, vocab_size: int) -> np.ndarray:

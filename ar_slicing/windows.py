@@ -26,6 +26,28 @@ def n_windows(n_tokens: int, window: int) -> int:
     return -(-(n_tokens - 1) // window) if n_tokens >= 2 else 0
 
 
+def first_target(w, L):
+    """Stream index of window `w`'s first target (`w*L + 1`; its context starts one token
+    earlier). Plain arithmetic: it takes numpy arrays, and compiled kernels call it too."""
+    return w * L + 1
+
+
+def stream_range(first_window: int, end_window: int, L: int, n_tokens: int) -> tuple[int, int]:
+    """(start, stop): the stream slice `S[start:stop]` that windows `first_window ..
+    end_window - 1` read and predict, from the first one's first context token (`w*L`) to the
+    last one's final target (the last window of the stream may be partial, so `stop` is at most
+    `n_tokens`). With `L = 4` and a 10-token stream (the window table's example below), windows
+    0..2 read and predict `S[0:10]`, window 1 alone `S[4:9]`."""
+    return first_target(first_window, L) - 1, min(first_target(end_window, L), n_tokens)
+
+
+def window_bounds(window_id: np.ndarray, L: int, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """`start` (`w*L`) and `n_targets` (`min(L, n_tokens - 1 - w*L)`) of the windows `window_id`
+    (int64) of a stream of `n_tokens` tokens: the rows of its window table."""
+    first = first_target(window_id, L)
+    return first - 1, np.minimum(L, n_tokens - first)
+
+
 def window_table(n_tokens: int, window: int) -> dict[str, np.ndarray]:
     """The window table of a stream: `window_id`, `start` (stream index of the window's first
     context token, `w*L`) and `n_targets` (`min(L, n_tokens - 1 - w*L)`).
@@ -43,8 +65,7 @@ def window_table(n_tokens: int, window: int) -> dict[str, np.ndarray]:
     """
     count = n_windows(n_tokens, window)
     window_id = np.arange(count, dtype=np.int64)
-    start = window_id * window
-    n_targets = np.minimum(window, n_tokens - 1 - start)
+    start, n_targets = window_bounds(window_id, window, n_tokens)
     if count > np.iinfo(np.int32).max:
         raise ArSliceError(f"{count} windows do not fit window_id int32; use a longer --window")
     return {

@@ -14,8 +14,11 @@ Stages, each in its own process, as the pipeline runs them:
                     memory-flatness check)
   restricted count  `count_stores --only-bigrams-of` the validation store
   tag               `run_tag` of the validation store with the restricted counts (span order 4:
-                    its first pass collects the span n-grams, which are counted over the 2 B
-                    training tokens, then the parts are written; each part timed on its own)
+                    its first pass finds the long copies and gathers their span n-grams, which
+                    are counted over the 2 B training tokens, then the parts are written)
+  tag, bigrams only the same with span order 1 (no span n-grams: the stage without span counts)
+  span n-gram count the tag stage's first pass and its count of the span n-grams in training
+                    alone, for their time and memory beside the restricted bigram count's
   tag kernel        the tag kernel alone on one core, with and without copy lengths, batch by
                     batch in turn (`bench_tag.copy_length_cost`): their throughput ratio
 Each prints wall time, tokens/s, peak memory (the proportional set size of the stage's process
@@ -233,16 +236,17 @@ def run_stage(stage: str, root: Path, workers: int) -> dict:
             for k in ("distinct_bigrams", "evaluated_bigrams", "evaluated_bigrams_unseen")
         }
         return {"seconds": time.perf_counter() - t0, "tokens": tokens, **extra}
-    elif stage == "tag":
+    elif stage in ("tag", "tag-bigrams"):
         from pipeline.tag import TagConfig, run_tag
 
         meta = run_tag(
             TagConfig(
                 tokens=str(root / "val"),
                 counts=str(root / "count-only"),
-                out=str(root / "tags"),
+                out=str(stage_out(root, stage)),
                 window=WINDOW,
                 workers=workers,
+                span_order=4 if stage == "tag" else 1,
             )
         )
         tokens = meta["counts"]["tokens"]
@@ -254,9 +258,12 @@ def run_stage(stage: str, root: Path, workers: int) -> dict:
             "ar_hits": c["ar_hits"] / tokens,
             "tagging_tokens_per_s": meta["throughput"]["tokens_per_s"],
             "span_counts": meta["span_counts"],
-            "span_collect_s": meta["throughput"]["span_collect_s"],
-            "span_count_s": meta["throughput"]["span_count_s"],
+            "span_collect_s": meta["throughput"].get("span_collect_s", 0.0),
+            "span_count_s": meta["throughput"].get("span_count_s", 0.0),
         }
+    elif stage == "span-count":
+        result = span_count_only(root, workers)
+        return {"seconds": time.perf_counter() - t0, **result}
     elif stage == "tag-kernel":
         from bench_tag import copy_length_cost
 
@@ -265,6 +272,43 @@ def run_stage(stage: str, root: Path, workers: int) -> dict:
     else:
         raise SystemExit(f"unknown stage {stage}")
     return {"seconds": time.perf_counter() - t0, "tokens": tokens}
+
+
+def stage_out(root: Path, stage: str) -> Path:
+    """Where a stage writes (the disk it takes is measured there)."""
+    return root / ("tags" if stage == "tag" else stage)
+
+
+def span_count_only(root: Path, workers: int) -> dict:
+    """The tag stage's span n-gram steps alone, as `run_tag` takes them: find the long copies of
+    every part and gather their n-grams, then count those over the training stores."""
+    from ar_slicing.io import read_json
+    from ar_slicing.store import TokenStore
+    from ar_slicing.tag_kernels import warm
+    from ar_slicing.windows import n_windows
+    from pipeline.tag import (
+        TagConfig,
+        _count_span_ngrams,
+        _opened,
+        part_tasks,
+        span_training_stores,
+    )
+
+    cfg = TagConfig(
+        tokens=str(root / "val"),
+        counts=str(root / "count-only"),
+        out=str(stage_out(root, "span-count")),
+        window=WINDOW,
+        workers=workers,
+    )
+    store = TokenStore.open(cfg.tokens)
+    _opened("docs", cfg.tokens)  # as the stage does: its workers inherit the document table
+    parts = part_tasks(cfg, n_windows(store.n_tokens, WINDOW), cfg.tokens, cfg.counts, cfg.out)
+    training = span_training_stores(read_json(root / "count-only" / "meta.json"), cfg.counts, 4)
+    warm()
+    spans, seconds = _count_span_ngrams(cfg, parts, training, min(workers, len(parts)))
+    grams = sum(v["ngrams"] for v in spans["by_order"].values())
+    return {"tokens": store.n_tokens - 1, "span_ngrams": grams, **seconds}
 
 
 def dir_bytes(path: Path) -> int:
@@ -346,6 +390,44 @@ def report(name: str, r: dict, workers: int, pile_tokens: float, memory_law: str
     )
 
 
+def print_copy_spans(results: dict, training_tokens: int) -> None:
+    """The cost of the span counts, each beside its baseline in the same run: the whole tag
+    stage with and without them (span order 4 and 1), and the span n-gram count (the stage's
+    first pass and its count in training) against the restricted bigram count."""
+    tag, bigrams = results["tag"], results["tag-bigrams"]
+    spans, only = results["span-count"], results["count-only"]
+    load = f"load average {os.getloadavg()[0]:.2f}"
+    grams = sum(v["ngrams"] for v in tag["span_counts"]["by_order"].values())
+    span_s = tag["span_collect_s"] + tag["span_count_s"]
+    rate, rate_bigrams = tag["tokens"] / tag["seconds"], bigrams["tokens"] / bigrams["seconds"]
+    rest = tag["tokens"] / (tag["seconds"] - span_s)
+    print(
+        f"\n  copy spans: {grams:,} distinct span n-grams (orders 3..5), found by the first pass "
+        f"in {tag['span_collect_s']:.1f} s and counted over the {training_tokens:,} training "
+        f"tokens in {tag['span_count_s']:.1f} s"
+    )
+    print(
+        f"  tag stage with span counts {tag['seconds']:.1f} s ({rate / 1e6:.1f} M tokens/s), "
+        f"without (span order 1) {bigrams['seconds']:.1f} s ({rate_bigrams / 1e6:.1f} M tokens/s): "
+        f"ratio {rate / rate_bigrams:.3f}; leaving out the span n-gram steps ({span_s:.1f} s), "
+        f"{rest / 1e6:.1f} M tokens/s: ratio {rest / rate_bigrams:.3f} (target >= 0.90); tagging "
+        f"itself {tag['tagging_tokens_per_s'] / 1e6:.1f} vs {bigrams['tagging_tokens_per_s'] / 1e6:.1f}"
+        f" M tokens/s: ratio {tag['tagging_tokens_per_s'] / bigrams['tagging_tokens_per_s']:.3f} "
+        f"({load}); CPU {tag['cpu_s']:.1f} s vs {bigrams['cpu_s']:.1f} s: ratio "
+        f"{bigrams['cpu_s'] / tag['cpu_s']:.3f}"
+    )
+    print(
+        f"  span n-gram count: in the tag stage {span_s:.1f} s against {only['seconds']:.1f} s for "
+        f"the restricted bigram count (ratio {span_s / only['seconds']:.2f}); alone, in a "
+        f"process of its own as the restricted count runs, {spans['seconds']:.1f} s (CPU "
+        f"{spans['cpu_s']:.1f} s), peak PSS {spans['peak_pss'] / 2**30:.2f} GiB, against "
+        f"{only['seconds']:.1f} s (CPU {only['cpu_s']:.1f} s), peak PSS "
+        f"{only['peak_pss'] / 2**30:.2f} GiB: time ratio {spans['seconds'] / only['seconds']:.2f} "
+        f"(CPU {spans['cpu_s'] / only['cpu_s']:.2f}), memory ratio "
+        f"{spans['peak_pss'] / only['peak_pss']:.2f} ({load})"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -387,9 +469,17 @@ def main() -> None:
     info = json.loads((root / "train" / "meta.json").read_text())["tokenizer"]
     write_val_store(root / "val", root / "val.u16", val_ends, info)
     results["import-small"] = measured("import-small", root, workers, root / "train-small")
-    for stage in ("count-small", "count", "count-only", "tag", "tag-kernel"):
-        out = root / ("tags" if stage == "tag" else stage)
-        results[stage] = measured(stage, root, workers, out)
+    stages = (
+        "count-small",
+        "count",
+        "count-only",
+        "span-count",
+        "tag-bigrams",
+        "tag",
+        "tag-kernel",
+    )
+    for stage in stages:
+        results[stage] = measured(stage, root, workers, stage_out(root, stage))
     print(f"  (load average after: {os.getloadavg()[0]:.2f})")
 
     only, tag, full, small_r = (
@@ -445,17 +535,7 @@ def main() -> None:
         f"output {tag['final_bytes'] / tag['tokens']:.1f} B/token x {PILE_VAL:.3g} = "
         f"{tag['final_bytes'] / tag['tokens'] * PILE_VAL / 1e9:.1f} GB",
     )
-    spans = tag["span_counts"]
-    grams = sum(v["ngrams"] for v in spans["by_order"].values())
-    print(
-        f"\n  copy spans: {grams:,} distinct span n-grams (orders 3..{spans['span_order'] + 1}) "
-        f"collected in {tag['span_collect_s']:.1f} s and counted over the "
-        f"{full['tokens']:,} training tokens in {tag['span_count_s']:.1f} s, against "
-        f"{only['seconds']:.1f} s for the restricted bigram count (ratio "
-        f"{tag['span_count_s'] / only['seconds']:.2f}); tagging itself "
-        f"{tag['tagging_tokens_per_s'] / 1e6:.1f} M tokens/s, the whole stage "
-        f"{tag['tokens'] / tag['seconds'] / 1e6:.1f} M tokens/s"
-    )
+    print_copy_spans(results, full["tokens"])
     from bench_tag import print_copy_length_cost
 
     print_copy_length_cost(results["tag-kernel"])

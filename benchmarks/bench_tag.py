@@ -18,12 +18,14 @@ more, so that sampling takes under 5% of a core):
 Both outputs are then compared column by column (the columns the formulation has: copy lengths
 are beyond it).
 
-Copy lengths: `match_len` comes out of the tag kernel's own pass and the span counts from one
-more lookup. `copy_length_cost` times the kernel alone, batch by batch in one process, without
-them (`copy_lengths=False`: the kernel as it was before them) and with them plus the span-count
-lookup, alternating per batch so that both see the same load, and prints the ratio. Ours runs `--repeats` times (default 3, each
-in a fresh process, so the first also loads or compiles the numba kernels) and the fastest run
-is reported: the machine may be shared, and one run takes seconds. DuckDB runs once.
+Copy lengths: `match_len` comes out of the tag kernel's own pass, and the span counts of the
+long copies are handed to it in order. `copy_length_cost` times the kernel alone, batch by
+batch in one process, without them (`copy_lengths=False`: the kernel as it was before them) and
+with them, alternating per batch so that both see the same load, and prints the ratio; and the
+pass that finds the long copies, which the stage runs once before it counts their n-grams.
+Ours runs `--repeats` times (default 3, each in a fresh process, so the first also loads or
+compiles the numba kernels) and the fastest run is reported: the machine may be shared, and
+one run takes seconds. DuckDB runs once.
 
     .venv/bin/python benchmarks/bench_tag.py [--quick] [--tokens N] [--workers N] [--repeats N]
 """
@@ -203,13 +205,20 @@ COPY (
 def copy_length_cost(
     val: Path, counts_dir: Path, window: int = WINDOW, span_order: int = 4, max_tokens=None
 ) -> dict:
-    """Seconds of the tag kernel over the store's batches with and without copy lengths (and the
-    span-count lookup), in this process, alternating which goes first per batch."""
+    """Seconds of the tag kernel over the store's batches without copy lengths (the kernel as it
+    was before them) and with them as the stage tags: `match_len`, and the span counts of each
+    batch's long copies handed to it in order. Both run in this process, alternating which goes
+    first per batch so that both see the same load. The span counts here are the rows' numbers
+    (their values change nothing of the work). Also timed, on their own: the stage's pass that
+    finds the long copies and gathers their n-grams (`long_spans` and `NgramTable.add`, once per
+    run, before the n-grams are counted in training). Times are this thread's CPU time, so that
+    other processes on a shared machine count as little as they can."""
     from ar_slicing.counts import BigramCounts
-    from ar_slicing.counts.ngrams import NgramTable, span_lengths
+    from ar_slicing.counts.ngrams import NgramTable
     from ar_slicing.store import TokenStore
     from ar_slicing.tag_kernels import warm
-    from ar_slicing.tags import DocTable, column_buffers, tag_windows
+    from ar_slicing.tags import DocTable, column_buffers, long_spans, tag_windows
+    from ar_slicing.windows import stream_range
     from pipeline.tag import BATCH_TOKENS
 
     warm()
@@ -222,49 +231,56 @@ def copy_length_cost(
         n_windows = min(n_windows, max(1, max_tokens // window))
     buffers = column_buffers(per * window)
     batches = [
-        (w, store.slice(w * window, min((w + per) * window + 1, store.n_tokens)))
+        (w, store.slice(*stream_range(w, min(w + per, n_windows), window, store.n_tokens)))
         for w in range(0, n_windows, per)
     ]
-    spans = NgramTable.empty(span_order, 1 << 16)  # the n-grams the lookups need (counts 0)
+    args = dict(docs=docs, vocab_size=store.vocab_size)
+    table = NgramTable.empty(span_order, 1 << 16)
+    find_s = gather_s = 0.0
+    span_counts = []
+    for w, stream in batches:
+        t = time.thread_time()
+        ends, orders = long_spans(stream, w, window, **args, span_order=span_order, out=buffers)
+        find_s += time.thread_time() - t
+        t = time.thread_time()
+        span_counts.append(table.add(stream, ends, orders))
+        gather_s += time.thread_time() - t
 
-    def tag(w, stream, copies=True, spans=None):
-        return tag_windows(
+    def run(k, copies):
+        w, stream = batches[k]
+        t = time.thread_time()
+        tag_windows(
             stream,
             w,
             window,
-            docs=docs,
+            **args,
             lookup=counts,
             threshold=1250,
-            vocab_size=store.vocab_size,
             out=buffers,
             copy_lengths=copies,
-            span_order=span_order if spans is not None else 1,
-            spans=spans,
+            span_order=span_order if copies else 1,
+            span_counts=span_counts[k] if copies else None,
         )
+        return time.thread_time() - t
 
-    for w, stream in batches:
-        cols = tag(w, stream)
-        lengths = span_lengths(cols["match_len"], span_order)
-        longer = np.flatnonzero(lengths >= 3)
-        spans.add(stream, longer + 1, lengths[longer])
-    spans.counts = np.zeros(spans.n_rows, np.int64)
-
-    def run(w, stream, copies):
-        t = time.perf_counter()
-        tag(w, stream, copies, spans if copies else None)
-        return time.perf_counter() - t
-
-    run(*batches[0], True), run(*batches[0], False)  # compiled code loaded, caches warm
+    run(0, True), run(0, False)  # compiled code loaded, caches warm
     seconds = {True: 0.0, False: 0.0}
-    for k, (w, stream) in enumerate(batches):
-        for copies in (True, False) if k % 2 else (False, True):
-            seconds[copies] += run(w, stream, copies)
-    tokens = sum(len(s) - 1 for _, s in batches)
+    # a small store is gone over again (at least 30 M targets each way): one batch of a busy
+    # machine's slow moments weighs less
+    rounds = max(1, -(-30_000_000 // max(1, n_windows * window)))
+    for r in range(rounds):
+        for k in range(len(batches)):
+            for copies in (True, False) if (k + r) % 2 else (False, True):
+                seconds[copies] += run(k, copies)
     return {
-        "tokens": tokens,
+        "tokens": rounds * sum(len(s) - 1 for _, s in batches),
         "with_s": seconds[True],
         "without_s": seconds[False],
-        "span_ngrams": spans.n_rows,
+        "store_tokens": sum(len(s) - 1 for _, s in batches),
+        "find_s": find_s,
+        "gather_s": gather_s,
+        "long_copies": sum(len(c) for c in span_counts),
+        "span_ngrams": table.n_rows,
     }
 
 
@@ -272,9 +288,15 @@ def print_copy_length_cost(r: dict) -> None:
     rate_with, rate_without = r["tokens"] / r["with_s"], r["tokens"] / r["without_s"]
     print(
         f"  tag kernel, one core, {r['tokens']:,} tokens: without copy lengths "
-        f"{rate_without / 1e6:.2f} M tokens/s, with copy lengths and span lookups "
+        f"{rate_without / 1e6:.2f} M tokens/s, with copy lengths and span counts "
         f"{rate_with / 1e6:.2f} M tokens/s: ratio {rate_with / rate_without:.3f} "
         f"(target >= 0.90; load average {os.getloadavg()[0]:.2f})"
+    )
+    n = r["store_tokens"]
+    print(
+        f"  {'':<11} the pass before counting: finding the {r['long_copies']:,} long copies "
+        f"{n / r['find_s'] / 1e6:.2f} M tokens/s, gathering their {r['span_ngrams']:,} span "
+        f"n-grams {n / r['gather_s'] / 1e6:.2f} M tokens/s"
     )
 
 

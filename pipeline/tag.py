@@ -6,12 +6,14 @@ Reads a validation token store and the training bigram counts; writes into `--ou
                          whole windows, is written atomically and is the unit of resumption
   meta.json              parameters, input fingerprints, counts overall and per subset (last)
 
-Copy spans (docs/copy-length.md): with `--span-order K` >= 2 the windows are tagged twice. The
-first pass only collects the n-grams of orders 3..K+1 that end at the repeats (for a repeat
-with match_len m, those of orders 3..min(m, K)+1), the training stores the bigram counts were
-made from are then read once to count exactly those (`ar_slicing.counts.ngrams`), and the second
-pass writes the parts with each repeat's span count. Both full and restricted bigram counts name
-their training stores in their meta.json; counts imported from elsewhere do not, and need
+Copy spans (docs/copy-length.md): with `--span-order K` >= 2 the windows are read twice. The
+first pass only finds the long copies (`ar_slicing.tags.long_spans`: match_len capped at K, no
+columns) and gathers the n-grams of orders 3..K+1 that end at them (for a repeat with match_len
+m >= 2, those of orders 3..min(m, K)+1), keeping for each long copy the row of its span n-gram;
+the training stores the bigram counts were made from are then read once to count exactly those
+(`ar_slicing.counts.ngrams`), and the tagging pass writes the parts, handed each batch's span
+counts in the order it meets the long copies. Both full and restricted bigram counts name their
+training stores in their meta.json; counts imported from elsewhere do not, and need
 `--span-order 1` (span count = the bigram's count).
 """
 
@@ -131,53 +133,59 @@ def _opened(kind: str, path: str):
 
 
 _BUFFERS: dict[str, np.ndarray] = {}
-# The span n-gram counts of the run, set before the workers that read them are forked.
+# What the tag workers need of the span n-gram counts, set before they are forked: the table
+# (while counting), the counts, and per part and batch the rows of its long copies' n-grams.
 _SPANS: dict[str, object] = {}
 
 
 def _batches(task: PartTask):
-    """(first window, stream, columns) of each batch of a part's windows, tagged."""
-    from ar_slicing.tags import column_buffers, tag_windows
+    """(first window, stream) of each batch of a part's windows: both passes take a part in the
+    same batches, so a batch's long copies are the same in each."""
+    from ar_slicing.windows import stream_range
+
+    store = _opened("store", task.tokens)
+    L = task.window
+    batch_windows = max(1, BATCH_TOKENS // L)
+    end_window = task.first_window + task.n_windows
+    for w in range(task.first_window, end_window, batch_windows):
+        w_end = min(w + batch_windows, end_window)
+        yield w, store.slice(*stream_range(w, w_end, L, store.n_tokens))
+
+
+def _buffers(task: PartTask) -> dict[str, np.ndarray]:
+    """Column memory reused by every batch of every part this worker tags."""
+    from ar_slicing.tags import column_buffers
+
+    size = max(1, BATCH_TOKENS // task.window) * task.window
+    if len(_BUFFERS.get("pos", ())) < size:
+        _BUFFERS.update(column_buffers(size))
+    return _BUFFERS
+
+
+def span_grams_of_part(task: PartTask) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The distinct n-grams a part's long copies need counted (rows like `NgramTable.grams`)
+    and, per batch, the row among them of each long copy's span n-gram, in order."""
+    from ar_slicing.counts.ngrams import NgramTable
+    from ar_slicing.tags import long_spans
 
     store = _opened("store", task.tokens)
     docs = _opened("docs", task.tokens)
-    counts = _opened("counts", task.counts)
-    L = task.window
-    batch_windows = max(1, BATCH_TOKENS // L)
-    # column memory reused by every batch of every part this worker tags
-    if len(_BUFFERS.get("pos", ())) < batch_windows * L:
-        _BUFFERS.update(column_buffers(batch_windows * L))
-    end_window = task.first_window + task.n_windows
-    spans = _SPANS.get("table")
-    for w in range(task.first_window, end_window, batch_windows):
-        w_end = min(w + batch_windows, end_window)
-        stream = store.slice(w * L, min(w_end * L + 1, store.n_tokens))
-        columns = tag_windows(
+    # room for an n-gram per four targets from the start (growing the table costs more)
+    table = NgramTable.empty(task.span_order, max(1 << 16, task.n_windows * task.window // 4))
+    rows = []
+    for w, stream in _batches(task):
+        ends, orders = long_spans(
             stream,
             w,
-            L,
+            task.window,
             docs=docs,
-            lookup=counts,
-            threshold=task.threshold,
             vocab_size=store.vocab_size,
+            span_order=task.span_order,
             reset_at_doc_boundary=task.reset_at_doc_boundary,
-            span_order=task.span_order if spans is not None else 1,
-            spans=spans,
-            out=_BUFFERS,
+            out=_buffers(task),
         )
-        yield stream, columns
-
-
-def span_grams_of_part(task: PartTask) -> np.ndarray:
-    """The distinct n-grams (rows of `NgramTable.grams`) a part's repeats need counted."""
-    from ar_slicing.counts.ngrams import NgramTable, span_lengths
-
-    table = NgramTable.empty(task.span_order, 1 << 16)
-    for stream, columns in _batches(task):
-        lengths = span_lengths(columns["match_len"], task.span_order)
-        longer = np.flatnonzero(lengths >= 3)
-        table.add(stream, longer + 1, lengths[longer])
-    return table.grams[: table.n_rows].copy()
+        rows.append(table.add(stream, ends, orders).astype(np.int32))
+    return table.grams[: table.n_rows].copy(), rows
 
 
 def count_spans(task) -> np.ndarray:
@@ -194,9 +202,18 @@ def tag_part(task: PartTask) -> dict:
     import pyarrow.parquet as pq
 
     from ar_slicing.io import atomic_path
-    from ar_slicing.tags import PARQUET_OPTIONS, arrow_write_schema, slice_counts, to_arrow
+    from ar_slicing.tags import (
+        PARQUET_OPTIONS,
+        arrow_write_schema,
+        slice_counts,
+        tag_windows,
+        to_arrow,
+    )
 
+    store = _opened("store", task.tokens)
     docs = _opened("docs", task.tokens)
+    counts = _opened("counts", task.counts)
+    span_rows = _SPANS.get("rows", {}).get(task.index)
     n_subsets = len(docs.subset_names)
     totals = {
         "tokens": [0] * (n_subsets + 1),
@@ -206,7 +223,20 @@ def tag_part(task: PartTask) -> dict:
     n_rows = 0
     with atomic_path(task.path) as tmp:
         with pq.ParquetWriter(tmp, arrow_write_schema(), **PARQUET_OPTIONS) as writer:
-            for _, columns in _batches(task):
+            for batch, (w, stream) in enumerate(_batches(task)):
+                columns = tag_windows(
+                    stream,
+                    w,
+                    task.window,
+                    docs=docs,
+                    lookup=counts,
+                    threshold=task.threshold,
+                    vocab_size=store.vocab_size,
+                    reset_at_doc_boundary=task.reset_at_doc_boundary,
+                    span_order=task.span_order if span_rows is not None else 1,
+                    span_counts=None if span_rows is None else _SPANS["counts"][span_rows[batch]],
+                    out=_buffers(task),
+                )
                 writer.write_table(to_arrow(columns, docs.subset_names))
                 for name, values in slice_counts(columns, n_subsets).items():
                     totals[name] = [a + b for a, b in zip(totals[name], values)]
@@ -357,18 +387,24 @@ def _run_tag(cfg: TagConfig) -> dict:
 
 
 def _count_span_ngrams(cfg: TagConfig, parts: list[PartTask], training, workers: int):
-    """Collect the n-grams the parts' repeats need (`workers` processes),
-    count them over the training stores (split among all of --workers), and leave the table in
-    `_SPANS` for the tagging workers. Returns what meta.json records, and the times taken."""
+    """Collect the n-grams the parts' long copies need (`workers` processes), count them over
+    the training stores (split among all of --workers), and leave in `_SPANS` what the tagging
+    workers need: the counts, and per part and batch the rows of its long copies. Returns what
+    meta.json records, and the times taken."""
     from ar_slicing.counts.ngrams import NgramTable, span_count_tasks
     from ar_slicing.executor import LocalExecutor, default_workers
 
     stores, row = training
     t0 = time.time()
     table = NgramTable.empty(cfg.span_order, 1 << 16)
-    for _, grams in LocalExecutor(workers).map_unordered(span_grams_of_part, parts):
-        table.add_rows(grams)
+    rows = {}
+    for task, (grams, batch_rows) in LocalExecutor(workers).map_unordered(
+        span_grams_of_part, parts
+    ):
+        where = table.add_rows(grams).astype(np.int32)  # the part's rows in the run's table
+        rows[task.index] = [where[r] for r in batch_rows]
     t_collect = time.time() - t0
+    table.trigram_filter()  # made once, before the counting workers are forked
     _SPANS["table"] = table
     all_workers = cfg.workers or default_workers()
     tasks = span_count_tasks(stores, row, cfg.span_order, all_workers)
@@ -378,6 +414,9 @@ def _count_span_ngrams(cfg: TagConfig, parts: list[PartTask], training, workers:
         for _, part in LocalExecutor(all_workers).map_unordered(count_spans, tasks):
             counts += part
     table.counts = counts
+    # the tagging workers read counts by row; the table itself is not needed any more
+    _SPANS.update(counts=counts, rows=rows)
+    del _SPANS["table"]
     return {
         "span_order": cfg.span_order,
         "training_stores": [

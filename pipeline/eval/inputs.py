@@ -13,6 +13,7 @@ from ar_slicing.io import META_NAME, is_complete, read_json
 from ar_slicing.layout import TAG_PART_GLOB, WINDOWS_NAME
 from ar_slicing.parts import part_rows
 from ar_slicing.tokenizer import require_same_fingerprint
+from ar_slicing.windows import window_bounds
 from pipeline.eval.config import CHECKPOINT_SUFFIXES
 
 
@@ -71,8 +72,9 @@ def open_tags(tags_dir: str | Path, tokens: str | None = None) -> TagsInput:
     window_id = table.column("window_id").to_numpy().astype(np.int64)
     starts = table.column("start").to_numpy().astype(np.int64)
     n_targets = table.column("n_targets").to_numpy().astype(np.int64)
-    expected_starts = np.arange(len(window_id), dtype=np.int64) * window
-    expected_targets = np.minimum(window, store.n_tokens - 1 - expected_starts)
+    expected_starts, expected_targets = window_bounds(
+        np.arange(len(window_id), dtype=np.int64), window, store.n_tokens
+    )
     for name, got, want in (
         ("window_id", window_id, np.arange(len(window_id))),
         ("start", starts, expected_starts),
