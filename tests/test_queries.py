@@ -450,6 +450,7 @@ def test_every_query_file_runs_and_is_tested():
         "examples",
         "frequency_curve",
         "gap_vs_reference",
+        "recall_emergence",  # tests/test_emergence.py
         "recall_gain",  # tests/test_recall_gain.py
         "slice_perplexity",
     ]
