@@ -22,6 +22,7 @@ from pipeline.runner.config_file import (
     load_pipeline_config,
     resolve_placeholders,
     stdlib_dir,
+    torch_dir,
 )
 from pipeline.runner.registry import stage_names
 from pipeline.runner.run import RunConfig, run_pipeline
@@ -51,6 +52,35 @@ def test_load_resolves_run_dir_and_stdlib(tmp_path):
     assert loaded["run_dir"] == stdlib_dir() + "-x"
     assert loaded["tag"]["out"] == stdlib_dir() + "-x/t"
     assert loaded["tokenize"]["source"] == [stdlib_dir()]
+
+
+def test_torch_placeholder_names_the_pinned_release_and_refuses_another(tmp_path, monkeypatch):
+    import importlib.metadata
+
+    from pipeline.runner.config_file import TORCH_CORPUS_VERSION
+
+    # the release `make install` pins is the one the corpus names
+    assert f"torch=={TORCH_CORPUS_VERSION}" in (REPO / "Makefile").read_text()
+    cfg = tmp_path / "p.toml"
+    cfg.write_text('run_dir = "r"\n[tokenize]\nsource = ["{torch}"]\n')
+    installed = importlib.metadata.version
+    if installed("torch").split("+")[0] == TORCH_CORPUS_VERSION:
+        source = load_pipeline_config(cfg)["tokenize"]["source"][0]
+        assert source == torch_dir() and (Path(source) / "nn" / "modules" / "linear.py").is_file()
+
+    def other_release(name):
+        return "2.12.1+cu126" if name == "torch" else installed(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", other_release)
+    with pytest.raises(BadInput) as err:
+        load_pipeline_config(cfg)
+    message = str(err.value)
+    assert str(cfg) in message and "this environment has torch 2.12.1+cu126" in message
+    assert f"pip install torch=={TORCH_CORPUS_VERSION}" in message
+    # a config that does not read torch's sources does not care which torch is installed
+    plain = tmp_path / "plain.toml"
+    plain.write_text('run_dir = "r"\n[tokenize]\nsource = ["{stdlib}"]\n')
+    assert load_pipeline_config(plain)["tokenize"]["source"] == [stdlib_dir()]
 
 
 @pytest.mark.parametrize(
@@ -106,6 +136,10 @@ def shipped(name: str) -> Pipeline:
     return Pipeline(path, load_pipeline_config(path))
 
 
+# the demo's attention model: the recipe its sweep picked (pipeline/configs/demo-sweep.toml)
+DEMO_ATTENTION = "transformer_pp"
+
+
 def test_demo_config_builds_every_stage_and_matches_the_makefile():
     from models.backbone import LanguageModel
     from pipeline.train import BatchOrder, model_config_for
@@ -120,7 +154,7 @@ def test_demo_config_builds_every_stage_and_matches_the_makefile():
         "val": ("val", "runs/demo/tokens/val"),
     }
     assert (
-        parts["train"].source == [stdlib_dir()]
+        parts["train"].source == [torch_dir()]
         and parts["train"].tokenizer == "runs/demo/tokenizer.json"
     )
     # the tokenizer learns from exactly the training store's corpus
@@ -131,14 +165,17 @@ def test_demo_config_builds_every_stage_and_matches_the_makefile():
         parts["train"].split_fraction,
         "train",
     )
-    # the corpus: the standard library's own modules and packages, never site-packages, a test
-    # suite or a package some distributions split off
+    # the corpus: torch's own library code, never the one file that differs between its builds
+    # (version.py), its test harnesses, vendored code or generated pattern tables
     from ar_slicing.readers import DirectoryReader
 
-    files = [rel for rel, _ in DirectoryReader(Path(stdlib_dir()), parts["train"].glob).files()]
-    assert len(files) > 300 and "asyncio/base_events.py" in files and "os.py" in files
-    banned = ("site-packages", "dist-packages", "test", "tests", "idlelib", "tkinter")
-    assert not [f for f in files if set(f.split("/")[:-1]) & set(banned)]
+    files = [rel for rel, _ in DirectoryReader(Path(torch_dir()), parts["train"].glob).files()]
+    assert len(files) > 1200 and "nn/modules/linear.py" in files and "_tensor.py" in files
+    assert "_dynamo/variables/builder.py" in files and "_inductor/codegen/triton.py" in files
+    assert "version.py" not in files
+    left_out = ("testing", "_vendor", "sparse", "utils")  # torch's own top-level packages
+    assert not [f for f in files if f.split("/")[0] in left_out]
+    assert not [f for f in files if "serialized_patterns" in f.split("/")]
     assert p.configs("count")["count"].tokens == ["runs/demo/tokens/train"]
     tag = p.configs("tag")["tag"]
     assert (tag.tokens, tag.counts, tag.out) == (
@@ -148,7 +185,7 @@ def test_demo_config_builds_every_stage_and_matches_the_makefile():
     )
 
     trains = p.configs("train")
-    assert sorted(trains) == ["attention", "base_conv", "hyena", "rwkv"]
+    assert sorted(trains) == sorted([DEMO_ATTENTION, "base_conv", "hyena", "rwkv"])
     assert {c.arch for c in trains.values()} == set(trains)
     # the same training tokens in the same order for every architecture
     orders = {
@@ -166,7 +203,7 @@ def test_demo_config_builds_every_stage_and_matches_the_makefile():
     assert {n: c.model for n, c in evals.items()} == {
         n: f"native:runs/demo/models/{n}" for n in trains
     }
-    assert p.configs("report")["report"].reference == "attention"
+    assert p.configs("report")["report"].reference == DEMO_ATTENTION
 
     # the Makefile's RUN (sed over `run_dir = "..."`) names the same directory
     out = subprocess.run(
@@ -179,6 +216,33 @@ def test_demo_config_builds_every_stage_and_matches_the_makefile():
         "arslice run --config pipeline/configs/demo.toml" in out.stdout
         and "--stage tokenizer" in out.stdout
     )
+
+
+def test_the_sweep_trains_each_demo_model_at_three_rates_and_nothing_else_differs():
+    from dataclasses import replace
+
+    demo, sweep = shipped("demo.toml"), shipped("demo-sweep.toml")
+    for stage in ("tokenizer", "tokenize", "count", "tag", "eval"):
+        assert sweep.table(stage) == demo.table(stage), stage
+    settings = {k: v for k, v in demo.table("train").items() if k != "models"}
+    assert {k: v for k, v in sweep.table("train").items() if k != "models"} == settings
+    swept = sweep.configs("train")
+    rates = {0.001: "1e-3", 0.003: "3e-3", 0.01: "1e-2"}
+    for name, chosen in demo.configs("train").items():
+        runs = {lr: swept[f"{name}-lr{tag}"] for lr, tag in rates.items()}
+        # the same model at each rate, and the demo's rate is one of them
+        paths = dict(out=chosen.out, tokens=chosen.tokens, val_tokens=chosen.val_tokens)
+        assert all(replace(c, lr=chosen.lr, **paths) == chosen for c in runs.values())
+        assert chosen.lr in runs
+    # both attention recipes, at the same size
+    assert {c.arch for c in swept.values()} == {
+        "attention",
+        "transformer_pp",
+        "base_conv",
+        "hyena",
+        "rwkv",
+    }
+    assert len(swept) == 15
 
 
 @pytest.mark.parametrize(

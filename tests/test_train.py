@@ -204,6 +204,75 @@ def test_training_learns_and_the_checkpoint_reproduces_the_validation_loss(store
     assert np.mean(losses) == pytest.approx(meta["final_val_loss"], abs=1e-5)
 
 
+def test_transformer_pp_trains_and_is_evaluated_as_the_attention_reference(stores, tmp_path):
+    """`--arch transformer_pp`: attention with rotary on every channel of each head instead of
+    learned positions, a SwiGLU MLP, RMSNorm and no biases. `arslice eval` reads the saved model
+    back (on windows longer than its training rows: rotary has no positional limit) and the
+    report takes it as the attention reference by its architecture alone."""
+    import pyarrow.parquet as pq
+    import torch
+
+    from ar_slicing.results import default_reference
+    from models import load_model
+    from pipeline.cli import main as cli_main
+    from pipeline.count import CountConfig, run_count
+    from pipeline.tag import TagConfig, run_tag
+
+    out = tmp_path / "tpp"
+    meta = train(tiny_config(stores, out, arch="transformer_pp"))  # d_model 32, two heads
+    vocab = stores[0].vocab_size
+    assert meta["arch"] == "transformer_pp"
+    assert meta["final_val_loss"] < meta["history"][0]["val_loss"] < math.log(vocab) - 0.5
+    config = meta["model_config"]
+    assert (config["sequence_mixer"], config["state_mixer"], config["norm"]) == (
+        "attention",
+        "swiglu",
+        "rmsnorm",
+    )
+    assert config["max_position_embeddings"] == 0
+    assert config["sequence_mixer_kwargs"]["rotary_emb_dim"] == 16  # 32 channels / 2 heads
+    assert config["state_mixer_kwargs"]["hidden"] == 128  # int(8 * 32 / 3) rounded up to 128
+
+    loaded = load_model(f"native:{out}")
+    names = [name for name, _ in loaded.model.named_parameters()]
+    assert not [n for n in names if n.endswith("bias") or "position" in n], names
+    # tied embedding, per block Wqkv + out_proj (4 D^2), SwiGLU (3 D H), two RMSNorms, final norm
+    d, hidden = 32, 128
+    assert (
+        loaded.n_params
+        == meta["n_params"]
+        == vocab * d + 2 * (4 * d * d + 3 * d * hidden + 2 * d) + d
+    )
+
+    val = stores[1]
+    run_count(CountConfig(tokens=[str(stores[0].path)], out=str(tmp_path / "counts"), workers=1))
+    window = 128  # twice the training rows
+    run_tag(
+        TagConfig(
+            tokens=str(val.path),
+            counts=str(tmp_path / "counts"),
+            out=str(tmp_path / "tags"),
+            window=window,
+            workers=1,
+        )
+    )
+    losses_dir = tmp_path / "losses" / "tpp"
+    args = ["eval", "--model", f"native:{out}", "--tags", str(tmp_path / "tags")]
+    assert cli_main([*args, "--out", str(losses_dir), "--device", "cpu", "--dtype", "fp32"]) == 0
+    losses = pq.read_table(sorted(losses_dir.glob("losses-*.parquet"))[0]).to_pandas()
+    first = losses[losses.window_id == 0].sort_values("pos")
+    ids = torch.from_numpy(np.asarray(val.tokens[: window + 1], dtype=np.int64))[None]
+    with torch.no_grad():
+        own = loaded.model(ids[:, :-1], ids[:, 1:], loss_reduction="none")[0]
+    np.testing.assert_allclose(first.nll.to_numpy(), own.numpy(), rtol=0, atol=1e-4)
+
+    eval_meta = read_json(losses_dir / "meta.json")
+    assert eval_meta["architecture"] == "attention"
+    # a name that says nothing: the architecture in its meta makes it the reference
+    models = [("a-conv", "a-conv", "base_conv"), ("tpp", "tpp", eval_meta["architecture"])]
+    assert default_reference(models) == "tpp"
+
+
 MINIMAL = dict(d_model=16, n_layers=1, seq_len=32, batch_size=4, eval_every=0, eval_batches=1)
 
 

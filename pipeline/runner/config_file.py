@@ -1,5 +1,5 @@
-"""Pipeline config files: read a TOML file with its `{run_dir}`/`{stdlib}` placeholders (its
-tables are the pipeline stages' own), and write the resolved configuration back as TOML
+"""Pipeline config files: read a TOML file with its `{run_dir}`/`{stdlib}`/`{torch}` placeholders
+(its tables are the pipeline stages' own), and write the resolved configuration back as TOML
 (`<run_dir>/config.toml`)."""
 
 from __future__ import annotations
@@ -27,6 +27,43 @@ from pipeline.runner.registry import stage_names
 def stdlib_dir() -> str:
     """This interpreter's standard-library source directory (the demo corpus)."""
     return sysconfig.get_paths()["stdlib"]
+
+
+# The torch release whose Python sources `{torch}` names (the demo corpus): the one `make install`
+# pins. Every wheel of a release holds the same .py files, CPU or CUDA, Linux or macOS, whatever the
+# Python version, except torch/version.py (the build's local version and CUDA release), which the
+# demo's glob patterns leave out; another release is another corpus, so it is refused.
+TORCH_CORPUS_VERSION = "2.13.0"
+
+
+def torch_dir() -> str:
+    """The installed torch package's directory, refused (BadInput) unless it is torch
+    TORCH_CORPUS_VERSION (any local build label: "+cpu", "+cu126")."""
+    import importlib.metadata
+    import importlib.util
+
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    if version is None or version.split("+")[0] != TORCH_CORPUS_VERSION:
+        found = "no torch" if version is None else f"torch {version}"
+        raise BadInput(
+            f"{{torch}} names the sources of torch {TORCH_CORPUS_VERSION} (the release `make "
+            f"install` pins), so that the corpus is the same on every machine; this environment "
+            f"has {found}: pip install torch=={TORCH_CORPUS_VERSION}"
+        )
+    return importlib.util.find_spec("torch").submodule_search_locations[0]
+
+
+def _mentions(value: Any, text: str) -> bool:
+    if isinstance(value, str):
+        return text in value
+    if isinstance(value, Mapping):
+        return any(_mentions(v, text) for v in value.values())
+    if isinstance(value, list):
+        return any(_mentions(v, text) for v in value)
+    return False
 
 
 def resolve_placeholders(value: Any, placeholders: Mapping[str, str]) -> Any:
@@ -68,6 +105,11 @@ def load_pipeline_config(path: str | Path) -> dict:
         if name in raw and not isinstance(raw[name], dict):
             raise BadInput(f"pipeline config {path}: `{name}` must be a table ([{name}])")
     placeholders = {"stdlib": stdlib_dir()}
+    if _mentions(raw, "{torch}"):  # only a config that reads torch's sources checks its version
+        try:
+            placeholders["torch"] = torch_dir()
+        except BadInput as e:
+            raise BadInput(f"pipeline config {path}: {e}") from None
     run_dir = os.path.expanduser(resolve_placeholders(raw["run_dir"], placeholders))
     placeholders["run_dir"] = run_dir
     return {**resolve_placeholders(raw, placeholders), "run_dir": run_dir}

@@ -10,7 +10,10 @@ from ar_slicing.layout import TRAIN_STATE_DIR
 log = logging.getLogger(__name__)
 
 
-ARCHITECTURES = ["attention", "base_conv", "hyena", "rwkv"]
+# The sequence mixers of `models/`, plus "transformer_pp": attention in the Transformer++ recipe
+# (rotary, SwiGLU, RMSNorm, no biases; `pipeline.train.model.TRANSFORMER_PP`), the attention
+# baseline HazyResearch/based and later gated-convolution papers compare against.
+ARCHITECTURES = ["attention", "base_conv", "hyena", "rwkv", "transformer_pp"]
 STATE_DIR = TRAIN_STATE_DIR
 # Fields that change how a run is executed or reported but not what it computes, so a run may
 # be resumed after changing them.
@@ -26,7 +29,13 @@ _RESUMABLE_CHANGES = {
 
 @dataclass(frozen=True)
 class TrainConfig:
-    arch: str = field(metadata={"help": "sequence mixer of the model", "choices": ARCHITECTURES})
+    arch: str = field(
+        metadata={
+            "help": "sequence mixer of the model (transformer_pp: attention with rotary, "
+            "SwiGLU, RMSNorm and no biases)",
+            "choices": ARCHITECTURES,
+        }
+    )
     tokens: str = field(metadata={"help": "training token store directory"})
     out: str = field(metadata={"help": "output directory (native checkpoint + meta.json)"})
     val_tokens: str | None = field(

@@ -26,6 +26,48 @@ def parse_model_options(options: list[str] | tuple[str, ...]) -> dict[str, Any]:
     return parsed
 
 
+# Transformer++ (`--arch transformer_pp`), the attention baseline of HazyResearch/based (flash-attn's
+# MHA with rotary_emb_fraction 1 and bias-free projections, a bias-free GatedMlp, RMSNorm;
+# `models/based_ckpt.py` reads its checkpoints): the ModelConfig fields it sets. Rotary turns every
+# channel of each head and replaces the learned positions. Its mixer options are defaults that
+# --mixer-options and --model-options' *_mixer_kwargs add to or override key by key.
+TRANSFORMER_PP = {
+    "sequence_mixer": "attention",
+    "sequence_mixer_kwargs": {"bias": False, "out_proj_bias": False},
+    "state_mixer": "swiglu",
+    "state_mixer_kwargs": {"fc1_bias": False, "fc2_bias": False},
+    "norm": "rmsnorm",
+    "max_position_embeddings": 0,
+}
+
+
+def swiglu_hidden(d_model: int, multiple_of: int = 128) -> int:
+    """flash-attn `GatedMlp`'s default width: 8/3 of `d_model` (three matrices holding about what
+    a 4x MLP's two do), rounded up to a multiple of `multiple_of`."""
+    return (int(8 * d_model / 3) + multiple_of - 1) // multiple_of * multiple_of
+
+
+def architecture_fields(arch: str) -> dict[str, Any]:
+    """The ModelConfig fields `--arch` sets: a sequence mixer, or a whole recipe."""
+    if arch == "transformer_pp":
+        return {k: dict(v) if isinstance(v, dict) else v for k, v in TRANSFORMER_PP.items()}
+    return {"sequence_mixer": arch}
+
+
+def _fill_transformer_pp_shape(values: dict[str, Any]) -> None:
+    """What Transformer++'s options depend on the model's width: rotary over all of each head's
+    channels, and flash-attn's SwiGLU width, unless given."""
+    from models.backbone import resolved_options
+
+    attention = values["sequence_mixer_kwargs"]
+    if "rotary_emb_dim" not in attention:
+        num_heads = resolved_options("sequence", "attention", attention)["num_heads"]
+        attention["rotary_emb_dim"] = values["d_model"] // num_heads
+    swiglu = values["state_mixer_kwargs"]
+    if values["state_mixer"] == "swiglu" and not {"hidden", "hidden_mult"} & set(swiglu):
+        swiglu["hidden"] = swiglu_hidden(values["d_model"])
+
+
 def model_config_for(cfg: TrainConfig, vocab_size: int):
     """The `models.backbone.ModelConfig` a TrainConfig asks for, refusing unknown option names."""
     import dataclasses
@@ -40,19 +82,22 @@ def model_config_for(cfg: TrainConfig, vocab_size: int):
             f"--model-options: unknown ModelConfig field(s) {', '.join(unknown)}; "
             f"fields: {', '.join(sorted(names))}"
         )
+    recipe = architecture_fields(cfg.arch)
     values = {
         "vocab_size": vocab_size,
         "d_model": cfg.d_model,
         "n_layers": cfg.n_layers,
-        "sequence_mixer": cfg.arch,
         # the model is built for the rows it trains on (attention's positions, Hyena's filters)
         "l_max": cfg.seq_len,
+        **recipe,
         **options,
     }
-    mixer_kwargs = dict(values.get("sequence_mixer_kwargs") or {})
-    mixer_kwargs.update(parse_model_options(cfg.mixer_options))
-    values["sequence_mixer_kwargs"] = mixer_kwargs
+    for key in ("sequence_mixer_kwargs", "state_mixer_kwargs"):
+        values[key] = {**recipe.get(key, {}), **(options.get(key) or {})}
+    values["sequence_mixer_kwargs"].update(parse_model_options(cfg.mixer_options))
     try:
+        if cfg.arch == "transformer_pp":
+            _fill_transformer_pp_shape(values)
         return ModelConfig(**values)
     except (TypeError, ValueError, ArSliceError) as e:
         raise ArSliceError(f"model config for --arch {cfg.arch}: {e}") from None
