@@ -6,6 +6,7 @@ polars frames, the same numbers `arslice report` and `arslice query` print.
     >>> run.models, run.window, run.threshold
     >>> run.table1()                                        # Table 1, intervals included
     >>> run.copy_length()                                   # ppl per copy length x span count
+    >>> run.emergence()                                     # recall gain along training
     >>> run.query("gap_vs_reference", reference="rwkv")     # any queries/*.sql
     >>> run.sql("SELECT model, avg(nll) FROM token_losses WHERE is_ar_hit GROUP BY model")
     >>> run.token_losses().filter(pl.col("is_repeat")).collect()   # lazy, straight from Parquet
@@ -84,7 +85,7 @@ class Run:
 
         layout, checked = self.layout, self.checked
         files = [layout.windows, *layout.tag_parts()]
-        for name in checked.models:
+        for name in [*checked.models, *checked.checkpoints]:
             files += layout.loss_parts(name)
         if checked.counts_dir is not None:
             files.append(checked.counts_dir / BIGRAMS_NAME)
@@ -104,6 +105,12 @@ class Run:
     def models(self) -> tuple[str, ...]:
         """The evaluated models (losses folder names), in name order."""
         return tuple(sorted(self.checked.models))
+
+    @property
+    def checkpoints(self) -> tuple[str, ...]:
+        """The evaluated checkpoints along the models' training (losses folder names,
+        `<model>@step<n>`), in name order: not models of Table 1, points of `emergence()`."""
+        return tuple(sorted(self.checked.checkpoints))
 
     @property
     def reference(self) -> str:
@@ -181,6 +188,66 @@ class Run:
         finally:
             con.close()
         return pl.DataFrame(rows, infer_schema_length=None)
+
+    def emergence(self, bootstrap: int = 1000, seed: int = 0):
+        """The recall emergence as a polars DataFrame: one row per point of each model's
+        training curve (its checkpoints and, when it records its step, the model itself;
+        `final`), by model and step, with `tokens_seen`, the windows and tokens compared
+        (`n_windows`, `n_tokens`, `n_ar_hits`: those every point of the model scored), and
+        `recall_gain`, `recall_gain_count0` (bigrams never seen in training), `ppl_ar` and
+        `ppl_other`, each with `_lo`/`_hi` 95% bootstrap bounds (windows resampled as for
+        `table1`, the same resamples for every point of a model). Empty for a run without
+        checkpoints (docs/design.md, "Recall emergence")."""
+        import polars as pl
+
+        from ar_slicing.emergence import STATISTICS, emergence_rows
+
+        con = self._connect()
+        try:
+            rows = emergence_rows(con, n_bootstrap=bootstrap, seed=seed)
+        finally:
+            con.close()
+        schema = {
+            "model": pl.String,
+            "checkpoint": pl.String,
+            "step": pl.Int64,
+            "tokens_seen": pl.Int64,
+            "final": pl.Boolean,
+            "n_windows": pl.Int64,
+            "n_tokens": pl.Int64,
+            "n_ar_hits": pl.Int64,
+            **{f"{k}{end}": pl.Float64 for k in STATISTICS for end in ("", "_lo", "_hi")},
+        }
+        values = [[_none_if_nan(r[c]) for c in schema] for r in rows]
+        return pl.DataFrame(values, schema=schema, orient="row")
+
+    def checkpoint_token_losses(self):
+        """A polars LazyFrame like `token_losses()` for the points of the models' training
+        curves (`emergence()`): every scored token of the windows all points of a model scored,
+        with each point's loss and where it stands (`model`, `checkpoint`, `step`,
+        `tokens_seen`, `final`, the tag columns, `nll`), scanned from the Parquet as the
+        results.duckdb view `checkpoint_token_losses` reads it."""
+        import polars as pl
+
+        points = self.sql("SELECT model, checkpoint, step, tokens_seen, final FROM checkpoints")
+        shared = self.sql("SELECT model, window_id FROM checkpoint_windows").lazy()
+        tags = pl.scan_parquet([str(p) for p in self.layout.tag_parts()])
+        along = ["model", "checkpoint", "step", "tokens_seen", "final"]
+        losses = [
+            pl.scan_parquet([str(p) for p in self.layout.loss_parts(point["checkpoint"])]).select(
+                *(pl.lit(point[c]).alias(c) for c in along), "window_id", "pos", "nll"
+            )
+            for point in points.iter_rows(named=True)
+        ]
+        columns = [*along, *TAG_COLUMNS, "nll"]
+        if not losses:
+            return tags.join(
+                pl.LazyFrame(schema={**points.schema, "window_id": pl.Int32, "pos": pl.Int32,
+                                     "nll": pl.Float32}),
+                on=["window_id", "pos"],
+            ).select(columns)  # fmt: skip
+        scored = pl.concat(losses).join(shared, on=["model", "window_id"], how="semi")
+        return tags.join(scored, on=["window_id", "pos"], how="inner").select(columns)
 
     def token_losses(self):
         """A polars LazyFrame of every scored token joined with every model's loss (the

@@ -9,8 +9,10 @@
       tokens/train/ tokens/val/  token stores (tokens.bin, docs.parquet, tokenizer.json, meta.json)
       counts/                    bigrams.parquet, meta.json
       tags/                      windows.parquet, tags-*.parquet, meta.json
-      models/<model>/            config.json, model.safetensors, meta.json (trained models)
-      losses/<model>/            losses-*.parquet, meta.json (one folder per evaluated model)
+      models/<model>/            config.json, model.safetensors, meta.json (trained models);
+                                 checkpoints/step-<n>/ along its training (`keep_checkpoints`)
+      losses/<model>/            losses-*.parquet, meta.json (one folder per evaluated model,
+                                 and `<model>@step<n>` per evaluated checkpoint)
       results.duckdb             views over all of the above
       report/                    report.md, report.html, *.png, *.csv, meta.json
       mqar/                      `arslice mqar` (optional): cells/, mqar.csv, mqar.md, mqar.png
@@ -70,6 +72,12 @@ LOSS_PART_GLOB = "losses-*.parquet"
 MODEL_CONFIG_NAME = "config.json"
 MODEL_WEIGHTS_NAME = "model.safetensors"
 TRAIN_STATE_DIR = ".train-state"  # the last periodic checkpoint of an unfinished training run
+# the checkpoints a training run keeps (`keep_checkpoints`), each a native checkpoint with a
+# meta.json recording its step: `native:models/<name>/checkpoints/step-<n>` loads one
+KEPT_CHECKPOINTS_DIR = "checkpoints"
+KEPT_CHECKPOINT = "step-{}"
+# the losses folder of a checkpoint: the model's name and the step, `losses/attention@step800`
+CHECKPOINT_LOSSES = "{}@step{}"
 # the report
 REPORT_MD_NAME = "report.md"
 REPORT_HTML_NAME = "report.html"
@@ -77,6 +85,7 @@ FREQUENCY_CURVE_FIGURE = "frequency_curve.png"
 COPY_LENGTH_FIGURE = "copy_length.png"
 SLICE_BARS_FIGURE = "slice_bars.png"
 RECALL_GAIN_FIGURE = "recall_gain.png"
+EMERGENCE_FIGURE = "emergence.png"  # only in a run that evaluated checkpoints
 TABLE_CSV = "{}.csv"  # one per table: table1, copy_length and each query of queries/
 # the MQAR probe
 MQAR_CELLS_DIR = "cells"
@@ -112,7 +121,13 @@ STAGE_FILES: dict[str, tuple[str, ...]] = {
     "count": (BIGRAMS_NAME, COUNT_WORK_DIR + "/*"),
     "tag": (WINDOWS_NAME, TAG_PART_GLOB),
     "eval": (LOSS_PART_GLOB,),
-    "train": (MODEL_CONFIG_NAME, MODEL_WEIGHTS_NAME, TOKENIZER_NAME, TRAIN_STATE_DIR + "/*"),
+    "train": (
+        MODEL_CONFIG_NAME,
+        MODEL_WEIGHTS_NAME,
+        TOKENIZER_NAME,
+        TRAIN_STATE_DIR + "/*",
+        KEPT_CHECKPOINTS_DIR + "/*",
+    ),
     "report": (REPORT_MD_NAME, REPORT_HTML_NAME, "*.png", TABLE_CSV.format("*")),
     "mqar": (MQAR_CELLS_DIR + "/*", MQAR_CSV_NAME, MQAR_MD_NAME, MQAR_FIGURE),
 }
@@ -162,6 +177,21 @@ def stage_folders(root: str | os.PathLike) -> Folders:
         if d.is_dir():
             (found.complete if is_complete(d) else found.incomplete).append(d)
     return found
+
+
+def kept_checkpoint(model_dir: str | os.PathLike, step: int) -> Path:
+    """The folder of the checkpoint a training run kept at `step`:
+    `<model_dir>/checkpoints/step-<step>`."""
+    return Path(model_dir) / KEPT_CHECKPOINTS_DIR / KEPT_CHECKPOINT.format(int(step))
+
+
+def model_of_checkpoint(path: str | os.PathLike) -> Path | None:
+    """The model folder a kept checkpoint belongs to (`<model>/checkpoints/step-<n>` ->
+    `<model>`), None for a folder that is not one."""
+    path = Path(path)
+    if path.parent.name == KEPT_CHECKPOINTS_DIR and re.fullmatch(r"step-\d+", path.name):
+        return path.parent.parent
+    return None
 
 
 def _first_holding(name: str, *candidates: str | os.PathLike | None) -> Path | None:

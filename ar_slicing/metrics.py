@@ -305,19 +305,7 @@ def recall_sums(
     ).fetchnumpy()
     keep = np.isin(per["model"], models)
     per = {k: np.asarray(v)[keep] for k, v in per.items()}
-    buckets = np.unique(per["bucket"].astype(np.int64))
-    w, k, m = len(window_ids), len(buckets), len(models)
-    rows = np.searchsorted(window_ids, per["window_id"].astype(np.int64))
-    cols = np.searchsorted(buckets, per["bucket"].astype(np.int64))
-    col = {name: i for i, name in enumerate(models)}
-    mods = np.array([col[name] for name in per["model"]], dtype=np.int64)
-    rep = per["is_repeat"].astype(bool)
-    n = np.zeros((2, w, k), dtype=np.int64)
-    s = np.zeros((2, w, k, m))
-    # token counts come from the first model's rows (every model scores the same tokens)
-    first = mods == 0
-    n[rep[first].astype(int), rows[first], cols[first]] = per["n"][first]
-    s[rep.astype(int), rows, cols, mods] = per["s"]
+    buckets, n, s = bucket_sums(per, window_ids, models)
     return RecallSums(
         models=list(models),
         window_ids=window_ids,
@@ -327,6 +315,28 @@ def recall_sums(
         sum_rep=s[1],
         sum_non=s[0],
     )
+
+
+def bucket_sums(
+    per: dict, window_ids: np.ndarray, models: list[str], model_key: str = "model"
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(buckets (K,), token counts (2, W, K), loss sums (2, W, K, M)) by non-repeat (0) or
+    repeat (1), window of `window_ids`, training-count bucket and model, from rows grouped in
+    SQL: `per` holds the columns `model_key` (a name of `models`), window_id, bucket, is_repeat,
+    n and s (rows of one cell are added up). Token counts come from the first model's rows:
+    every model scores the same tokens."""
+    buckets = np.unique(per["bucket"].astype(np.int64))
+    rows = np.searchsorted(window_ids, per["window_id"].astype(np.int64))
+    cols = np.searchsorted(buckets, per["bucket"].astype(np.int64))
+    col = {name: i for i, name in enumerate(models)}
+    mods = np.array([col[name] for name in per[model_key]], dtype=np.int64)
+    rep = per["is_repeat"].astype(bool).astype(np.int64)
+    n = np.zeros((2, len(window_ids), len(buckets)), dtype=np.int64)
+    s = np.zeros((2, len(window_ids), len(buckets), len(models)))
+    first = mods == 0
+    np.add.at(n, (rep[first], rows[first], cols[first]), np.asarray(per["n"])[first])
+    np.add.at(s, (rep, rows, cols, mods), np.asarray(per["s"], dtype=np.float64))
+    return buckets, n, s
 
 
 def recall_gain_statistics(

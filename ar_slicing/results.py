@@ -10,6 +10,22 @@ Objects in the database (all read-only views except the two small tables):
   token_losses  tags joined with losses on (window_id, pos): one row per (model, scored token)
   models        table: one row per model from its losses meta.json (name, spec, architecture,
                 n_params, dtype, device, batch_size, tokens, tokens_per_s, fingerprint, losses_dir)
+
+and, for the recall emergence (`ar_slicing.emergence`; empty in a run without checkpoints):
+
+  checkpoints              table: one row per point of a model's training curve, each evaluated
+                           checkpoint (`losses/<model>@step<n>`) and the model itself when it
+                           records its step: model, checkpoint (the losses folder name), step,
+                           tokens_seen, final, spec, hub_commit, window_subset, windows_scored,
+                           losses_dir
+  checkpoint_windows       table: (model, window_id), the windows every point of a model scored
+  checkpoint_losses        the points' losses on those windows (model, checkpoint, window_id,
+                           pos, nll)
+  checkpoint_token_losses  every tag joined with checkpoint_losses, and each point's step and
+                           tokens_seen
+
+A checkpoint is not a model of Table 1: `losses`, `token_losses` and `models` hold the models
+only, and a checkpoint scored on part of the windows restricts no other view.
   run_info      table: key/value facts about the run (directories, window, threshold,
                 fingerprint, default reference, the plan the file was built with and its digest,
                 `signature`)
@@ -100,6 +116,8 @@ class CheckedRun:
     # the same tokens. None when every model covers every window.
     scored_windows: int | None = None
     partial_models: dict[str, int] = field(default_factory=dict)  # name -> windows it scored
+    # complete losses folders of checkpoints along a model's training (`checkpoint_of`), by name
+    checkpoints: list[str] = field(default_factory=list)
 
 
 def find_run(run_dir: str | os.PathLike) -> CheckedRun:
@@ -149,10 +167,13 @@ def find_run(run_dir: str | os.PathLike) -> CheckedRun:
         if not parts:
             run.skipped_losses[d.name] = f"no {LOSS_PART_GLOB}"
             continue
-        run.models.append(d.name)
         require_whole(parts)
         meta = read_json(meta_path(d))
         check_losses_belong(d, meta, run)
+        if meta.get("checkpoint_of") is not None:
+            run.checkpoints.append(d.name)  # (its windows are its model's curve's business)
+            continue
+        run.models.append(d.name)
         if meta.get("partial"):
             n = int(meta.get("windows_evaluated", 0))
             run.partial_models[d.name] = n
@@ -239,6 +260,11 @@ def results_plan(run: CheckedRun) -> dict:
         },
         "scored_windows": run.scored_windows,
     }
+    if run.checkpoints:  # (recorded only when there are some: other runs keep their plans)
+        inputs["checkpoints"] = {
+            name: folder_input(layout.losses(name), layout.loss_parts(name))
+            for name in run.checkpoints
+        }
     return StagePlan("results", settings={}, inputs=inputs).as_json()
 
 
@@ -323,6 +349,7 @@ def _check_coverage(con, run: CheckedRun) -> None:
 
     layout = run.layout
     n_tags = n_rows(layout.tag_parts())
+    _check_points_coverage(con, run)
     for name in run.models:
         n = n_rows(layout.loss_parts(name))
         if n != n_tags:
@@ -332,6 +359,35 @@ def _check_coverage(con, run: CheckedRun) -> None:
                 "folder must hold exactly one row per tag row. Re-run `arslice eval --overwrite` for "
                 "this model against these tags."
             )
+
+
+def _check_points_coverage(con, run: CheckedRun) -> None:
+    """Every point of an emergence curve has exactly one loss per tag row of the windows its
+    meta.json says it scored (read from Parquet footers)."""
+    from ar_slicing.emergence import losses_windows
+
+    if not run.checkpoints:
+        return
+    n_targets = window_targets(run)
+    for name in run.checkpoints:
+        meta = read_json(meta_path(run.layout.losses(name)))
+        expected = int(n_targets[losses_windows(meta, len(n_targets))].sum())
+        paths = _parquet_list(run.layout.loss_parts(name))
+        sql = f"SELECT sum(num_rows)::BIGINT FROM parquet_file_metadata({paths})"
+        n = int(con.execute(sql).fetchone()[0] or 0)
+        if n != expected:
+            raise BadInput(
+                f"losses {run.layout.losses(name)}: {n} rows but the windows its meta.json says "
+                f"it scored hold {expected} tag rows; re-run `arslice eval --overwrite` for this "
+                "checkpoint against these tags."
+            )
+
+
+def window_targets(run: CheckedRun):
+    """(W,) the tag rows of each window, from the tags' window table."""
+    import pyarrow.parquet as pq
+
+    return pq.read_table(run.layout.windows, columns=["n_targets"]).column(0).to_numpy()
 
 
 def build_results(run: CheckedRun, plan: dict | None = None) -> Path:
@@ -408,6 +464,7 @@ def _write_results(con, run: CheckedRun, rows: list[tuple], reference: str, plan
     con.executemany(
         "INSERT INTO models VALUES (" + ", ".join("?" for _ in MODEL_COLUMNS) + ")", rows
     )
+    _write_emergence(con, run)
     tags = run.tags_meta
     info = {
         "run_dir": str(layout.run_dir),
@@ -430,6 +487,83 @@ def _write_results(con, run: CheckedRun, rows: list[tuple], reference: str, plan
         [(k, None if v is None else str(v)) for k, v in info.items()],
     )
     con.execute("CHECKPOINT")
+
+
+# The `checkpoints` table's columns, in order, with their DuckDB types.
+CHECKPOINT_COLUMNS = (
+    ("model", "VARCHAR"),
+    ("checkpoint", "VARCHAR"),
+    ("step", "BIGINT"),
+    ("tokens_seen", "BIGINT"),
+    ("final", "BOOLEAN"),
+    ("spec", "VARCHAR"),
+    ("hub_commit", "VARCHAR"),
+    ("window_subset", "INTEGER"),
+    ("windows_scored", "INTEGER"),
+    ("losses_dir", "VARCHAR"),
+)
+
+
+def _write_emergence(con, run: CheckedRun) -> None:
+    """The recall emergence's tables and views (module docstring), into `con`."""
+    import pyarrow as pa
+
+    from ar_slicing.emergence import common_windows, emergence_points
+
+    layout = run.layout
+    points = emergence_points(layout, run.models, run.checkpoints, len(window_targets(run)))
+    rows = []
+    for p in points:
+        meta = read_json(meta_path(layout.losses(p.checkpoint)))
+        rows.append(
+            (
+                p.model, p.checkpoint, p.step, p.tokens_seen, p.final, meta.get("spec"),
+                meta.get("hub_commit"), meta.get("window_subset"), len(p.windows),
+                str(layout.losses(p.checkpoint)),
+            )
+        )  # fmt: skip
+    columns = ", ".join(f"{c} {t}" for c, t in CHECKPOINT_COLUMNS)
+    con.execute(f"CREATE TABLE checkpoints ({columns})")
+    if rows:  # (DuckDB refuses an empty executemany)
+        marks = ", ".join("?" for _ in CHECKPOINT_COLUMNS)
+        con.executemany(f"INSERT INTO checkpoints VALUES ({marks})", rows)
+    shared = common_windows(points)
+    windows = pa.table(
+        {
+            "model": pa.array([m for m, ids in shared.items() for _ in ids], pa.string()),
+            "window_id": pa.array([int(w) for ids in shared.values() for w in ids], pa.int32()),
+        }
+    )
+    con.register("shared_windows", windows)
+    con.execute(
+        "CREATE TABLE checkpoint_windows AS SELECT * FROM shared_windows ORDER BY model, window_id"
+    )
+    con.unregister("shared_windows")
+    selects = [
+        f"SELECT {sql_string(p.model)} AS model, {sql_string(p.checkpoint)} AS checkpoint, "
+        f"window_id, pos, nll FROM read_parquet({_parquet_list(layout.loss_parts(p.checkpoint))})"
+        for p in points
+    ] or [
+        "SELECT NULL::VARCHAR AS model, NULL::VARCHAR AS checkpoint, NULL::INTEGER AS window_id, "
+        "NULL::INTEGER AS pos, NULL::FLOAT AS nll WHERE false"
+    ]
+    con.execute(
+        "CREATE VIEW checkpoint_losses AS SELECT l.* FROM ("
+        + "\nUNION ALL\n".join(selects)
+        + ") AS l SEMI JOIN checkpoint_windows AS w ON w.model = l.model AND w.window_id = l.window_id"
+    )
+    # every tag (not the `tags` view: a partial model of Table 1 restricts that one)
+    con.execute(
+        f"""
+        CREATE VIEW checkpoint_token_losses AS
+        SELECT l.model, l.checkpoint, c.step, c.tokens_seen, c.final, t.window_id, t.pos,
+               t.doc_id, t.token, t.prev, t.train_count, t.prev_pos, t.is_repeat, t.is_ar_hit,
+               t.subset, t.match_len, t.span_train_count, l.nll
+        FROM read_parquet({_parquet_list(layout.tag_parts())}) AS t
+        JOIN checkpoint_losses AS l ON l.window_id = t.window_id AND l.pos = t.pos
+        JOIN checkpoints AS c ON c.checkpoint = l.checkpoint
+        """
+    )
 
 
 def _remove_sidecars(db: Path) -> None:

@@ -106,3 +106,34 @@ def read_window_table(path) -> dict[str, np.ndarray]:
     except Exception as e:
         raise BadInput(f"{path}: cannot read the window table ({e}); rerun `arslice tag`") from None
     return {name: table.column(name).to_numpy() for name in ("window_id", "start", "n_targets")}
+
+
+# ---- the windows an evaluation scores -----------------------------------------------------------
+
+
+def window_subset(n_windows: int, n: int | None) -> np.ndarray:
+    """The windows of a subset of `n` of the `n_windows` windows, evenly strided over all of them:
+    window `floor(k * W / n)` for `k = 0 .. n-1` (every window when `n` is None or at least W).
+
+    Strided rather than the first `n`: a store holds its documents in source order (the demo's
+    files sorted by path, a corpus's shards one after another), so the first windows are one part
+    of the text, while windows taken at a fixed stride through the whole stream sample every part
+    of it in proportion; the subset's mix of sources, repeats and AR hits is the whole set's.
+
+    Worked example, `W = 10`, `n = 4`: windows 0, 2, 5, 7 (`floor(k * 10 / 4)` for k = 0..3).
+    """
+    if n is None or n >= n_windows:
+        return np.arange(n_windows, dtype=np.int64)
+    if n < 1:
+        raise ArSliceError(f"a window subset needs at least one window, got {n}")
+    return np.arange(n, dtype=np.int64) * n_windows // n
+
+
+def scored_window_ids(
+    windows_total: int, window_subset_size: int | None, windows_evaluated: int | None = None
+) -> np.ndarray:
+    """The ids of the windows a losses folder scored, from what its meta.json records: the
+    subset (`window_subset`, every window without one), cut to its first `windows_evaluated`
+    (a partial evaluation, `--max-windows`)."""
+    ids = window_subset(windows_total, window_subset_size)
+    return ids if windows_evaluated is None else ids[: int(windows_evaluated)]

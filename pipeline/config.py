@@ -72,15 +72,20 @@ class Command:
 
 def missing_inputs(command: Command, cfg: Any, made: Iterable[str] = ()) -> list[str]:
     """`--flag PATH: no such file or directory` for each input of `cfg` that does not exist
-    and is not one of `made` (what an earlier stage of the same run writes)."""
+    and is not one of `made` (what an earlier stage of the same run writes) or inside one (a
+    checkpoint the train stage keeps in its model folder)."""
     if command.inputs is None:
         return []
-    made = {os.path.abspath(os.path.expanduser(p)) for p in made}
+    made = [os.path.abspath(os.path.expanduser(p)) for p in made]
+
+    def made_by_then(path: str) -> bool:  # an output of an earlier stage, or a file inside one
+        path = os.path.abspath(os.path.expanduser(path))
+        return any(path == m or path.startswith(m + os.sep) for m in made)
+
     return [
         f"{flag} {path}: no such file or directory"
         for flag, path in command.inputs(cfg)
-        if not os.path.exists(os.path.expanduser(path))
-        and os.path.abspath(os.path.expanduser(path)) not in made
+        if not os.path.exists(os.path.expanduser(path)) and not made_by_then(path)
     ]
 
 

@@ -2,7 +2,10 @@
 (+ `tokenizer.json`), as `arslice train` writes it.
 
 `save_native` writes the weights first and `config.json` last, each atomically, so a directory
-with a `config.json` is a complete checkpoint. A tied `lm_head.weight` is not stored twice
+with a `config.json` is a complete checkpoint. A checkpoint the trainer kept along the way,
+`<model>/checkpoints/step-<n>/`, holds no tokenizer of its own: it is its model folder's. The
+trainer's `meta.json` beside the weights records where a model stands along training (`step`,
+`tokens_seen`), for a kept checkpoint as for the final model (`training_point`). A tied `lm_head.weight` is not stored twice
 (safetensors refuses shared tensors); `load_native` ties it again. Format version 2 stores every
 mixer option resolved; version 1 configs (written before the options were typed) are read as the
 models they described.
@@ -15,7 +18,13 @@ from pathlib import Path
 
 from ar_slicing.errors import ArSliceError
 from ar_slicing.io import atomic_path, read_json, write_json_atomic
-from ar_slicing.layout import MODEL_CONFIG_NAME, MODEL_WEIGHTS_NAME
+from ar_slicing.layout import (
+    META_NAME,
+    MODEL_CONFIG_NAME,
+    MODEL_WEIGHTS_NAME,
+    TOKENIZER_NAME,
+    model_of_checkpoint,
+)
 from models.checkpoints.registry import (
     LoadedModel,
     LoadRequest,
@@ -46,7 +55,7 @@ def save_native(model, out_dir, tokenizer_json=None) -> Path:
         src = Path(tokenizer_json)
         if not src.is_file():
             raise ArSliceError(f"tokenizer {src}: no such file (expected a tokenizer.json)")
-        with atomic_path(out_dir / "tokenizer.json") as tmp:
+        with atomic_path(out_dir / TOKENIZER_NAME) as tmp:
             shutil.copyfile(src, tmp)
     write_json_atomic(
         out_dir / MODEL_CONFIG_NAME,
@@ -128,6 +137,29 @@ def load_native(model_dir, device="cpu", dtype=None):
     return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
 
 
+def tokenizer_dir(model_dir) -> Path:
+    """Where a native checkpoint's tokenizer is: its own folder, or, for a checkpoint kept along
+    training (`<model>/checkpoints/step-<n>`), its model folder's."""
+    model_dir = Path(model_dir)
+    model = model_of_checkpoint(model_dir)
+    if not (model_dir / TOKENIZER_NAME).is_file() and model is not None:
+        return model
+    return model_dir
+
+
+def training_point(model_dir) -> dict | None:
+    """{"step", "tokens_seen"} of a model `arslice train` wrote (the final model or a checkpoint
+    it kept), from its meta.json; None when there is none or it records no step."""
+    meta_path = Path(model_dir) / META_NAME
+    if not meta_path.is_file():
+        return None
+    meta = read_json(meta_path)
+    step = meta.get("step", (meta.get("counts") or {}).get("steps"))
+    if step is None or meta.get("tokens_seen") is None:
+        return None
+    return {"step": int(step), "tokens_seen": int(meta["tokens_seen"])}
+
+
 @register_loader("native", order=5, identified_by_meta=True)
 def load_spec(request: LoadRequest) -> LoadedModel:
     path = Path(request.target)
@@ -135,4 +167,4 @@ def load_spec(request: LoadRequest) -> LoadedModel:
         raise ArSliceError(
             f"{request.spec}: {path} is not a directory (expected a native checkpoint dir)"
         )
-    return loaded_language_model(load_native(path), request, tokenizer_dir=path)
+    return loaded_language_model(load_native(path), request, tokenizer_dir=tokenizer_dir(path))

@@ -58,6 +58,36 @@ class EvalConfig:
         default=None,
         metadata={"help": "evaluate only the first N windows (a partial run, resumable)"},
     )
+    checkpoint_of: str | None = field(
+        default=None,
+        metadata={
+            "help": "the model (its losses folder's name) whose training checkpoint this is: its "
+            "losses are a point of that model's recall emergence, kept apart from the models "
+            "of Table 1"
+        },
+    )
+    step: int | None = field(
+        default=None,
+        metadata={
+            "help": "with --checkpoint-of: the checkpoint's training step (default: what a "
+            "native checkpoint's meta.json records)"
+        },
+    )
+    tokens_seen: int | None = field(
+        default=None,
+        metadata={
+            "help": "with --checkpoint-of: the training tokens the checkpoint had seen "
+            "(default: what a native checkpoint's meta.json records)"
+        },
+    )
+    window_subset: int | None = field(
+        default=None,
+        metadata={
+            "help": "with --checkpoint-of: score only N windows, evenly strided over all of them "
+            "(window floor(k*W/N) for k < N), to fit a budget; a model of Table 1 is scored on "
+            "every window"
+        },
+    )
     windowing: str = field(
         default="fixed",
         metadata={

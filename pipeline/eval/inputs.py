@@ -132,6 +132,19 @@ def chunk_bounds(n_windows: int, chunk_windows: int) -> list[tuple[int, int]]:
     return [(a, min(a + chunk_windows, n_windows)) for a in range(0, n_windows, chunk_windows)]
 
 
+def window_runs(window_ids: np.ndarray) -> tuple[tuple[int, int], ...]:
+    """The increasing `window_ids` as runs of consecutive windows `(w0, w1)` (windows
+    w0..w1-1), what a chunk's sequences are made from: `[0, 1, 2, 5, 7, 8]` ->
+    `((0, 3), (5, 6), (7, 9))`."""
+    ids = np.asarray(window_ids, dtype=np.int64)
+    if ids.size == 0:
+        return ()
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [ids.size]])
+    return tuple((int(ids[a]), int(ids[b - 1]) + 1) for a, b in zip(starts, ends))
+
+
 def fixed_sequences(tags: TagsInput, w0: int, w1: int) -> list[Sequence]:
     """The tag windows themselves: window w reads S[start : start+n] and predicts S[start+1 : start+n+1]."""
     out = []

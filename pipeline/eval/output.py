@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -66,9 +67,11 @@ def write_chunk(path: Path, window_id, pos, nll: np.ndarray) -> None:
 
 
 class ChunkEvaluator:
-    """Computes and writes loss chunks `(c, w0, w1)` with one model held for many chunks: in the
+    """Computes and writes loss chunks `(c, runs)` with one model held for many chunks: in the
     driver of a local run, or in each Ray actor of `--executor ray` (which loads its own model
-    and tags from the paths in `cfg`)."""
+    and tags from the paths in `cfg`). A chunk's windows are the runs of consecutive windows
+    `runs` ((w0, w1), ...): one run for an evaluation of every window, several for a window
+    subset; their sequences are batched together and their rows follow one another."""
 
     def __init__(
         self,
@@ -98,13 +101,20 @@ class ChunkEvaluator:
         else:
             self.make_sequences = fixed_sequences
 
-    def __call__(self, task: tuple[int, int, int], progress=None) -> dict:
-        c, w0, w1 = task
+    def __call__(self, task: tuple[int, tuple[tuple[int, int], ...]], progress=None) -> dict:
+        c, runs = task
         t = time.time()
-        rows = int(self.tags.n_targets[w0:w1].sum())
+        sequences, keys, rows = [], [], 0
+        for w0, w1 in runs:
+            sequences += [
+                dataclasses.replace(s, row0=s.row0 + rows)
+                for s in self.make_sequences(self.tags, w0, w1)
+            ]
+            keys.append(chunk_keys(self.tags, w0, w1))
+            rows += int(self.tags.n_targets[w0:w1].sum())
         nll = np.full(rows, np.nan, dtype=np.float32)
-        read = self.runner.run(self.make_sequences(self.tags, w0, w1), nll, progress)
-        window_id, pos = chunk_keys(self.tags, w0, w1)
+        read = self.runner.run(sequences, nll, progress)
+        window_id, pos = (np.concatenate(k) for k in zip(*keys))
         write_chunk(chunk_path(self.out, c), window_id, pos, nll)
         return {
             "rows": rows,

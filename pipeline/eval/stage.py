@@ -1,4 +1,9 @@
-"""`arslice eval` as a stage: plan, resume, run the chunks (locally or on Ray), write meta.json."""
+"""`arslice eval` as a stage: plan, resume, run the chunks (locally or on Ray), write meta.json.
+
+A checkpoint along a model's training (`--checkpoint-of NAME`) is evaluated as any model, into
+a losses folder of its own; its plan also records its step and the tokens it had seen, and the
+window subset it was scored on (`--window-subset N`, evenly strided:
+`ar_slicing.windows.window_subset`), so another subset is a changed setting."""
 
 from __future__ import annotations
 
@@ -13,10 +18,17 @@ from ar_slicing.errors import ArSliceError
 from ar_slicing.io import build_meta
 from models.precision import resolve_device, resolve_dtype, resolve_on_cluster
 from pipeline.config import Command, say
+from pipeline.eval.checkpoints import CHECKPOINT_KEYS
 from pipeline.eval.checks import check_model_fits
 from pipeline.eval.config import EvalConfig
 from pipeline.eval.forward import resolve_batch_size
-from pipeline.eval.inputs import TagsInput, chunk_bounds, model_name_from_spec, open_tags
+from pipeline.eval.inputs import (
+    TagsInput,
+    chunk_bounds,
+    model_name_from_spec,
+    open_tags,
+    window_runs,
+)
 from pipeline.eval.output import ChunkEvaluator, chunk_path
 from pipeline.eval.wiring import defaults, eval_hub_names, evaluated_models, losses_entry
 from pipeline.wiring import LOSSES, MODELS, TAGS, Wiring
@@ -39,6 +51,63 @@ def validate_eval(cfg: EvalConfig) -> None:
     if cfg.ray_actors < 0:
         raise ArSliceError(f"--ray-actors {cfg.ray_actors}: must be 0 (one per GPU) or more")
     resolve_batch_size(cfg.batch_size, "cpu", 1)  # refuses what is neither a number nor auto
+    validate_checkpoint(cfg)
+
+
+def validate_checkpoint(cfg: EvalConfig) -> None:
+    """--step, --tokens-seen and --window-subset describe a checkpoint (--checkpoint-of)."""
+    if cfg.checkpoint_of is None:
+        given = [
+            f"--{k.replace('_', '-')}"
+            for k in ("step", "tokens_seen", "window_subset")
+            if getattr(cfg, k) is not None
+        ]
+        if given:
+            raise ArSliceError(
+                f"{' and '.join(given)} describe a training checkpoint: add --checkpoint-of "
+                "MODEL (a model of Table 1 is scored on every window)"
+            )
+        return
+    if not cfg.checkpoint_of or "/" in cfg.checkpoint_of:
+        raise ArSliceError(
+            f"--checkpoint-of {cfg.checkpoint_of!r}: the name of a model of the run (its "
+            "losses folder), such as attention or pythia-160m"
+        )
+    for flag, value, least in (
+        ("--step", cfg.step, 0),
+        ("--tokens-seen", cfg.tokens_seen, 0),
+        ("--window-subset", cfg.window_subset, 1),
+    ):
+        if value is not None and value < least:
+            raise ArSliceError(f"{flag} {value}: must be at least {least}")
+
+
+def checkpoint_point(cfg: EvalConfig) -> dict | None:
+    """Where the checkpoint `cfg` evaluates stands along training, `{"of", "step",
+    "tokens_seen"}`: what the config gives, else what a native checkpoint's meta.json records;
+    None without --checkpoint-of, or while a value is still unknown (a checkpoint not trained
+    yet)."""
+    if cfg.checkpoint_of is None:
+        return None
+    step, tokens = cfg.step, cfg.tokens_seen
+    if step is None or tokens is None:
+        recorded = native_training_point(cfg.model) or {}
+        step = recorded.get("step") if step is None else step
+        tokens = recorded.get("tokens_seen") if tokens is None else tokens
+    if step is None or tokens is None:
+        return None
+    return {"of": cfg.checkpoint_of, "step": int(step), "tokens_seen": int(tokens)}
+
+
+def native_training_point(spec: str) -> dict | None:
+    """{"step", "tokens_seen"} a `native:` model (a trained model or a checkpoint it kept)
+    records, else None."""
+    from models.checkpoints.native import training_point
+    from models.checkpoints.registry import parse_spec, spec_path
+
+    if parse_spec(spec)[0] != "native":
+        return None
+    return training_point(spec_path(spec))
 
 
 def eval_inputs(cfg: EvalConfig) -> list[tuple[str, str]]:
@@ -75,6 +144,11 @@ def eval_settings(cfg: EvalConfig, device: str | None = None, dtype: str | None 
         settings["prefix_token"] = cfg.prefix_token
     if cfg.harness_bos:  # recorded only when set, so earlier rolling plans stay the same
         settings["harness_bos"] = True
+    if cfg.checkpoint_of is not None:  # (likewise: a model's plan stays as it was)
+        # None while a checkpoint still to be trained says nothing: not compared before a run
+        settings["checkpoint"] = checkpoint_point(cfg)
+    if cfg.window_subset is not None:
+        settings["window_subset"] = cfg.window_subset
     return settings
 
 
@@ -151,7 +225,8 @@ class EvalRun:
     cfg: EvalConfig
     name: str
     tags: TagsInput
-    n_windows: int  # the windows evaluated (all, or the first --max-windows)
+    windows: Any  # (n,) int64: the ids of the windows evaluated, increasing
+    selected: int  # the windows of the selection (all, or --window-subset's)
     loaded: Any  # models.LoadedModel (with Ray: loaded here for the checks and meta.json)
     executor: Any  # None: this process; else the Ray executor whose actors load their own
     device: str
@@ -163,8 +238,23 @@ class EvalRun:
     t0: float
 
     @property
+    def n_windows(self) -> int:
+        """The windows evaluated: the selection's, or its first --max-windows."""
+        return len(self.windows)
+
+    @property
     def partial(self) -> bool:
-        return self.n_windows < self.tags.n_windows
+        """Cut short by --max-windows (a window subset alone is not partial)."""
+        return self.n_windows < self.selected
+
+    @property
+    def point(self) -> dict | None:
+        """Where the model stands along training: a checkpoint's point, or the final model's
+        step and tokens when this project trained it (None otherwise)."""
+        point = checkpoint_point(self.cfg)
+        if point is not None:
+            return point
+        return native_training_point(self.cfg.model)
 
     def evaluator(self) -> ChunkEvaluator:
         """The chunk evaluator of a local run (holding this process's model and tags)."""
@@ -195,7 +285,7 @@ def _device_and_dtype(cfg: EvalConfig):
     return executor, device, resolve_on_cluster(executor, cfg.dtype, device)
 
 
-def _resolve(cfg, name, tags, n_windows, executor, device, dtype, t0) -> EvalRun:
+def _resolve(cfg, name, tags, windows, selected, executor, device, dtype, t0) -> EvalRun:
     """Load the model (on this process's device, or the CPU when Ray actors run it) and check
     it against the windows: before OUT is made, so a bad spec or a model that does not fit
     leaves nothing behind."""
@@ -216,10 +306,10 @@ def _resolve(cfg, name, tags, n_windows, executor, device, dtype, t0) -> EvalRun
         say(f"eval {name}: each document read after token {prefix} ({prefix_source})")
     if lead_source:
         say(f"eval {name}: {lead_source}")
-    check_model_fits(loaded, tags, n_windows, cfg, prefix)
+    check_model_fits(loaded, tags, int(windows[-1]) + 1 if len(windows) else 0, cfg, prefix)
     batch_size = resolve_batch_size(cfg.batch_size, device, tags.window)
     return EvalRun(
-        cfg, name, tags, n_windows, loaded, executor, device, dtype, batch_size,
+        cfg, name, tags, windows, selected, loaded, executor, device, dtype, batch_size,
         prefix, prefix_source, lead, t0,
     )  # fmt: skip
 
@@ -227,14 +317,22 @@ def _resolve(cfg, name, tags, n_windows, executor, device, dtype, t0) -> EvalRun
 def run_eval(cfg: EvalConfig) -> dict:
     """Evaluate `cfg.model` on the windows of `cfg.tags`; write losses and meta.json to `cfg.out`."""
     from ar_slicing.plan import StagePlan, identity, open_stage
+    from ar_slicing.windows import window_subset
     from models.checkpoints.registry import spec_identity
 
     t0 = time.time()
     validate_eval(cfg)
     out = Path(cfg.out)
     name = cfg.name or model_name_from_spec(cfg.model)
+    if cfg.checkpoint_of is not None and checkpoint_point(cfg) is None:
+        raise ArSliceError(
+            f"eval {name}: checkpoint {cfg.model} records no training step and tokens seen; "
+            "give --step and --tokens-seen"
+        )
     tags = open_tags(cfg.tags, cfg.tokens)
-    n_windows = tags.n_windows if cfg.max_windows is None else min(cfg.max_windows, tags.n_windows)
+    selection = window_subset(tags.n_windows, cfg.window_subset)
+    windows = selection[: cfg.max_windows]  # (the first --max-windows of them: a partial run)
+    n_windows = len(windows)
     executor, device, dtype = _device_and_dtype(cfg)
     plan = StagePlan(
         "eval",
@@ -261,7 +359,7 @@ def run_eval(cfg: EvalConfig) -> dict:
             }
         extend = True  # a partial (--max-windows) result, now asked for more windows
     try:
-        run = _resolve(cfg, name, tags, n_windows, executor, device, dtype, t0)
+        run = _resolve(cfg, name, tags, windows, len(selection), executor, device, dtype, t0)
     except BaseException:
         stage.release()  # (an existing OUT is locked from the plan check on)
         raise
@@ -274,16 +372,22 @@ def run_eval(cfg: EvalConfig) -> dict:
 def _evaluate(stage, run: EvalRun) -> dict:
     """Compute the chunks the ledger does not hold, record each, and write meta.json."""
     out, tags = stage.out, run.tags
+    # chunk c holds the evaluated windows run.windows[i0:i1], as runs of consecutive windows
     chunks = chunk_bounds(run.n_windows, run.cfg.chunk_windows)
-    chunk_rows = [int(tags.n_targets[w0:w1].sum()) for w0, w1 in chunks]
-    todo = [c for c in range(len(chunks)) if stage.done(chunk_part(*chunks[c])) is None]
+    runs = [window_runs(run.windows[i0:i1]) for i0, i1 in chunks]
+    subset = run.cfg.window_subset is not None
+    parts = [chunk_part(i0, i1, subset) for i0, i1 in chunks]
+    chunk_rows = [sum(int(tags.n_targets[w0:w1].sum()) for w0, w1 in r) for r in runs]
+    todo = [c for c in range(len(chunks)) if stage.done(parts[c]) is None]
     if len(chunks) > len(todo):
         log.info(
             "resuming %s: %d of %d chunks already done", out, len(chunks) - len(todo), len(chunks)
         )
-    tasks = [(c, *chunks[c]) for c in todo]
-    windows_done = run.n_windows - sum(w1 - w0 for _, w0, w1 in tasks)
-    totals = _run_chunks(stage, run, tasks, sum(chunk_rows[c] for c in todo), windows_done)
+    tasks = [(c, runs[c]) for c in todo]
+    windows_done = run.n_windows - sum(chunks[c][1] - chunks[c][0] for c in todo)
+    totals = _run_chunks(
+        stage, run, tasks, parts, chunks, sum(chunk_rows[c] for c in todo), windows_done
+    )
     meta = stage.finish(_eval_meta(stage, run, chunks, todo, totals))
     rate = f"{totals['tokens_per_s']:,.0f} tokens/s" if todo else "all chunks reused"
     say(
@@ -298,15 +402,17 @@ def _evaluate(stage, run: EvalRun) -> dict:
     }
 
 
-def chunk_part(w0: int, w1: int) -> str:
-    """The ledger's name of the chunk of windows w0..w1-1 (the last chunk of a partial run and
+def chunk_part(i0: int, i1: int, subset: bool = False) -> str:
+    """The ledger's name of the chunk of the evaluated windows i0..i1-1: windows i0..i1-1
+    themselves, or the i0-th to (i1-1)-th of a window subset (the last chunk of a partial run and
     the same chunk of a longer one share a file, not a part)."""
-    return f"windows {w0}-{w1}"
+    return f"{'subset ' if subset else ''}windows {i0}-{i1}"
 
 
-def _run_chunks(stage, run: EvalRun, tasks, rows: int, windows_done: int) -> dict:
-    """Evaluate `tasks` ((chunk, w0, w1)) here or on the Ray actors, recording each chunk in the
-    ledger as its file arrives; returns the totals meta.json records."""
+def _run_chunks(stage, run: EvalRun, tasks, parts, chunks, rows: int, windows_done: int) -> dict:
+    """Evaluate `tasks` ((chunk, its runs of windows)) here or on the Ray actors, recording each
+    chunk in the ledger (as `parts[chunk]`) as its file arrives; returns the totals meta.json
+    records."""
     from tqdm import tqdm
 
     scored = read = backoffs = 0
@@ -324,8 +430,8 @@ def _run_chunks(stage, run: EvalRun, tasks, rows: int, windows_done: int) -> dic
             num_gpus=1 if run.device == "cuda" else 0,  # one GPU per actor; none on CPUs
         )
     try:
-        for (c, w0, w1), result in results:
-            stage.record(chunk_part(w0, w1), [chunk_path(stage.out, c)], rows=result["rows"])
+        for (c, _runs), result in results:
+            stage.record(parts[c], [chunk_path(stage.out, c)], rows=result["rows"])
             if run.executor is not None:
                 bar.update(result["rows"])
             read += result["read"]
@@ -333,7 +439,7 @@ def _run_chunks(stage, run: EvalRun, tasks, rows: int, windows_done: int) -> dic
             batch_size = min(batch_size, result["batch_size"])
             backoffs = max(backoffs, result["backoffs"])  # each evaluator counts its own
             scored += result["rows"]
-            windows_done += w1 - w0
+            windows_done += chunks[c][1] - chunks[c][0]
             bar.set_postfix_str(f"windows {windows_done}/{run.n_windows}")
     finally:
         bar.close()
@@ -349,7 +455,18 @@ def _run_chunks(stage, run: EvalRun, tasks, rows: int, windows_done: int) -> dic
 
 def _eval_meta(stage, run: EvalRun, chunks, todo, totals: dict) -> dict:
     cfg, tags, loaded = run.cfg, run.tags, run.loaded
-    total_rows = int(tags.n_targets[: run.n_windows].sum())
+    total_rows = int(tags.n_targets[run.windows].sum())
+    # a checkpoint's place along training (a trained final model's too), and its window subset:
+    # recorded only when there are some, so other models' meta.json stay as they were
+    along = {
+        "checkpoint_of": cfg.checkpoint_of,
+        "window_subset": cfg.window_subset,
+        **(run.point or {}),
+    }
+    along.pop("of", None)
+    skipped = {"windows_beyond_max_windows": run.selected - run.n_windows}
+    if cfg.window_subset is not None:
+        skipped["windows_outside_the_subset"] = tags.n_windows - run.selected
     return build_meta(
         "eval",
         config=cfg,
@@ -370,7 +487,7 @@ def _eval_meta(stage, run: EvalRun, chunks, todo, totals: dict) -> dict:
             "input_tokens_read": totals["read"],
             "oom_backoffs": totals["backoffs"],
         },
-        skipped={"windows_beyond_max_windows": tags.n_windows - run.n_windows},
+        skipped=skipped,
         wall_time_s=time.time() - run.t0,
         throughput={"tokens_per_s": totals["tokens_per_s"]},
         name=run.name,
@@ -398,6 +515,7 @@ def _eval_meta(stage, run: EvalRun, chunks, todo, totals: dict) -> dict:
         partial=run.partial,
         windows_evaluated=run.n_windows,
         windows_total=tags.n_windows,
+        **{k: v for k, v in along.items() if v is not None},
         files=[chunk_path(stage.out, c).name for c in range(len(chunks))],
     )
 
@@ -416,6 +534,7 @@ COMMAND = Command(
   arslice eval --model hf:./pythia-70m --tags runs/pile/tags --out smoke --max-windows 8 --device cpu
   arslice eval --model hf:EleutherAI/pythia-160m --tags runs/pile/tags --out runs/pile/losses/pythia-rolling --windowing rolling  # needs the hub
   arslice eval --model hf:EleutherAI/pythia-160m@step3000 --tags runs/pile/tags --out runs/pile/losses/pythia-160m-step3000  # needs the hub
+  arslice eval --model hf:EleutherAI/pythia-160m@step3000 --checkpoint-of pythia-160m --step 3000 --tokens-seen 6291456000 --window-subset 4096 --tags runs/pile/tags --out runs/pile/losses/pythia-160m@step3000  # needs the hub
   arslice eval --model hf:meta-llama/Llama-2-7b-hf --tags runs/llama/tags --out runs/llama/losses/llama-harness --windowing rolling --harness-bos  # needs the hub
   arslice eval --model safari:hyena-small-150b-tok.ckpt --model-config safari/configs/evals/hyena_small_150b.yaml --tags runs/pile/tags --out runs/pile/losses/hyena  # needs a published checkpoint""",
     hub_names=eval_hub_names,
@@ -425,6 +544,7 @@ COMMAND = Command(
         writes=LOSSES,
         fan_out=evaluated_models,
         defaults=defaults,
+        pipeline_keys=CHECKPOINT_KEYS,
         entry=losses_entry,
     ),
 )

@@ -1,16 +1,19 @@
 """The eval stage in a pipeline config: `[eval]` shared by every model, each trained model (as
-`native:<dir>`) and each `[eval.models.<name>]` with a `model` spec evaluated into `losses/<name>/`."""
+`native:<dir>`) and each `[eval.models.<name>]` with a `model` spec evaluated into `losses/<name>/`,
+then the checkpoints `checkpoints` asks for, each into `losses/<name>@step<n>/`
+(`pipeline.eval.checkpoints`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from ar_slicing.errors import BadInput
+from pipeline.eval.checkpoints import listed_checkpoints, trained_checkpoints
 from pipeline.wiring import Fanned, Run, Table, model_tables
 
 
 def evaluated_models(f: Fanned) -> list[Table]:
-    """Every trained model, then every `[eval.models.<name>]` table."""
+    """Every trained model, then every `[eval.models.<name>]` table, then their checkpoints."""
     common, extra = model_tables(f.values)
     trained = list(model_tables(f.config["train"])[1]) if f.config.get("train") else []
     overlap = sorted(set(trained) & set(extra))
@@ -34,10 +37,20 @@ def evaluated_models(f: Fanned) -> list[Table]:
             f"{f.path}: nothing to evaluate; add [train.models.<name>] or "
             "[eval.models.<name>] tables"
         )
-    return [
+    checkpoints = trained_checkpoints(f, common, trained)
+    for name, table in extra.items():
+        checkpoints += listed_checkpoints(f, common, name, table)  # (takes its keys out of table)
+    tables = [
         Table(name, {**common, **table}, f"[{f.table}.models.{name}]")
         for name, table in entries.items()
     ]
+    clash = sorted({t.name for t in tables} & {t.name for t in checkpoints})
+    if clash:
+        raise BadInput(
+            f"{f.path}: model name(s) {', '.join(clash)} are also the losses folders of "
+            "checkpoints (<model>@step<n>); give the model another name"
+        )
+    return tables + checkpoints
 
 
 def defaults(run: Run, table: Table) -> dict:
@@ -45,8 +58,11 @@ def defaults(run: Run, table: Table) -> dict:
 
 
 def losses_entry(name: str, out: Path, meta: dict) -> dict:
-    """An evaluated model in `losses/meta.json`."""
-    return {"dir": str(out), "spec": meta.get("spec"), "tokens": meta.get("tokens")}
+    """An evaluated model (or checkpoint: its model and step) in `losses/meta.json`."""
+    entry = {"dir": str(out), "spec": meta.get("spec"), "tokens": meta.get("tokens")}
+    if meta.get("checkpoint_of") is not None:
+        entry.update({k: meta.get(k) for k in ("checkpoint_of", "step", "tokens_seen")})
+    return entry
 
 
 def eval_hub_names(cfg, where: str) -> list[tuple[str, str, str]]:

@@ -13,7 +13,9 @@ refreshed first) and writes, under `<run>/report/`:
   frequency_curve.png  log perplexity per training-count decade bucket, repeats vs non-repeats,
                        one colour per model (the paper's Figure 1)
   slice_bars.png       perplexity per slice per model with the bootstrap intervals
-  *.csv                every table: table1, and one per query of queries/
+  emergence.png        in a run with checkpoints along training: the recall gain against the
+                       training tokens seen, one line per model (with its table in report.md)
+  *.csv                every table: table1, and one per query of queries/ (and emergence)
   meta.json            written last (inputs signature, resolved config, counts, timings)
 
 Every table except Table 1 is the result of the same `queries/*.sql` file that `arslice query`

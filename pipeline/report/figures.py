@@ -231,3 +231,42 @@ def slice_bars_png(report, order: list[str]) -> bytes:
     ax.legend(fontsize=8)
     fig.tight_layout()
     return _png(fig)
+
+
+def emergence_png(rows: list[dict]) -> bytes:
+    """Recall emergence (`ar_slicing.emergence` rows): the in-context recall gain against the
+    training tokens seen (log axis), one line per model with its 95% band, and the gain at
+    training count 0 dashed in the same colour. A point at 0 tokens (the initial weights) has no
+    place on a log axis: it is in the table, not drawn."""
+    import numpy as np
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    for i, model in enumerate(models):
+        pts = [r for r in rows if r["model"] == model and r["tokens_seen"] > 0]
+        if not pts:
+            continue
+        colour = colours[i % len(colours)]
+        x = np.array([r["tokens_seen"] for r in pts], dtype=float)
+        for key, style, label in (
+            ("recall_gain", "-", model),
+            ("recall_gain_count0", "--", None),
+        ):
+            y = np.array([r[key] for r in pts], dtype=float)
+            ax.plot(x, y, style, marker="o", ms=4, color=colour, label=label)
+            lo = np.array([r[f"{key}_lo"] for r in pts], dtype=float)
+            hi = np.array([r[f"{key}_hi"] for r in pts], dtype=float)
+            if np.isfinite(lo).any():
+                ax.fill_between(x, lo, hi, color=colour, alpha=0.12 if style == "-" else 0.06)
+    ax.set_xscale("log")
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xlabel("training tokens seen")
+    ax.set_ylabel("in-context recall gain (nats)")
+    ax.set_title("Recall emergence: solid all bigrams, dashed never seen in training", fontsize=10)
+    ax.grid(alpha=0.3)
+    if models:
+        ax.legend(fontsize=8, title="model (95% bands)", title_fontsize=8)
+    fig.tight_layout()
+    return _png(fig)

@@ -8,6 +8,7 @@ import re
 
 from ar_slicing.layout import (
     COPY_LENGTH_FIGURE,
+    EMERGENCE_FIGURE,
     FREQUENCY_CURVE_FIGURE,
     MQAR_FIGURE,
     RECALL_GAIN_FIGURE,
@@ -102,6 +103,17 @@ COPY_TEXT = (
     "Brackets: 95% bootstrap intervals over windows; n = scored tokens."
 )
 COPY_SUBSET_TITLE = "Copy length per subset"
+EMERGENCE_TITLE = "Recall emergence: in-context recall along training"
+EMERGENCE_TEXT = (
+    "Each model at the checkpoints evaluated along its training (and at its end, when the run "
+    "trained it), against the training tokens it had seen: the recall gain, its part at "
+    "training count 0 (bigrams never seen in training, where only the context can help) and "
+    "the perplexity on AR hits and on other tokens, every point of a model on the windows all of "
+    "its points scored (`windows`; an earlier checkpoint may be scored on an evenly strided "
+    "subset). Brackets: 95% bootstrap intervals over those windows, the same resamples for every "
+    "point of a model. Table 1 holds the models alone, on every window "
+    "(`queries/recall_emergence.sql` without intervals; docs/design.md, Recall emergence)."
+)
 FIGURE_TITLES = {
     FREQUENCY_CURVE_FIGURE: "frequency curve",
     COPY_LENGTH_FIGURE: "copy-length curve",
@@ -121,6 +133,13 @@ def render_markdown(context: dict, t1: Table1Text, tables: dict) -> str:
     parts = ["# AR slicing report", "", *(line + "\n" for line in _intro(context))]
     parts += ["## Table 1: perplexity per slice", "", markdown_table(t1.header, t1.rows), ""]
     parts += [f"![{alt}]({name})\n" for name, alt in FIGURE_TITLES.items()]
+    if context.get("emergence"):
+        parts += [f"## {EMERGENCE_TITLE}", "", EMERGENCE_TEXT, ""]
+        parts += [
+            markdown_table(*context["emergence"]),
+            "",
+            f"![recall emergence]({EMERGENCE_FIGURE})\n",
+        ]
     copies = context.get("copy_length")
     if copies:
         parts += [f"## {COPY_TITLE}", "", COPY_TEXT, "", markdown_table(*copies["table"]), ""]
@@ -154,6 +173,13 @@ def render_html(context, t1, tables, figures, passages, order, vmax) -> str:
     ]
     body += ["<h2>Figures</h2>"]
     body += [_img(figures[name], alt) for name, alt in FIGURE_TITLES.items()]
+    if context.get("emergence"):
+        body += [
+            f"<h2>{html.escape(EMERGENCE_TITLE)}</h2>",
+            f"<p>{inline_html(EMERGENCE_TEXT)}</p>",
+        ]
+        body += [_scroll(html_table(*context["emergence"], "emergence"))]
+        body += [_img(figures[EMERGENCE_FIGURE], "recall emergence")]
     copies = context.get("copy_length")
     if copies:
         body += [f"<h2>{inline_html(COPY_TITLE)}</h2>", f"<p>{inline_html(COPY_TEXT)}</p>"]

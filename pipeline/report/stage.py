@@ -10,6 +10,7 @@ from ar_slicing.errors import ArSliceError
 from ar_slicing.io import build_meta, write_bytes_atomic
 from ar_slicing.layout import (
     COPY_LENGTH_FIGURE,
+    EMERGENCE_FIGURE,
     FREQUENCY_CURVE_FIGURE,
     MQAR_FIGURE,
     RECALL_GAIN_FIGURE,
@@ -24,6 +25,7 @@ from pipeline.mqar import mqar_results
 from pipeline.report.config import QUERY_TABLES, ReportConfig
 from pipeline.report.figures import (
     copy_length_png,
+    emergence_png,
     frequency_curve_png,
     recall_gain_png,
     slice_bars_png,
@@ -33,6 +35,7 @@ from pipeline.report.render import render_html, render_markdown
 from pipeline.report.tables import (
     copy_length_by_subset_text,
     copy_length_text,
+    emergence_text,
     table1_text,
     write_csv,
 )
@@ -91,6 +94,8 @@ def _report_from(cfg: ReportConfig, checked, t0: float) -> dict:
             "losses": {name: identity(layout.losses(name)) for name in checked.models},
             "scored_windows": checked.scored_windows,
         }
+        if checked.checkpoints:  # (a run without checkpoints keeps the plan it had)
+            inputs["checkpoints"] = {n: identity(layout.losses(n)) for n in checked.checkpoints}
         mqar = mqar_results(layout.mqar)
         if mqar is not None:  # (a run without the probe keeps the plan it had)
             inputs["mqar"] = identity(layout.mqar)
@@ -137,6 +142,7 @@ def _write_report(stage, cfg, con, checked, info, reference, t0, mqar=None) -> d
     if mqar is not None:  # the probe's table and figure, as `arslice mqar` wrote them
         figures[MQAR_FIGURE] = mqar.figure.read_bytes()
         write_bytes_atomic(out / MQAR_FIGURE, figures[MQAR_FIGURE])
+    emergence = _emergence(con, cfg, out, figures) if checked.checkpoints else None
 
     passages = load_passages(con, checked, choose_windows(con, reference, cfg.passages), t1.order)
 
@@ -155,6 +161,7 @@ def _write_report(stage, cfg, con, checked, info, reference, t0, mqar=None) -> d
         "coverage": coverage_notes(checked),
         "mqar": mqar,
         "copy_length": copies,
+        "emergence": emergence,
     }
     write_bytes_atomic(out / REPORT_MD_NAME, render_markdown(context, text, tables).encode())
     page = render_html(context, text, tables, figures, passages, t1.order, vmax)
@@ -210,6 +217,19 @@ def _copy_length(con, cfg, out) -> dict:
     }
 
 
+def _emergence(con, cfg, out, figures: dict) -> tuple[list[str], list[list[str]]]:
+    """The recall emergence (a run with checkpoints): emergence.csv, emergence.png (added to
+    `figures`) and the table's text."""
+    from ar_slicing.emergence import emergence_rows
+
+    rows = emergence_rows(con, n_bootstrap=cfg.bootstrap, seed=cfg.seed)
+    columns = list(rows[0]) if rows else ["model"]
+    write_csv(out / TABLE_CSV.format("emergence"), columns, [tuple(r.values()) for r in rows])
+    figures[EMERGENCE_FIGURE] = emergence_png(rows)
+    write_bytes_atomic(out / EMERGENCE_FIGURE, figures[EMERGENCE_FIGURE])
+    return emergence_text(rows)
+
+
 def coverage_notes(checked) -> list[str]:
     """One sentence per model left out (an unfinished evaluation) and one naming the models
     that scored fewer windows than the others, when any did."""
@@ -262,6 +282,13 @@ def console_summary(text, t1, context, cfg) -> str:
         )
     )
     lines += [f"note: {n}" for n in context["coverage"]]
+    if context.get("emergence"):
+        points = context["emergence"][1]
+        models = len({row[0] for row in points})
+        lines.append(
+            f"recall emergence: {len(points)} points along the training of {models} model(s) "
+            f"(report.md, {EMERGENCE_FIGURE})"
+        )
     return "\n".join(lines)
 
 
@@ -273,7 +300,9 @@ COMMAND = Command(
     summary="results.duckdb, Table 1, Figure 1 and the HTML report",
     description=(
         "Build RUN/results.duckdb and RUN/report/ (report.md, report.html, frequency_curve.png, "
-        "slice_bars.png, CSVs) from the run's tags and every complete losses/<model>/."
+        "slice_bars.png, CSVs) from the run's tags and every complete losses/<model>/; with "
+        "checkpoints along training (losses/<model>@step<n>/), the recall emergence too "
+        "(its table, emergence.csv, emergence.png)."
     ),
     examples="""\
   arslice report --run runs/pile

@@ -211,3 +211,44 @@ def copy_length_by_subset_text(columns: list[str], rows: list[tuple]):
             row.append(f"{math.exp(s / n):.2f} n={n:,}" if n else "")
         out.append(row)
     return header, out
+
+
+# ---- recall emergence -------------------------------------------------------------------------
+
+
+def emergence_text(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """The recall-emergence table (`ar_slicing.emergence` rows): per model and point of its
+    training, the tokens seen, the windows compared, and the recall gain, its part at training
+    count 0 and the ppl on AR hits and other tokens, each with its interval."""
+    header = [
+        "model",
+        "checkpoint",
+        "step",
+        "tokens seen",
+        "windows",
+        "recall gain (nats)",
+        "gain, count 0 (nats)",
+        "ppl AR hits",
+        "ppl other",
+    ]
+    out = []
+    for r in rows:
+        out.append(
+            [
+                r["model"],
+                r["checkpoint"] + (" (final)" if r["final"] else ""),
+                f"{r['step']:,}",
+                f"{r['tokens_seen']:,}",
+                f"{r['n_windows']:,}",
+                *(
+                    fmt_ci(r[key], r[f"{key}_lo"], r[f"{key}_hi"], digits)
+                    for key, digits in (
+                        ("recall_gain", 3),
+                        ("recall_gain_count0", 3),
+                        ("ppl_ar", 2),
+                        ("ppl_other", 2),
+                    )
+                ),
+            ]
+        )
+    return header, out

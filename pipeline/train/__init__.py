@@ -19,7 +19,10 @@ Outputs (`--out DIR`): `config.json` + `model.safetensors` (the `native` format,
 train/validation loss, tokens seen, parameter count, wall time, the loss history). While
 training, `DIR/.train-state/step-<n>/` holds the last periodic checkpoint (model, optimizer,
 step), recorded in the stage's ledger; a killed run leaves no `meta.json`, and rerunning the
-same command resumes from the checkpoint the ledger holds.
+same command resumes from the checkpoint the ledger holds. `--keep-checkpoints 800 1600` also
+keeps the model at those steps, as `DIR/checkpoints/step-<n>/` (native checkpoints with a
+meta.json of their step and tokens seen), parts of the ledger and of the output; keeping them
+changes no byte of the final model.
 
 The run is put together here; `loop` holds the steps and the validation loss, `config`
 `TrainConfig`, `schedule` the batch order and learning rate, `model` the model, optimizer and
@@ -33,6 +36,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ar_slicing.errors import ArSliceError
 from ar_slicing.io import build_meta
 from pipeline.config import Command, say
 from pipeline.train.config import (  # noqa: F401  (re-exported)
@@ -57,7 +61,10 @@ from pipeline.train.side_by_side import SIDE_BY_SIDE_KEY, run_models
 from pipeline.train.state import (  # noqa: F401  (re-exported)
     build_model,
     checkpoint,
+    keep_checkpoint,
+    kept_steps,
     load_state,
+    missing_kept,
     resume,
     save_state,
     train_settings,
@@ -124,12 +131,23 @@ def _train(stage, cfg: TrainConfig, device: str, dtype: str, t0: float) -> dict:
     def autocast_ctx():
         return autocast(device, dtype)
 
+    def keep(p):
+        keep_checkpoint(stage, model, cfg, p.step, inputs.order.n_rows)
+
+    if start_step == 0 and 0 in cfg.keep_checkpoints:
+        keep(progress)  # the initial weights
     t_loop = time.time()
     train_steps(
         cfg, model, optimizer, inputs, progress, device, autocast_ctx,
-        checkpoint=lambda p: checkpoint(stage, model, optimizer, p), name=out.name,
+        checkpoint=lambda p: checkpoint(stage, model, optimizer, p), name=out.name, keep=keep,
     )  # fmt: skip
     t_loop = time.time() - t_loop
+    missing = missing_kept(stage, cfg)
+    if missing:  # (a run resumed past a step whose kept checkpoint is gone)
+        raise ArSliceError(
+            f"train {cfg.arch}: the checkpoints of step(s) {', '.join(map(str, missing))} are "
+            f"missing from {out}; pass --overwrite to train it again"
+        )
     model.eval()
     save_native(model, out, tokenizer_json=inputs.tokenizer_json)  # each file atomically
     trained_tokens = (cfg.steps - start_step) * cfg.batch_size * cfg.seq_len
@@ -175,8 +193,10 @@ def _train_meta(cfg, inputs: TrainInputs, model_cfg, n_params, progress, start_s
         model_config=model_cfg,
         n_params=n_params,
         fingerprint=store.fingerprint,
+        step=cfg.steps,
         tokens_seen=cfg.steps * cfg.batch_size * cfg.seq_len,
         epochs=cfg.steps * cfg.batch_size / order.n_rows,
+        checkpoints=kept_steps(cfg),
         final_train_loss=progress.train_loss_ema,
         final_val_loss=progress.last_val,
         device=device,
@@ -207,7 +227,12 @@ def model_entry(name: str, out: Path, meta: dict) -> dict:
         "final_val_loss",
         "wall_time_s",
     )
-    return {"dir": str(out), "spec": f"native:{out}", **{k: meta.get(k) for k in keep}}
+    entry = {"dir": str(out), "spec": f"native:{out}", **{k: meta.get(k) for k in keep}}
+    if meta.get(
+        "checkpoints"
+    ):  # (kept checkpoints: their steps, as `[eval] checkpoints` names them)
+        entry["checkpoints"] = meta["checkpoints"]
+    return entry
 
 
 COMMAND = Command(
@@ -220,7 +245,9 @@ COMMAND = Command(
   arslice train --arch attention --tokens runs/demo/tokens/train --val-tokens runs/demo/tokens/val \\
       --out runs/demo/models/attention --d-model 128 --n-layers 4 --steps 600
   arslice train --arch hyena --tokens runs/demo/tokens/train --out runs/demo/models/hyena \\
-      --mixer-options filter_order=32""",
+      --mixer-options filter_order=32
+  arslice train --arch attention --tokens runs/demo/tokens/train --out runs/demo/models/attention \\
+      --steps 1600 --keep-checkpoints 200 400 800""",
     pipeline=Wiring(
         table="train",
         reads=(STORES,),

@@ -83,6 +83,14 @@ class TrainConfig:
     checkpoint_every: int = field(
         default=200, metadata={"help": "save a resumable checkpoint every N steps (0: never)"}
     )
+    keep_checkpoints: list[int] = field(
+        default_factory=list,
+        metadata={
+            "help": "steps whose model to keep as OUT/checkpoints/step-<n>/ (a native checkpoint "
+            "each, `native:OUT/checkpoints/step-<n>`), before the last step; the final model is "
+            "OUT itself. 0 keeps the initial weights"
+        },
+    )
     device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N or auto"})
     dtype: str = field(
         default="auto",

@@ -121,13 +121,18 @@ def train_steps(
     autocast_ctx,
     checkpoint,
     name: str,
+    keep=None,
 ) -> None:
     """Steps `progress.step .. cfg.steps - 1`, updating `progress`; `checkpoint(progress)` is
-    called every `checkpoint_every` steps (not after the last: the model itself is saved then)."""
+    called every `checkpoint_every` steps (not after the last: the model itself is saved then),
+    and `keep(progress)` after each step of `cfg.keep_checkpoints` (before that step's
+    checkpoint, so a run resumed from the checkpoint has kept it). Neither touches the weights,
+    the optimizer or any random state: the trained model is the same with or without them."""
     import torch
     from tqdm.auto import tqdm
 
     starts = inputs.validation_starts(cfg)
+    kept = set(cfg.keep_checkpoints) if keep is not None else set()
     tokens_per_step = cfg.batch_size * cfg.seq_len
     start_step = progress.step
     model.train()
@@ -178,6 +183,8 @@ def train_steps(
                 }
             )
         _show(bar, progress, (done - start_step) * tokens_per_step, time.time() - t_loop)
+        if done in kept:
+            keep(progress)
         if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
             checkpoint(progress)
     bar.close()

@@ -1,9 +1,13 @@
-"""What a training run is (its plan settings, checked before it starts), the model it builds and
-the periodic checkpoints under `OUT/.train-state/` that a killed run resumes from.
+"""What a training run is (its plan settings, checked before it starts), the model it builds, the
+periodic checkpoints under `OUT/.train-state/` that a killed run resumes from, and the
+checkpoints it keeps under `OUT/checkpoints/`.
 
 A checkpoint is a part of the stage's ledger: `.train-state/step-<n>/` (model, optimizer,
 state.json) is written whole under a temporary name, recorded, and only then is the one before
-it removed, so a kill at any moment leaves a recorded checkpoint whole (or none yet)."""
+it removed, so a kill at any moment leaves a recorded checkpoint whole (or none yet). A kept
+checkpoint (`keep_checkpoints`) is a part too, `checkpoints/step-<n>/` (config.json,
+model.safetensors and a meta.json recording its step and the tokens seen), written whole and
+recorded the same way; it outlives the run, as part of the trained output."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from ar_slicing.io import (
     read_json,
     write_json_atomic,
 )
-from ar_slicing.layout import MODEL_WEIGHTS_NAME
+from ar_slicing.layout import META_NAME, MODEL_CONFIG_NAME, MODEL_WEIGHTS_NAME, kept_checkpoint
 from pipeline.config import config_to_dict
 from pipeline.train.config import _RESUMABLE_CHANGES, STATE_DIR, TrainConfig
 from pipeline.train.model import (
@@ -34,11 +38,23 @@ def train_settings(cfg: TrainConfig, dtype: str | None = None) -> dict:
     settings = {
         k: v
         for k, v in config_to_dict(cfg).items()
-        if k not in _RESUMABLE_CHANGES and k not in ("tokens", "val_tokens", "out")
+        if k not in _RESUMABLE_CHANGES and k not in ("tokens", "val_tokens", "out", *_ONLY_SET)
     }
     if dtype is None:
         dtype = resolve_dtype(cfg.dtype, resolve_device(cfg.device), training=True)
+    # recorded only when set, so the plans of models trained without them stay the same
+    if cfg.keep_checkpoints:
+        settings["keep_checkpoints"] = kept_steps(cfg)
     return {**settings, "dtype": dtype}
+
+
+# settings recorded in the plan only when set (`train_settings`)
+_ONLY_SET = ("keep_checkpoints",)
+
+
+def kept_steps(cfg: TrainConfig) -> list[int]:
+    """The steps whose model the run keeps, in order (each once)."""
+    return sorted(set(cfg.keep_checkpoints))
 
 
 def validate_train(cfg: TrainConfig) -> None:
@@ -46,6 +62,13 @@ def validate_train(cfg: TrainConfig) -> None:
         raise ArSliceError("--steps, --batch-size and --seq-len must be positive")
     if cfg.lr <= 0 or cfg.warmup_steps < 0 or cfg.eval_batches < 1:
         raise ArSliceError("--lr must be positive, --warmup-steps >= 0 and --eval-batches >= 1")
+    late = [s for s in cfg.keep_checkpoints if not 0 <= s < cfg.steps]
+    if late:
+        raise ArSliceError(
+            f"--keep-checkpoints {' '.join(map(str, late))}: a kept step must be from 0 to "
+            f"{cfg.steps - 1}, before the last step; the final model (step {cfg.steps}) is "
+            "always kept, as OUT itself"
+        )
     build_model(model_config_for(cfg, vocab_size=256), device="meta")  # options, shapes: no memory
 
 
@@ -115,6 +138,51 @@ def checkpoint(stage, model, optimizer, progress) -> None:
     for old in state_dir.parent.glob("step-*"):
         if old.name != state_dir.name:
             remove_work(old)
+
+
+KEPT = "kept"  # the ledger's names of kept checkpoints: "kept <step>"
+
+
+def kept_part(step: int) -> str:
+    return f"{KEPT} {step:08d}"
+
+
+def kept_record(cfg: TrainConfig, step: int, rows_per_epoch: int, stage) -> dict:
+    """A kept checkpoint's meta.json: where it stands along training (`step`, `tokens_seen`, as
+    a trained model's meta.json says them; `models.checkpoints.native.training_point` reads
+    both) and the plan of the run that kept it, which with the step identifies its weights."""
+    from ar_slicing.plan import digest
+
+    return {
+        "stage": "train",
+        "kept_checkpoint": True,
+        "arch": cfg.arch,
+        "step": step,
+        "tokens_seen": step * cfg.batch_size * cfg.seq_len,
+        "epochs": step * cfg.batch_size / rows_per_epoch,
+        "train_plan": digest(stage.plan),
+    }
+
+
+def keep_checkpoint(stage, model, cfg: TrainConfig, step: int, rows_per_epoch: int) -> None:
+    """Write the model at `step` as the kept checkpoint OUT/checkpoints/step-<step>/, whole or
+    not at all, and record it in the stage's ledger (nothing to do when the ledger holds it)."""
+    from models.checkpoints.native import save_native
+
+    part = kept_part(step)
+    if stage.done(part) is not None:
+        return
+    folder = kept_checkpoint(stage.out, step)
+    with atomic_dir(folder) as tmp:
+        save_native(model, tmp)  # (copies the weights: the model goes on training untouched)
+        write_json_atomic(tmp / META_NAME, kept_record(cfg, step, rows_per_epoch, stage))
+    files = [folder / name for name in (MODEL_CONFIG_NAME, MODEL_WEIGHTS_NAME, META_NAME)]
+    stage.record(part, files, step=step)
+
+
+def missing_kept(stage, cfg: TrainConfig) -> list[int]:
+    """The steps of `keep_checkpoints` the ledger does not hold whole."""
+    return [s for s in kept_steps(cfg) if stage.done(kept_part(s)) is None]
 
 
 def resume(stage, model, optimizer, device: str):

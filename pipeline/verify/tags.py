@@ -268,6 +268,13 @@ def verify_losses(path: Path, windows: dict, window: int, checks: Checks) -> dic
     n_targets = np.asarray(windows["n_targets"], dtype=np.int64)
     evaluated = int(meta.get("windows_evaluated", n_targets.size))
     scored = n_targets[:evaluated]
+    subset = meta.get("window_subset")
+    if subset is not None:  # a checkpoint scored on a subset: no row outside its windows
+        from ar_slicing.emergence import losses_windows
+
+        scored = np.zeros_like(n_targets)
+        ids = losses_windows(meta, n_targets.size)
+        scored[ids] = n_targets[ids]
     parts = sorted(path.glob(LOSS_PART_GLOB))
     if not _parts_whole(parts, checks):
         return meta
@@ -293,12 +300,14 @@ def verify_losses(path: Path, windows: dict, window: int, checks: Checks) -> dic
     if problem is None and rows != expected:
         problem = f"{rows:,} loss rows for {expected:,} tag rows"
     scope = f" of {evaluated} window(s)" if evaluated < n_targets.size else ""
+    if subset is not None:
+        scope += f" (a subset of {subset}, evenly strided)"
     checks.check(problem is None, f"{path}: one loss row per tag row{scope}", problem)
     checks.check(
         nonfinite == 0,
         f"{path}: every nll finite",
         f"{nonfinite:,} NaN or infinite values, first at {first_bad}",
     )
-    if evaluated < n_targets.size:
+    if evaluated < n_targets.size and subset is None:
         checks.note(f"{path}: partial, {evaluated} of {n_targets.size} windows evaluated")
     return meta

@@ -416,3 +416,69 @@ def test_a_hub_model_that_changed_under_its_name_is_a_changed_input(
     assert moved.returncode == 2, moved.stderr
     assert commits["main"] in moved.stderr and commits["step1"] in moved.stderr
     assert "commit" in moved.stderr and "Traceback" not in moved.stderr
+
+
+def test_a_hub_models_checkpoints_are_its_revisions_offline(tiny_run, tmp_path, bpe_tokenizer):  # noqa: F811
+    """`[eval.models.<name>] checkpoints = ["step1"]` evaluates hf:ID@step1 from the local cache,
+    without a hub: each revision resolved to its commit, placed by step x tokens_per_step; a
+    revision the cache lacks is named before anything runs."""
+    import json
+
+    commits = hub_cache(tmp_path / "cache", bpe_tokenizer)
+    env = cache_env(tmp_path)
+    run = tiny_run
+    config = tmp_path / "hub.toml"
+
+    def write(revisions: list[str]) -> None:
+        config.write_text(
+            f'run_dir = "{run}"\n[eval]\ndevice = "cpu"\ndtype = "fp32"\n'
+            "checkpoint_windows = 1\ntokens_per_step = 1000\n"
+            f'[eval.models.tiny]\nmodel = "hf:tiny/gpt"\ncheckpoints = {json.dumps(revisions)}\n'
+        )
+
+    write(["step1"])
+    dry = arslice(["run", "--config", str(config), "--stage", "eval", "--dry-run"], env)
+    assert dry.returncode == 0, dry.stderr
+    assert "# [eval] tiny@step1" in dry.stdout and '"model": "hf:tiny/gpt@step1"' in dry.stdout
+    done = arslice(["run", "--config", str(config), "--stage", "eval"], env)
+    assert done.returncode == 0, done.stderr
+    assert connections(env) == []  # HF_HUB_OFFLINE: not even the probe
+    meta = json.loads((run / "losses" / "tiny@step1" / "meta.json").read_text())
+    assert (meta["hub_commit"], meta["checkpoint_of"], meta["step"], meta["tokens_seen"]) == (
+        commits["step1"], "tiny", 1, 1000,
+    )  # fmt: skip
+    assert meta["plan"]["inputs"]["model"]["commit"] == commits["step1"]
+    assert meta["plan"]["settings"]["checkpoint"] == {"of": "tiny", "step": 1, "tokens_seen": 1000}
+    assert (meta["window_subset"], meta["windows_evaluated"]) == (1, 1)
+    main = json.loads((run / "losses" / "tiny" / "meta.json").read_text())
+    assert main["hub_commit"] == commits["main"] and main["windows_evaluated"] == 2
+
+    write(["step1", "step9"])  # a revision the cache does not hold: refused before any stage
+    missing = arslice(["run", "--config", str(config), "--stage", "eval"], env)
+    assert missing.returncode == 2 and MESSAGE in missing.stderr, missing.stderr
+    assert "model hf:tiny/gpt@step9 ([eval.models.tiny] tiny@step9)" in missing.stderr
+    assert "tiny/gpt@step1 " not in missing.stderr  # (cached: not named)
+    assert not (run / "losses" / "tiny@step9").exists()
+
+
+def test_the_pythia_emergence_config_is_checked_offline_as_far_as_it_can_be(tmp_path):
+    """pipeline/configs/pile-pythia-emergence.toml without a hub or the Pile: `--dry-run` names
+    every problem at once (the data it lacks, and each model and revision the hub would give)
+    and writes nothing."""
+    text = (REPO / "pipeline" / "configs" / "pile-pythia-emergence.toml").read_text()
+    run_dir = tmp_path / "runs" / "emergence"
+    config = tmp_path / "emergence.toml"
+    config.write_text(text.replace('"runs/pile-pythia-emergence"', f'"{run_dir}"'))
+    env = offline_env(tmp_path, HF_HUB_OFFLINE="1")
+    out = arslice(["run", "--config", str(config), "--dry-run"], env)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert connections(env) == []
+    assert "3 problems, found before anything ran" in out.stderr
+    assert "source /data/pile/val.jsonl.zst: no such file or directory" in out.stderr
+    assert out.stderr.count(MESSAGE) == 1
+    for size in ("160m", "410m"):
+        assert f"model hf:EleutherAI/pythia-{size} ([eval.models.pythia-{size}])" in out.stderr
+        for step in (0, 512, 143000):
+            revision = f"hf:EleutherAI/pythia-{size}@step{step}"
+            assert f"model {revision} ([eval.models.pythia-{size}] " in out.stderr, revision
+    assert not run_dir.exists()

@@ -13,7 +13,8 @@ Before a command that writes `--out DIR` runs, DIR is removed, so the example co
     published checkpoint (a trailing `# needs ...`) can only be parsed here: its flags are
     parsed into the command's config (what --dry-run does before its checks);
   * `arslice run` on the demo config runs with --dry-run (the whole demo is minutes of training;
-    tests/pipeline/test_demo_e2e.py runs it end to end), `arslice train` stops after TRAIN_STEPS and
+    tests/pipeline/test_demo_e2e.py runs it end to end), `arslice train` stops after TRAIN_STEPS (keeping
+    checkpoints at two of them, TRAIN_KEEP, when the example keeps some) and
     `arslice mqar` trains tiny cells (MQAR_TINY);
   * `make TARGET` is `make -n TARGET` (what it would run), and a pipeline target is checked as
     `arslice run --config CONFIG --dry-run`, which is what it runs first;
@@ -49,6 +50,8 @@ TRANSCRIPTS_MAKE = ("runs/tiny",)
 # `arslice train` examples train for hundreds of steps (minutes on a CPU); here they stop after
 # TRAIN_STEPS (a later `--steps` wins): the same code path, flags and outputs, minutes sooner
 TRAIN_STEPS = "3"
+# ... and an example that keeps checkpoints along the way keeps two of those three steps
+TRAIN_KEEP = ["--keep-checkpoints", "1", "2"]
 # `arslice mqar` examples train dozens of models for minutes each; here every cell is tiny (later
 # flags win), so the same code path writes the same files in seconds
 MQAR_TINY = ["--steps", "3", "--d-models", "16", "--seq-lens", "16", "--n-test", "8"]
@@ -307,6 +310,8 @@ def run_arslice(argv: list[str], example: Example, tree: Path, monkeypatch) -> N
         argv = [*argv, "--dry-run"]
     if argv[:1] == ["train"]:
         argv = [*argv, "--steps", TRAIN_STEPS]
+        if "--keep-checkpoints" in argv:
+            argv += TRAIN_KEEP
     if argv[:1] == ["mqar"]:
         argv = [*argv, *MQAR_TINY]
     _remove_output(argv, tree)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 from pathlib import Path
@@ -250,6 +251,7 @@ def test_the_sweep_trains_each_demo_model_at_three_rates_and_nothing_else_differ
         ("pile-gpt2.toml", "gpt-neo-125m"),
         ("pile-neox.toml", "pythia-160m"),
         ("pile-hazy.toml", "transformer-pp-1.3b"),
+        ("pile-pythia-emergence.toml", "pythia-160m"),
     ],
 )
 def test_pile_configs_build_every_stage(name, reference):
@@ -276,6 +278,35 @@ def test_hazy_config_evaluates_the_whole_suite():
         n: f"based:hazyresearch/{n}"
         for n in ("transformer-pp-1.3b", "based-1.3b", "mamba-1.3b", "based-360m")
     }
+
+
+def test_pythia_emergence_config_evaluates_ten_revisions_of_each_model():
+    p = shipped("pile-pythia-emergence.toml")
+    evals = p.configs("eval")
+    steps = [0, 512, 1000, 2000, 4000, 8000, 16000, 32000, 64000, 143000]
+    for size in ("160m", "410m"):
+        model = f"pythia-{size}"
+        assert evals[model].model == f"hf:EleutherAI/pythia-{size}"
+        assert evals[model].checkpoint_of is None and evals[model].window_subset is None
+        points = {n: c for n, c in evals.items() if c.checkpoint_of == model}
+        assert sorted(c.step for c in points.values()) == steps
+        for step in steps:
+            c = points[f"{model}@step{step}"]
+            assert c.model == f"hf:EleutherAI/pythia-{size}@step{step}"
+            assert c.tokens_seen == step * 1024 * 2048 and c.window_subset == 16384
+    assert len(evals) == 22
+    # the same data as pile-neox.toml
+    neox = shipped("pile-neox.toml")
+    for stage in ("tokenize", "count", "tag"):
+        mine, theirs = p.configs(stage), neox.configs(stage)
+        for name, cfg in mine.items():
+            keep = {"out", "tokens", "counts", "tokenizer", "only_bigrams_of"}
+            differ = {
+                f.name
+                for f in dataclasses.fields(cfg)
+                if getattr(cfg, f.name) != getattr(theirs[name], f.name) and f.name not in keep
+            }
+            assert not differ, (stage, name, differ)
 
 
 def test_tokenizer_reads_the_training_corpus_unless_it_names_its_own(tmp_path):

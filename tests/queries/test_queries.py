@@ -411,6 +411,7 @@ def test_every_query_file_runs_and_is_tested():
         "examples",
         "frequency_curve",
         "gap_vs_reference",
+        "recall_emergence",  # tests/ar_slicing/test_emergence.py
         "recall_gain",  # tests/queries/test_recall_gain.py
         "slice_perplexity",
     ]
