@@ -275,24 +275,3 @@ def _jit_all(jit) -> dict:
 
 
 compiled = lazily_compiled(_jit_all)
-
-
-def warm() -> None:
-    """Compile (or load from numba's cache) the signatures the tag stage uses, in this process:
-    the public functions run once on a tiny batch, so the types are exactly those of a run."""
-    if compiled() is None:
-        return
-    from ar_slicing.counts import BigramCounts, ngrams
-    from ar_slicing.tags import DocTable, long_spans, slice_counts, tag_windows
-
-    regions.warm()
-    ngrams.warm()
-    one = np.zeros(1, np.int64)
-    docs = DocTable(offsets=one, doc_ids=one, subset_code=np.full(1, -1, np.int32), subset_names=())
-    stream = np.zeros(2, np.uint16)
-    table = BigramCounts(one + 1, one + 1, one + 1, meta={})
-    for lookup in (table, lambda prev, nxt: np.zeros(len(prev), np.int64)):
-        args = dict(docs=docs, lookup=lookup, threshold=0, vocab_size=2)
-        columns = tag_windows(stream, 0, 1, **args)
-    long_spans(stream, 0, 1, docs=docs, vocab_size=2, span_order=4)
-    slice_counts(columns, 0)

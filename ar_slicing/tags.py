@@ -617,3 +617,25 @@ def slice_counts(columns: dict[str, np.ndarray], n_subsets: int) -> dict[str, li
             ("ar_hits", columns["is_ar_hit"]),
         )
     }
+
+
+def warm() -> None:
+    """Compile (or load from numba's cache) the signatures the tag stage uses, in this process:
+    the public functions run once on a tiny batch, so the types are exactly those of a run."""
+    from ar_slicing.counts import BigramCounts, ngrams, regions
+    from ar_slicing.tag_kernels import compiled
+
+    if compiled() is None:
+        return
+
+    regions.warm()
+    ngrams.warm()
+    one = np.zeros(1, np.int64)
+    docs = DocTable(offsets=one, doc_ids=one, subset_code=np.full(1, -1, np.int32), subset_names=())
+    stream = np.zeros(2, np.uint16)
+    table = BigramCounts(one + 1, one + 1, one + 1, meta={})
+    for lookup in (table, lambda prev, nxt: np.zeros(len(prev), np.int64)):
+        args = dict(docs=docs, lookup=lookup, threshold=0, vocab_size=2)
+        columns = tag_windows(stream, 0, 1, **args)
+    long_spans(stream, 0, 1, docs=docs, vocab_size=2, span_order=4)
+    slice_counts(columns, 0)

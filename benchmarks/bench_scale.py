@@ -284,7 +284,7 @@ def span_count_only(root: Path, workers: int) -> dict:
     every part and gather their n-grams, then count those over the training stores."""
     from ar_slicing.io import read_json
     from ar_slicing.store import TokenStore
-    from ar_slicing.tag_kernels import warm
+    from ar_slicing.tags import warm
     from ar_slicing.windows import n_windows
     from pipeline.tag import (
         TagConfig,
@@ -461,7 +461,7 @@ def main() -> None:
         os.replace(small.with_suffix(".tmp"), small)
 
     from ar_slicing.counts.kernels import warm_kernels
-    from ar_slicing.tag_kernels import warm
+    from ar_slicing.tags import warm
 
     warm_kernels()  # numba compiles once into its on-disk cache; the measured stages load it
     warm()

@@ -216,8 +216,7 @@ def copy_length_cost(
     from ar_slicing.counts import BigramCounts
     from ar_slicing.counts.ngrams import NgramTable
     from ar_slicing.store import TokenStore
-    from ar_slicing.tag_kernels import warm
-    from ar_slicing.tags import DocTable, column_buffers, long_spans, tag_windows
+    from ar_slicing.tags import DocTable, column_buffers, long_spans, tag_windows, warm
     from ar_slicing.windows import stream_range
     from pipeline.tag import BATCH_TOKENS
 

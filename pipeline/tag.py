@@ -436,8 +436,7 @@ def _tag_into(
     from ar_slicing.executor import LocalExecutor, default_workers
     from ar_slicing.io import build_meta
     from ar_slicing.layout import WINDOWS_NAME
-    from ar_slicing.tag_kernels import warm
-    from ar_slicing.tags import DocTable
+    from ar_slicing.tags import DocTable, warm
     from ar_slicing.windows import window_table, write_window_table
 
     out = stage.out
