@@ -71,7 +71,7 @@ def test_query_is_what_arslice_query_prints(tiny_run, capsys, name):  # noqa: F8
     params = {"reference": QUOTED} if name in ("gap_vs_reference", "examples") else {}
     flags = [f"--param={k}={v}" for k, v in params.items()]
     if name == "recall_emergence":  # (its rows are checkpoints': the tiny run gets one)
-        from test_emergence import add_tiny_checkpoint
+        from tests.ar_slicing.test_emergence import add_tiny_checkpoint
 
         add_tiny_checkpoint(tiny_run)
     assert cli("query", name, "--run", str(tiny_run), "--format", "csv", *flags) == 0
