@@ -1,6 +1,6 @@
 """`make all` end to end on a reduced demo: every stage, four freshly trained models, the report.
 
-The reduced config is derived from pipeline/configs/demo.toml itself (same corpus root,
+The reduced config is derived from pipeline/configs/demo.toml itself (same corpus, split,
 tokenizer kind, the four architectures and their options) with smaller sizes, so the test
 follows the shipped demo as it changes. Run by `make test-demo` and `make test-slow` (.ci/run).
 """
@@ -18,20 +18,19 @@ import tomllib
 from ar_slicing.io import read_json
 from ar_slicing.readers import split_part_of
 from ar_slicing.store import TokenStore
-from pipeline.runner.config_file import dumps_toml, torch_dir
+from pipeline.runner.config_file import dumps_toml, stdlib_dir
 from tests import REPO
 
 DEMO = REPO / "pipeline" / "configs" / "demo.toml"
-ARCHS = ["base_conv", "hyena", "rwkv", "transformer_pp"]
-GLOB = "nn/modules/*.py"  # 28 of the demo's ~1,265 torch files (0.9 MB)
-SPLIT = 0.1  # 4 of them for validation (the demo's 3% would leave one)
+ARCHS = ["attention", "base_conv", "hyena", "rwkv"]
+GLOB = "[a-f]*.py"  # ~50 of the ~170 top-level stdlib modules
 
 
 def reduced_demo_config(root: Path) -> Path:
     cfg = tomllib.loads(DEMO.read_text())
     cfg["run_dir"] = str(root / "demo")
     cfg["tokenizer"].update(glob=GLOB, vocab_size=512)
-    cfg["tokenize"].update(glob=GLOB, split_fraction=SPLIT)
+    cfg["tokenize"].update(glob=GLOB)
     cfg["tag"].update(window=64)
     cfg["train"].update(
         seq_len=64, batch_size=8, steps=30, warmup_steps=5, eval_every=10, checkpoint_every=10
@@ -60,20 +59,14 @@ def test_make_all_runs_the_whole_analysis(tmp_path):
     assert f"report: {run / 'report' / 'report.html'}" in proc.stdout
 
     # tokenizer + stores: the split is by path hash, disjoint, and covers every file
-    root = Path(torch_dir()).resolve()
-    files = sorted(
-        p.relative_to(root).as_posix() for p in root.glob(GLOB) if p.read_text(errors="replace")
-    )
+    files = sorted(p.name for p in Path(stdlib_dir()).glob(GLOB) if p.read_text(errors="replace"))
     train, val = TokenStore.open(run / "tokens/train"), TokenStore.open(run / "tokens/val")
     keys = {
-        part: sorted(
-            Path(s).resolve().relative_to(root).as_posix()
-            for s in store.docs.column("source").to_pylist()
-        )
+        part: sorted(Path(s).name for s in store.docs.column("source").to_pylist())
         for part, store in [("train", train), ("val", val)]
     }
     assert sorted(keys["train"] + keys["val"]) == files
-    assert keys["val"] and all(split_part_of(name, SPLIT) == "val" for name in keys["val"])
+    assert all(split_part_of(name, 0.1) == "val" for name in keys["val"])
     assert (
         train.fingerprint == val.fingerprint == read_json(run / "counts/meta.json")["fingerprint"]
     )

@@ -136,26 +136,51 @@ def shipped(name: str) -> Pipeline:
     return Pipeline(path, load_pipeline_config(path))
 
 
-# the demo's attention model: the recipe its sweep picked (pipeline/configs/demo-sweep.toml)
-DEMO_ATTENTION = "transformer_pp"
+def stdlib_corpus(files: list[str]) -> None:
+    """The standard library's own modules and packages, never site-packages, a test suite or a
+    package some distributions split off."""
+    assert len(files) > 300 and "asyncio/base_events.py" in files and "os.py" in files
+    banned = ("site-packages", "dist-packages", "test", "tests", "idlelib", "tkinter")
+    assert not [f for f in files if set(f.split("/")[:-1]) & set(banned)]
 
 
-def test_demo_config_builds_every_stage_and_matches_the_makefile():
+def torch_corpus(files: list[str]) -> None:
+    """torch's own library code, never the one file that differs between its builds
+    (version.py), its test harnesses, vendored code or generated pattern tables."""
+    assert len(files) > 1200 and "nn/modules/linear.py" in files and "_tensor.py" in files
+    assert "_dynamo/variables/builder.py" in files and "_inductor/codegen/triton.py" in files
+    assert "version.py" not in files
+    left_out = ("testing", "_vendor", "sparse", "utils")  # torch's own top-level packages
+    assert not [f for f in files if f.split("/")[0] in left_out]
+    assert not [f for f in files if "serialized_patterns" in f.split("/")]
+
+
+# config -> (its run folder, its attention model, its corpus root, what its corpus is)
+DEMOS = {
+    "demo.toml": ("runs/demo", "attention", stdlib_dir, stdlib_corpus),
+    # the longer demo in preparation: its attention is the recipe its sweep picks
+    "demo-torch.toml": ("runs/demo-torch", "transformer_pp", torch_dir, torch_corpus),
+}
+
+
+@pytest.mark.parametrize("config", DEMOS)
+def test_demo_config_builds_every_stage_and_matches_the_makefile(config):
     from models.backbone import LanguageModel
     from pipeline.train import BatchOrder, model_config_for
 
-    p = shipped("demo.toml")
-    assert p.run_dir == Path("runs/demo")
+    run, attention, corpus_root, corpus = DEMOS[config]
+    p = shipped(config)
+    assert p.run_dir == Path(run)
     tok = p.stages["tokenizer"].config_cls
     assert tok.__name__ == "TrainTokenizerConfig"
     parts = p.configs("tokenize")
     assert {k: (c.split_part, c.out) for k, c in parts.items()} == {
-        "train": ("train", "runs/demo/tokens/train"),
-        "val": ("val", "runs/demo/tokens/val"),
+        "train": ("train", f"{run}/tokens/train"),
+        "val": ("val", f"{run}/tokens/val"),
     }
     assert (
-        parts["train"].source == [torch_dir()]
-        and parts["train"].tokenizer == "runs/demo/tokenizer.json"
+        parts["train"].source == [corpus_root()]
+        and parts["train"].tokenizer == f"{run}/tokenizer.json"
     )
     # the tokenizer learns from exactly the training store's corpus
     tok_cfg = p.configs("tokenizer")["tokenizer"]
@@ -165,27 +190,19 @@ def test_demo_config_builds_every_stage_and_matches_the_makefile():
         parts["train"].split_fraction,
         "train",
     )
-    # the corpus: torch's own library code, never the one file that differs between its builds
-    # (version.py), its test harnesses, vendored code or generated pattern tables
     from ar_slicing.readers import DirectoryReader
 
-    files = [rel for rel, _ in DirectoryReader(Path(torch_dir()), parts["train"].glob).files()]
-    assert len(files) > 1200 and "nn/modules/linear.py" in files and "_tensor.py" in files
-    assert "_dynamo/variables/builder.py" in files and "_inductor/codegen/triton.py" in files
-    assert "version.py" not in files
-    left_out = ("testing", "_vendor", "sparse", "utils")  # torch's own top-level packages
-    assert not [f for f in files if f.split("/")[0] in left_out]
-    assert not [f for f in files if "serialized_patterns" in f.split("/")]
-    assert p.configs("count")["count"].tokens == ["runs/demo/tokens/train"]
+    corpus([rel for rel, _ in DirectoryReader(Path(corpus_root()), parts["train"].glob).files()])
+    assert p.configs("count")["count"].tokens == [f"{run}/tokens/train"]
     tag = p.configs("tag")["tag"]
     assert (tag.tokens, tag.counts, tag.out) == (
-        "runs/demo/tokens/val",
-        "runs/demo/counts",
-        "runs/demo/tags",
+        f"{run}/tokens/val",
+        f"{run}/counts",
+        f"{run}/tags",
     )
 
     trains = p.configs("train")
-    assert sorted(trains) == sorted([DEMO_ATTENTION, "base_conv", "hyena", "rwkv"])
+    assert sorted(trains) == sorted([attention, "base_conv", "hyena", "rwkv"])
     assert {c.arch for c in trains.values()} == set(trains)
     # the same training tokens in the same order for every architecture
     orders = {
@@ -200,20 +217,18 @@ def test_demo_config_builds_every_stage_and_matches_the_makefile():
     assert all(abs(s - mean) / mean < 0.10 for s in sizes.values()), sizes
 
     evals = p.configs("eval")
-    assert {n: c.model for n, c in evals.items()} == {
-        n: f"native:runs/demo/models/{n}" for n in trains
-    }
-    assert p.configs("report")["report"].reference == DEMO_ATTENTION
+    assert {n: c.model for n, c in evals.items()} == {n: f"native:{run}/models/{n}" for n in trains}
+    assert p.configs("report")["report"].reference == attention
 
     # the Makefile's RUN (sed over `run_dir = "..."`) names the same directory
     out = subprocess.run(
-        ["make", "-n", "-B", "tokenizer", "CONFIG=pipeline/configs/demo.toml"],
+        ["make", "-n", "-B", "tokenizer", f"CONFIG=pipeline/configs/{config}"],
         cwd=REPO,
         capture_output=True,
         text=True,
     )
     assert (
-        "arslice run --config pipeline/configs/demo.toml" in out.stdout
+        f"arslice run --config pipeline/configs/{config}" in out.stdout
         and "--stage tokenizer" in out.stdout
     )
 
@@ -221,7 +236,7 @@ def test_demo_config_builds_every_stage_and_matches_the_makefile():
 def test_the_sweep_trains_each_demo_model_at_three_rates_and_nothing_else_differs():
     from dataclasses import replace
 
-    demo, sweep = shipped("demo.toml"), shipped("demo-sweep.toml")
+    demo, sweep = shipped("demo-torch.toml"), shipped("demo-sweep.toml")
     for stage in ("tokenizer", "tokenize", "count", "tag", "eval"):
         assert sweep.table(stage) == demo.table(stage), stage
     settings = {k: v for k, v in demo.table("train").items() if k != "models"}
