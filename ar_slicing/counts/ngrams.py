@@ -390,10 +390,14 @@ class NgramTable:
 
     # ---- counting and looking up ------------------------------------------------------------
 
-    def count_stream(self, tokens: np.ndarray, first: int, offset: int, row: int | None):
+    def count_stream(
+        self, tokens: np.ndarray, first: int, offset: int, row: int | None, into=None
+    ) -> np.ndarray:
         """Counts (int64, one per row) of the table's n-grams ending at tokens[first:], where
-        tokens[0] is stream index `offset` of the training stream (`row`: the counting unit)."""
-        counts = np.zeros(self.n_rows, np.int64)
+        tokens[0] is stream index `offset` of the training stream (`row`: the counting unit),
+        added to `into` when given (one array for every shard of a task: no array of n_rows
+        to allocate, zero and add per shard) and returned."""
+        counts = np.zeros(self.n_rows, np.int64) if into is None else into
         kernels = compiled()
         if kernels is not None:
             trigrams, filter_bits = self.trigram_filter()
@@ -555,5 +559,5 @@ def count_span_task(task: SpanCountTask, table: NgramTable) -> np.ndarray:
     for a in range(task.start, task.stop, task.shard_tokens):
         b = min(a + task.shard_tokens, task.stop)
         lo = max(a - K, 0)
-        counts += table.count_stream(read_stream(stores, lo, b), a - lo, lo, task.row)
+        table.count_stream(read_stream(stores, lo, b), a - lo, lo, task.row, into=counts)
     return counts
