@@ -101,10 +101,7 @@ def part_tasks(
             tokens=tokens,
             counts=counts,
             out=out,
-            window=cfg.window,
-            threshold=cfg.threshold,
-            reset_at_doc_boundary=cfg.reset_at_doc_boundary,
-            span_order=cfg.span_order,
+            **tag_rules(cfg),
         )
         for k, first in enumerate(range(0, n_windows, per_part))
     ]
@@ -280,15 +277,19 @@ def validate_tag(cfg: TagConfig) -> None:
         )
 
 
-def tag_settings(cfg: TagConfig) -> dict:
-    """What decides the tag files' bytes besides the inputs (the settings part of the plan)."""
+def tag_rules(cfg: TagConfig) -> dict:
+    """The rules a target is tagged by: what every part task and meta.json carry."""
     return {
         "window": cfg.window,
         "threshold": cfg.threshold,
         "reset_at_doc_boundary": cfg.reset_at_doc_boundary,
         "span_order": cfg.span_order,
-        "part_tokens": cfg.part_tokens,
     }
+
+
+def tag_settings(cfg: TagConfig) -> dict:
+    """What decides the tag files' bytes besides the inputs (the settings part of the plan)."""
+    return {**tag_rules(cfg), "part_tokens": cfg.part_tokens}
 
 
 def _counted_sources(counts_meta: dict, store) -> list[str]:
@@ -541,10 +542,7 @@ def _tag_into(
         tokens=tokens_path,
         counts_dir=counts_path,
         fingerprint=store.fingerprint,
-        window=cfg.window,
-        threshold=cfg.threshold,
-        reset_at_doc_boundary=cfg.reset_at_doc_boundary,
-        span_order=cfg.span_order,
+        **tag_rules(cfg),
         span_counts=span_counts,
         parts=[t.path.name for t in tasks],
         warnings=warnings,
