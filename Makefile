@@ -103,8 +103,9 @@ readme-demo: all
 	sed -n '/^## Table 1/,/^!\[/p' $(RUN)/report/report.md | sed '$$d' > docs/demo-table1.md
 	cp $(RUN)/report/frequency_curve.png docs/demo-frequency-curve.png
 	cp $(RUN)/report/recall_gain.png docs/demo-recall-gain.png
+	cp $(RUN)/report/emergence.png docs/demo-emergence.png
 	$(PY) -c 'import re, pathlib; r = pathlib.Path("README.md"); t = pathlib.Path("docs/demo-table1.md").read_text().split("\n", 2)[2].strip(); r.write_text(re.sub(r"(<!-- demo-table:start[^>]*-->\n).*?(\n<!-- demo-table:end -->)", lambda m: m.group(1) + t + m.group(2), r.read_text(), flags=re.S))'
-	@echo "docs/demo-table1.md, docs/demo-frequency-curve.png and docs/demo-recall-gain.png updated from $(RUN)"
+	@echo "docs/demo-table1.md, docs/demo-frequency-curve.png, docs/demo-recall-gain.png and docs/demo-emergence.png updated from $(RUN)"
 
 clean-run:
 	rm -rf $(RUN)

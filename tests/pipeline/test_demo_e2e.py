@@ -7,6 +7,7 @@ follows the shipped demo as it changes. Run by `make test-demo` and `make test-s
 
 from __future__ import annotations
 
+import csv
 import subprocess
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from tests import REPO
 DEMO = REPO / "pipeline" / "configs" / "demo.toml"
 ARCHS = ["attention", "base_conv", "hyena", "rwkv"]
 GLOB = "[a-f]*.py"  # ~50 of the ~170 top-level stdlib modules
+KEPT = [5, 10, 20]  # checkpoints kept before the last of 30 steps, as the demo keeps three
 
 
 def reduced_demo_config(root: Path) -> Path:
@@ -35,7 +37,7 @@ def reduced_demo_config(root: Path) -> Path:
     cfg["train"].update(
         seq_len=64, batch_size=8, steps=30, warmup_steps=5, eval_every=10, checkpoint_every=10
     )
-    cfg["train"].update(d_model=32)
+    cfg["train"].update(d_model=32, keep_checkpoints=KEPT)
     cfg["report"].update(bootstrap=20)
     path = root / "demo-small.toml"
     path.write_text(dumps_toml(cfg))
@@ -93,7 +95,8 @@ def test_make_all_runs_the_whole_analysis(tmp_path):
 
     # losses: one finite, positive NLL per tag row for every model
     losses = read_json(run / "losses/meta.json")["losses"]
-    assert sorted(losses) == ARCHS
+    points = sorted(f"{a}@step{k}" for a in ARCHS for k in KEPT)
+    assert sorted(losses) == sorted(ARCHS + points)  # every model, and every checkpoint kept
     key = tags.select(["window_id", "pos"]).to_pandas().sort_values(["window_id", "pos"]).to_numpy()
     for name in ARCHS:
         table = (
@@ -111,6 +114,14 @@ def test_make_all_runs_the_whole_analysis(tmp_path):
     table1 = (run / "report/table1.csv").read_text().splitlines()
     assert len(table1) == 1 + len(ARCHS)
     assert (run / "report/frequency_curve.png").stat().st_size > 0
+    # the recall emergence: a row per model and point (its kept checkpoints, then the model)
+    with open(run / "report/emergence.csv", newline="") as f:
+        emergence = list(csv.DictReader(f))
+    assert [(r["model"], int(r["step"])) for r in emergence] == [
+        (a, k) for a in ARCHS for k in [*KEPT, 30]
+    ]
+    assert all(int(r["tokens_seen"]) == int(r["step"]) * 8 * 64 for r in emergence)
+    assert (run / "report/emergence.png").stat().st_size > 0
     assert (run / "results.duckdb").is_file()
 
     # a second `make all` has nothing to redo: make runs no stage at all
