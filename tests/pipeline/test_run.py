@@ -217,7 +217,14 @@ def test_demo_config_builds_every_stage_and_matches_the_makefile(config):
     assert all(abs(s - mean) / mean < 0.10 for s in sizes.values()), sizes
 
     evals = p.configs("eval")
-    assert {n: c.model for n, c in evals.items()} == {n: f"native:{run}/models/{n}" for n in trains}
+    # every trained model, and every checkpoint it keeps, from its folder in the run
+    models = {n: f"native:{run}/models/{n}" for n in trains}
+    kept = {
+        f"{n}@step{k}": f"{models[n]}/checkpoints/step-{k}"
+        for n, c in trains.items()
+        for k in c.keep_checkpoints
+    }
+    assert {n: c.model for n, c in evals.items()} == {**models, **kept}
     assert p.configs("report")["report"].reference == attention
 
     # the Makefile's RUN (sed over `run_dir = "..."`) names the same directory
