@@ -149,6 +149,18 @@ class TokenStore:
     def slice(self, start: int, stop: int) -> np.ndarray:
         return np.asarray(self.tokens[start:stop])
 
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens start..stop-1 read from the file into a new array: unlike `slice`, nothing of
+        the file stays mapped into this process (a pass over a large store does not pile up
+        its pages in the process's memory)."""
+        start, stop = max(start, 0), min(stop, self.n_tokens)
+        if stop <= start:
+            return np.zeros(0, self.dtype)
+        size = self.dtype.itemsize
+        return np.fromfile(
+            self.path / TOKENS_NAME, self.dtype, count=stop - start, offset=start * size
+        )
+
     def doc_index_of(self, stream_index: np.ndarray) -> np.ndarray:
         """Row in docs.parquet of the document each stream index belongs to (its EOS included)."""
         return np.searchsorted(self.doc_offsets, stream_index, side="right") - 1

@@ -324,7 +324,7 @@ def dir_bytes(path: Path) -> int:
 
 def measured(stage: str, root: Path, workers: int, out: Path) -> dict:
     """Run one stage in a child process; its result, sampled peak PSS and peak disk of `out`."""
-    from bench_tag import tree_pss
+    from bench_tag import tree_memory
 
     shutil.rmtree(out, ignore_errors=True)
     proc = subprocess.Popen(
@@ -342,13 +342,14 @@ def measured(stage: str, root: Path, workers: int, out: Path) -> dict:
         text=True,
         cwd=REPO,
     )
-    peak = {"pss": 0, "disk": 0}
+    peak = {"pss": 0, "anon": 0, "disk": 0}
     stop = threading.Event()
 
     def sample():
         while True:
             t = time.perf_counter()
-            peak["pss"] = max(peak["pss"], tree_pss(proc.pid))
+            pss, anon = tree_memory(proc.pid)
+            peak["pss"], peak["anon"] = max(peak["pss"], pss), max(peak["anon"], anon)
             peak["disk"] = max(peak["disk"], dir_bytes(out))
             # smaps_rollup walks page tables: the pause keeps the sampler under ~5% of a core
             if stop.wait(max(0.1, 20 * (time.perf_counter() - t))):
@@ -366,6 +367,7 @@ def measured(stage: str, root: Path, workers: int, out: Path) -> dict:
     final = dir_bytes(out)
     result.update(
         peak_pss=peak["pss"],
+        peak_anon=peak["anon"],
         final_bytes=final,
         temp_bytes=max(peak["disk"], final) - final,
         cpu_s=usage.ru_utime + usage.ru_stime,
@@ -420,11 +422,13 @@ def print_copy_spans(results: dict, training_tokens: int) -> None:
         f"  span n-gram count: in the tag stage {span_s:.1f} s against {only['seconds']:.1f} s for "
         f"the restricted bigram count (ratio {span_s / only['seconds']:.2f}); alone, in a "
         f"process of its own as the restricted count runs, {spans['seconds']:.1f} s (CPU "
-        f"{spans['cpu_s']:.1f} s), peak PSS {spans['peak_pss'] / 2**30:.2f} GiB, against "
-        f"{only['seconds']:.1f} s (CPU {only['cpu_s']:.1f} s), peak PSS "
-        f"{only['peak_pss'] / 2**30:.2f} GiB: time ratio {spans['seconds'] / only['seconds']:.2f} "
+        f"{spans['cpu_s']:.1f} s), peak PSS {spans['peak_pss'] / 2**30:.2f} GiB (anonymous "
+        f"{spans['peak_anon'] / 2**30:.2f}), against {only['seconds']:.1f} s (CPU "
+        f"{only['cpu_s']:.1f} s), peak PSS {only['peak_pss'] / 2**30:.2f} GiB (anonymous "
+        f"{only['peak_anon'] / 2**30:.2f}): time ratio {spans['seconds'] / only['seconds']:.2f} "
         f"(CPU {spans['cpu_s'] / only['cpu_s']:.2f}), memory ratio "
-        f"{spans['peak_pss'] / only['peak_pss']:.2f} ({load})"
+        f"{spans['peak_pss'] / only['peak_pss']:.2f} ({load}); {grams:,} span n-grams, "
+        f"{spans['peak_anon'] / max(grams, 1):.0f} anonymous bytes each"
     )
 
 

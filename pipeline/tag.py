@@ -405,6 +405,7 @@ def _count_span_ngrams(cfg: TagConfig, parts: list[PartTask], training, workers:
         where = table.add_rows(grams).astype(np.int32)  # the part's rows in the run's table
         rows[task.index] = [where[r] for r in batch_rows]
     t_collect = time.time() - t0
+    table.shrink()
     table.trigram_filter()  # made once, before the counting workers are forked
     _SPANS["table"] = table
     all_workers = cfg.workers or default_workers()

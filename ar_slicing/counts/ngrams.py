@@ -365,6 +365,12 @@ class NgramTable:
                 return rows
             self._reserve(2 * self.n_rows + self.span_order + 1)
 
+    def shrink(self) -> None:
+        """Give back the rows of room the table grew beyond its n-grams (once the last is added:
+        the table doubles as it fills, so up to half its rows can be room)."""
+        keep = max(self.n_rows, 1)
+        self.grams, self.orders = self.grams[:keep].copy(), self.orders[:keep].copy()
+
     @property
     def _table(self) -> tuple:
         """The arguments every kernel takes first: the table itself."""
@@ -538,12 +544,13 @@ def span_count_tasks(stores, row, span_order: int, groups: int) -> list[SpanCoun
 
 
 def read_stream(stores, start: int, stop: int) -> np.ndarray:
-    """Tokens start..stop-1 of the stores' concatenated stream."""
+    """Tokens start..stop-1 of the stores' concatenated stream, read from their files (a pass
+    over the whole training set keeps only the shard in hand in memory)."""
     parts, offset = [np.zeros(0, np.uint16)], 0
     for store in stores:
         lo, hi = max(start, offset), min(stop, offset + store.n_tokens)
         if lo < hi:
-            parts.append(store.slice(lo - offset, hi - offset))
+            parts.append(store.read(lo - offset, hi - offset))
         offset += store.n_tokens
     return np.concatenate(parts)
 

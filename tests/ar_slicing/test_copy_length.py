@@ -173,7 +173,9 @@ def test_ngram_counts_match_a_plain_counter(case, engine, tmp_path_factory):
     lengths = np.minimum(ends + 1, K + 1)
     table = NgramTable.empty(K, 4)
     table.add(val_arr, ends, lengths)
-    table.add(val_arr, ends, lengths)  # adding again adds nothing
+    rows_before = table.add(val_arr, ends, lengths)  # adding again adds nothing
+    table.shrink()  # as the stage does before counting: the rows stay where they are
+    assert (table.add(val_arr, ends, lengths) == rows_before).all()
     needed = _needed(val, K, ends.tolist())
     assert table.n_rows == len(needed)
     rows = {tuple(int(x) for x in r if x >= 0) for r in table.grams[: table.n_rows]}
@@ -215,6 +217,18 @@ def test_ngram_counts_match_a_plain_counter(case, engine, tmp_path_factory):
         got = table.span_counts(val_arr, match_len, train_count)
         assert got[0] == 100
         assert got[2] == (-1 if absent else 0)
+
+
+@pytest.mark.parametrize("vocab", [65536, 70000])  # uint16 and uint32 files
+def test_store_read_is_slice_from_the_file(tmp_path, vocab):
+    """The training pass reads shards from the file; they are the store's tokens."""
+    tokens = np.arange(1, 1000, dtype=np.int64) * 7919 % vocab
+    store = store_at(tmp_path / "s", [tokens.tolist()], vocab_size=vocab)
+    n = store.n_tokens
+    for a, b in [(0, n), (0, 1), (5, 17), (n - 3, n), (n - 3, n + 10), (10, 10), (20, 10)]:
+        got = store.read(a, b)
+        assert got.dtype == store.dtype
+        assert got.tolist() == store.slice(a, b).tolist(), (a, b)
 
 
 def test_ngram_counts_match_tokengrams(tmp_path, bpe_tokenizer, stdlib_texts, engine):
