@@ -12,10 +12,14 @@ CONFIG ?= pipeline/configs/demo.toml
 RUN := $(shell sed -n 's/^run_dir *= *"\([^"]*\)".*/\1/p' $(CONFIG) 2>/dev/null)
 # OVERWRITE=1: redo the stages whose settings or inputs changed (without it they refuse, naming
 # the change); complete outputs of unchanged stages are still kept.
-RUNFLAGS := $(if $(OVERWRITE),--redo-changed,)
+# DEMO_TRAIN=1: train the models here, taking none from the folder of prebuilt models that the
+# config's `[train] prebuilt` names (`arslice run --train-here`).
+RUNFLAGS := $(if $(OVERWRITE),--redo-changed,) $(if $(DEMO_TRAIN),--train-here,)
+# Where `make demo-models` puts the models it trains (the folder `[train] prebuilt` names).
+DEMO_MODELS ?= demo-models
 STAGE = $(ARSLICE) run --config $(CONFIG) $(RUNFLAGS) --stage
 
-.PHONY: FORCE install install-browser test test-slow test-demo test-gpu lint format bench bench-scale bench-gpu all tokenizer tokenize counts tags train eval report verify readme-demo mqar clean-run
+.PHONY: FORCE install install-browser test test-slow test-demo test-gpu lint format bench bench-scale bench-gpu all tokenizer tokenize counts tags train eval report verify readme-demo mqar demo-models clean-run
 
 install:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -92,6 +96,15 @@ FORCE:
 # (OVERWRITE=1 retrains everything).
 mqar:
 	$(ARSLICE) mqar --out $(RUN)/mqar $(if $(OVERWRITE),--overwrite,)
+
+# The demo's models trained here (DEMO_TRAIN, with the config's kept checkpoints), then written
+# in bf16 to $(DEMO_MODELS)/ with a README saying how (`arslice export-models`): the folder to
+# commit, which `make all` takes the models from while the config's [train] asks for exactly
+# how they were made.
+demo-models:
+	$(ARSLICE) run --config $(CONFIG) --train-here --stage tokenizer tokenize train
+	$(ARSLICE) export-models --config $(CONFIG) --out $(DEMO_MODELS) \
+		--command "make demo-models CONFIG=$(CONFIG)"
 
 # Every invariant of the run's outputs (sizes, fingerprints, one loss per tag row, ...).
 verify:

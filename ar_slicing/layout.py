@@ -76,6 +76,11 @@ TRAIN_STATE_DIR = ".train-state"  # the last periodic checkpoint of an unfinishe
 # meta.json recording its step: `native:models/<name>/checkpoints/step-<n>` loads one
 KEPT_CHECKPOINTS_DIR = "checkpoints"
 KEPT_CHECKPOINT = "step-{}"
+# a folder of prebuilt models (`arslice export-models`; `[train] prebuilt` takes from it): one
+# folder per model holding PREBUILT_RECORD (how it was made), config.json, model.safetensors
+# (bf16) and its kept checkpoints, and a README.md saying how the folder was made
+PREBUILT_RECORD = "prebuilt.json"
+PREBUILT_README = "README.md"
 # the losses folder of a checkpoint: the model's name and the step, `losses/attention@step800`
 CHECKPOINT_LOSSES = "{}@step{}"
 # the report

@@ -37,9 +37,11 @@ FORMAT_VERSION = 2
 TIED_KEYS = ("lm_head.weight",)
 
 
-def save_native(model, out_dir, tokenizer_json=None) -> Path:
-    """Save a `LanguageModel` to `out_dir` (config.json, model.safetensors, tokenizer.json if given)."""
-    from safetensors.torch import save_file
+def save_native(model, out_dir, tokenizer_json=None, saved_dtype: str = "fp32") -> Path:
+    """Save a `LanguageModel` to `out_dir` (config.json, model.safetensors, tokenizer.json if
+    given). `saved_dtype="bf16"` rounds every parameter to bf16 first (written as fp32 still;
+    buffers are kept as they are): the weights a folder of prebuilt models stores, exactly."""
+    import torch
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -49,14 +51,15 @@ def save_native(model, out_dir, tokenizer_json=None) -> Path:
         for k, v in model.state_dict().items()
         if k not in tied
     }
-    with atomic_path(out_dir / MODEL_WEIGHTS_NAME) as tmp:
-        save_file(state, str(tmp), metadata={"format": "pt"})
+    if saved_dtype == "bf16":
+        parameters = {name for name, _ in model.named_parameters()}
+        state = {
+            k: v.to(torch.bfloat16).to(v.dtype) if k in parameters and v.is_floating_point() else v
+            for k, v in state.items()
+        }
+    write_weights(state, out_dir / MODEL_WEIGHTS_NAME)
     if tokenizer_json is not None:
-        src = Path(tokenizer_json)
-        if not src.is_file():
-            raise ArSliceError(f"tokenizer {src}: no such file (expected a tokenizer.json)")
-        with atomic_path(out_dir / TOKENIZER_NAME) as tmp:
-            shutil.copyfile(src, tmp)
+        copy_tokenizer(tokenizer_json, out_dir)
     write_json_atomic(
         out_dir / MODEL_CONFIG_NAME,
         {
@@ -67,6 +70,24 @@ def save_native(model, out_dir, tokenizer_json=None) -> Path:
         },
     )
     return out_dir
+
+
+def copy_tokenizer(tokenizer_json, out_dir) -> None:
+    """The tokenizer beside a model: `tokenizer_json` copied to `out_dir`, atomically."""
+    src = Path(tokenizer_json)
+    if not src.is_file():
+        raise ArSliceError(f"tokenizer {src}: no such file (expected a tokenizer.json)")
+    with atomic_path(Path(out_dir) / TOKENIZER_NAME) as tmp:
+        shutil.copyfile(src, tmp)
+
+
+def write_weights(state: dict, path) -> None:
+    """Write a state dict as the native `model.safetensors`, atomically; the same tensors give
+    the same bytes however they came (trained here, or upcast from a prebuilt folder's bf16)."""
+    from safetensors.torch import save_file
+
+    with atomic_path(Path(path)) as tmp:
+        save_file(state, str(tmp), metadata={"format": "pt"})
 
 
 def read_native_config(model_dir):

@@ -24,6 +24,7 @@ MODULES: dict[str, str] = {
     "query": "pipeline.query",
     "verify": "pipeline.verify",
     "mqar": "pipeline.mqar",
+    "export-models": "pipeline.export_models",
     "run": "pipeline.runner.run",
 }
 

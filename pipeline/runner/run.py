@@ -21,6 +21,8 @@ tables hold each stage's own config fields (the same names as its command-line f
     [train]                     # train fields shared by every model ...
     steps = 600
     side_by_side = 2            # (a pipeline key) train two models at once, one process each
+    prebuilt = "demo-models"    # take each model from there when it was made so (--train-here:
+                                # train it here; `arslice export-models` writes such a folder)
     [train.models.attention]    # ... one table per model, keyed by its name
     arch = "attention"
 
@@ -88,6 +90,14 @@ class RunConfig:
             "(complete outputs of the same plan are still skipped; what `make OVERWRITE=1` passes)"
         },
     )
+    train_here: bool = field(
+        default=False,
+        metadata={
+            "help": "train every model of [train] here, taking none from a folder of prebuilt "
+            "models (`prebuilt` is dropped from [train] and its model tables; what "
+            "`make ... DEMO_TRAIN=1` passes)"
+        },
+    )
     make_rules: bool = field(
         default=False,
         metadata={
@@ -103,7 +113,12 @@ def prepare_pipeline(cfg: RunConfig) -> tuple[Pipeline, dict, list[str]]:
     unknown = sorted(set(cfg.stage) - set(stages))
     if unknown:
         raise ArSliceError(f"unknown stage(s) {', '.join(unknown)}; stages: {', '.join(stages)}")
-    pipeline = Pipeline(Path(cfg.config), load_pipeline_config(cfg.config), overwrite=cfg.overwrite)
+    config = load_pipeline_config(cfg.config)
+    if cfg.train_here:
+        from pipeline.train.prebuilt import without_prebuilt
+
+        config = without_prebuilt(config)
+    pipeline = Pipeline(Path(cfg.config), config, overwrite=cfg.overwrite)
     chosen = [s for s in stages if s in cfg.stage]
     return pipeline, check(pipeline, chosen), chosen
 
@@ -174,5 +189,6 @@ COMMAND = Command(
   arslice run --config pipeline/configs/demo.toml --stage train eval
   arslice run --config pipeline/configs/demo.toml --dry-run       # check every stage, print the configs
   arslice run --config pipeline/configs/demo.toml --redo-changed  # redo what the config changed
+  arslice run --config pipeline/configs/demo.toml --stage train --train-here  # train, take none prebuilt
   arslice run --config pipeline/configs/pile-gpt2.toml --stage report --overwrite  # needs the Pile""",
 )

@@ -22,7 +22,9 @@ step), recorded in the stage's ledger; a killed run leaves no `meta.json`, and r
 same command resumes from the checkpoint the ledger holds. `--keep-checkpoints 800 1600` also
 keeps the model at those steps, as `DIR/checkpoints/step-<n>/` (native checkpoints with a
 meta.json of their step and tokens seen), parts of the ledger and of the output; keeping them
-changes no byte of the final model.
+changes no byte of the final model. `--saved-dtype bf16` rounds the saved parameters to bf16, and
+`--prebuilt FOLDER` takes the model from a folder of prebuilt models instead of training it,
+when it was made with the same settings from the same tokens (`pipeline.train.prebuilt`).
 
 The run is put together here; `loop` holds the steps and the validation loss, `config`
 `TrainConfig`, `schedule` the batch order and learning rate, `model` the model, optimizer and
@@ -52,6 +54,7 @@ from pipeline.train.model import (  # noqa: F401  (re-exported)
     parse_model_options,
     sequence_loss,
 )
+from pipeline.train.prebuilt import prebuilt_model, take_prebuilt
 from pipeline.train.schedule import (  # noqa: F401  (re-exported)
     BatchOrder,
     learning_rate,
@@ -100,6 +103,11 @@ def train(cfg: TrainConfig) -> dict:
     if stage.complete:
         say(f"train {cfg.arch}: {out} is complete, skipped (use --overwrite to retrain)")
         return stage.skip()
+    if cfg.prebuilt is not None:  # taken from a folder of prebuilt models: the same model
+        with stage.running():
+            meta = take_prebuilt(stage, cfg, dtype, t0)
+        say(f"train {cfg.arch}: taken from {prebuilt_model(cfg)} (the same settings and tokens)")
+        return meta
     # work is a checkpoint the ledger holds
     keep = stage.running(keep_if=lambda out: bool(stage.ledger.parts))
     with keep, torch_threads(cfg.threads):
@@ -149,7 +157,9 @@ def _train(stage, cfg: TrainConfig, device: str, dtype: str, t0: float) -> dict:
             f"missing from {out}; pass --overwrite to train it again"
         )
     model.eval()
-    save_native(model, out, tokenizer_json=inputs.tokenizer_json)  # each file atomically
+    save_native(  # each file atomically
+        model, out, tokenizer_json=inputs.tokenizer_json, saved_dtype=cfg.saved_dtype
+    )
     trained_tokens = (cfg.steps - start_step) * cfg.batch_size * cfg.seq_len
     meta = _train_meta(cfg, inputs, model_cfg, n_params, progress, start_step, device, dtype)
     meta = stage.finish(
@@ -170,18 +180,11 @@ def _train(stage, cfg: TrainConfig, device: str, dtype: str, t0: float) -> dict:
 
 def _train_meta(cfg, inputs: TrainInputs, model_cfg, n_params, progress, start_step, device, dtype):
     """meta.json of a trained model (its timings are added by the caller)."""
-    store, val_store, order = inputs.store, inputs.val_store, inputs.order
+    store, order = inputs.store, inputs.order
     return build_meta(
         "train",
         config=cfg,
-        inputs={
-            "tokens": {"path": str(store.path.resolve()), "n_tokens": store.n_tokens},
-            "val_tokens": (
-                {"path": str(val_store.path.resolve()), "n_tokens": val_store.n_tokens}
-                if val_store
-                else None
-            ),
-        },
+        inputs=inputs.described(),
         counts={
             "steps": cfg.steps,
             "resumed_from_step": start_step,

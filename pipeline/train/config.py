@@ -24,6 +24,7 @@ _RESUMABLE_CHANGES = {
     "checkpoint_every",
     "eval_every",
     "progress",
+    "prebuilt",  # (where the same model may be taken from instead: `pipeline.train.prebuilt`)
 }
 
 
@@ -89,6 +90,25 @@ class TrainConfig:
             "help": "steps whose model to keep as OUT/checkpoints/step-<n>/ (a native checkpoint "
             "each, `native:OUT/checkpoints/step-<n>`), before the last step; the final model is "
             "OUT itself. 0 keeps the initial weights"
+        },
+    )
+    saved_dtype: str = field(
+        default="fp32",
+        metadata={
+            "help": "precision of the saved weights (the final model and kept checkpoints): fp32 "
+            "as trained; bf16 rounds every parameter to bf16, still written as fp32: what a "
+            "folder of prebuilt models stores, so a model trained here and one taken from the "
+            "folder are the same weights",
+            "choices": ["fp32", "bf16"],
+        },
+    )
+    prebuilt: str | None = field(
+        default=None,
+        metadata={
+            "help": "folder of prebuilt models (`arslice export-models`, `make demo-models`): "
+            "OUT's model is taken from FOLDER/<OUT's name>/ instead of trained, when it was made "
+            "with the same settings from the same token streams; otherwise refused, naming what "
+            "differs"
         },
     )
     device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N or auto"})

@@ -51,6 +51,16 @@ class TrainInputs:
         tokenizer_json = str(tokenizer_path) if tokenizer_path.is_file() else None
         return cls(store, val_store, order, tokenizer_json)
 
+    def described(self) -> dict:
+        """The stores as a trained model's meta.json names them (`inputs`)."""
+        store, val = self.store, self.val_store
+        return {
+            "tokens": {"path": str(store.path.resolve()), "n_tokens": store.n_tokens},
+            "val_tokens": (
+                {"path": str(val.path.resolve()), "n_tokens": val.n_tokens} if val else None
+            ),
+        }
+
     def validation_starts(self, cfg: TrainConfig) -> np.ndarray:
         """Where the rows of every validation estimate start (none without a validation store)."""
         if self.val_store is None:

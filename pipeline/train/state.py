@@ -17,6 +17,7 @@ from pathlib import Path
 from ar_slicing.errors import ArSliceError
 from ar_slicing.io import (
     atomic_dir,
+    is_complete,
     read_json,
     write_json_atomic,
 )
@@ -45,11 +46,13 @@ def train_settings(cfg: TrainConfig, dtype: str | None = None) -> dict:
     # recorded only when set, so the plans of models trained without them stay the same
     if cfg.keep_checkpoints:
         settings["keep_checkpoints"] = kept_steps(cfg)
+    if cfg.saved_dtype != _ONLY_SET["saved_dtype"]:
+        settings["saved_dtype"] = cfg.saved_dtype
     return {**settings, "dtype": dtype}
 
 
-# settings recorded in the plan only when set (`train_settings`)
-_ONLY_SET = ("keep_checkpoints",)
+# settings recorded in the plan only when not at these defaults (`train_settings`)
+_ONLY_SET = {"keep_checkpoints": [], "saved_dtype": "fp32"}
 
 
 def kept_steps(cfg: TrainConfig) -> list[int]:
@@ -70,6 +73,11 @@ def validate_train(cfg: TrainConfig) -> None:
             "always kept, as OUT itself"
         )
     build_model(model_config_for(cfg, vocab_size=256), device="meta")  # options, shapes: no memory
+    # (a complete model is not taken again; its token streams are compared once they are there)
+    if cfg.prebuilt is not None and not is_complete(cfg.out):
+        from pipeline.train.prebuilt import check_prebuilt_settings
+
+        check_prebuilt_settings(cfg)
 
 
 def build_model(model_cfg, device: str):
@@ -141,6 +149,7 @@ def checkpoint(stage, model, optimizer, progress) -> None:
 
 
 KEPT = "kept"  # the ledger's names of kept checkpoints: "kept <step>"
+KEPT_FILES = (MODEL_CONFIG_NAME, MODEL_WEIGHTS_NAME, META_NAME)  # a kept checkpoint's files
 
 
 def kept_part(step: int) -> str:
@@ -174,10 +183,10 @@ def keep_checkpoint(stage, model, cfg: TrainConfig, step: int, rows_per_epoch: i
         return
     folder = kept_checkpoint(stage.out, step)
     with atomic_dir(folder) as tmp:
-        save_native(model, tmp)  # (copies the weights: the model goes on training untouched)
+        # (copies the weights: the model goes on training untouched)
+        save_native(model, tmp, saved_dtype=cfg.saved_dtype)
         write_json_atomic(tmp / META_NAME, kept_record(cfg, step, rows_per_epoch, stage))
-    files = [folder / name for name in (MODEL_CONFIG_NAME, MODEL_WEIGHTS_NAME, META_NAME)]
-    stage.record(part, files, step=step)
+    stage.record(part, [folder / name for name in KEPT_FILES], step=step)
 
 
 def missing_kept(stage, cfg: TrainConfig) -> list[int]:

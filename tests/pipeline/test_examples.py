@@ -158,8 +158,9 @@ def _params(examples: list[Example]):
 
 def fixture_run_config(root: Path) -> str:
     """The small pipeline of the other tests, with two attention models named as the examples
-    name them (`attention`, `pythia-160m`) and the demo's report settings."""
-    text = small_pipeline_config(root, report="bootstrap = 200")
+    name them (`attention`, `pythia-160m`), saved in bf16 as a folder of prebuilt models holds
+    them (`arslice export-models`), and the demo's report settings."""
+    text = small_pipeline_config(root, report="bootstrap = 200", train='saved_dtype = "bf16"')
     base_conv = '[train.models.base_conv]\narch = "base_conv"\n'
     assert base_conv in text
     return text.replace(base_conv, '[train.models.pythia-160m]\narch = "attention"\nseed = 1\n')

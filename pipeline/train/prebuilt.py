@@ -1,0 +1,352 @@
+"""Models made elsewhere by this trainer, taken instead of trained (`[train] prebuilt = FOLDER`,
+`arslice train --prebuilt FOLDER`), and the folder they are taken from (`arslice export-models`,
+what `make demo-models` runs).
+
+A folder of prebuilt models holds a README.md saying how it was made and, per model, `<name>/`:
+`prebuilt.json` (the training settings as the stage plan records them, the sha256 of the
+training and validation token streams, the tokenizer's fingerprint, the trainer's summary, and
+the machine, versions and time of the training), `config.json`, `model.safetensors` with every
+tensor bf16 holds exactly stored in bf16 (half the size: every parameter, since such a model was
+trained with `saved_dtype = "bf16"`), and `checkpoints/step-<n>/` for each checkpoint it kept.
+
+A model is taken only when it was made with exactly the settings asked for (`train_settings`,
+what the stage plan records) from exactly the same token streams, compared by content
+(`TokenStore.tokens_sha256`: a store's plan identity records paths and times, which differ
+between machines). Its weights are upcast to fp32 and written as the trainer writes them, so a
+model taken from the folder and one trained here with the same settings are the same bytes on
+the machine that made the folder, and the same digits elsewhere (both rounded to bf16). Anything
+else is refused, naming what differs and how to train here instead. A taken model is the train
+stage's output like a trained one (the same plan, so the same identity to the evaluations that
+read it); its meta.json says where it came from (`prebuilt`).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from ar_slicing.errors import BadInput
+from ar_slicing.io import atomic_dir, atomic_path, read_json, to_jsonable, write_json_atomic
+from ar_slicing.layout import (
+    META_NAME,
+    MODEL_CONFIG_NAME,
+    MODEL_WEIGHTS_NAME,
+    PREBUILT_README,
+    PREBUILT_RECORD,
+    kept_checkpoint,
+)
+from pipeline.config import config_to_dict
+from pipeline.train.config import TrainConfig
+
+# what the README and the refusals tell a person who wants the models trained here
+TRAIN_HERE = (
+    "`make all DEMO_TRAIN=1` (`arslice run --config CONFIG --train-here`; `arslice train` "
+    "without --prebuilt)"
+)
+# the trained model's meta.json fields that belong to the run, not to the model
+_RUN_FIELDS = ("plan", "ledger", "written", "owns", "config", "inputs")
+
+
+class PrebuiltMismatch(BadInput):
+    """A prebuilt model made with other settings or from other token streams than asked for."""
+
+
+def prebuilt_model(cfg: TrainConfig) -> Path:
+    """The folder of the prebuilt model `cfg` would take: FOLDER/<the name of OUT>."""
+    return Path(cfg.prebuilt) / Path(cfg.out).name
+
+
+def _record(cfg: TrainConfig) -> dict:
+    folder = prebuilt_model(cfg)
+    path = folder / PREBUILT_RECORD
+    if not path.is_file():
+        raise PrebuiltMismatch(
+            f"train {folder.name}: no prebuilt model {folder} (no {PREBUILT_RECORD} there)"
+            + _train_here(cfg, None)
+        )
+    return read_json(path)
+
+
+def _train_here(cfg: TrainConfig, record: Mapping | None) -> str:
+    """How to train the model here instead, and how long it took where the folder was made."""
+    took = ""
+    made = (record or {}).get("made") or {}
+    if made.get("train_wall_time_s"):
+        minutes = made["train_wall_time_s"] / 60
+        took = (
+            f"; training the folder's models took {minutes:.1f} min on {made.get('machine')} "
+            f"({Path(cfg.prebuilt) / PREBUILT_README})"
+        )
+    return f"\n  train it here instead: {TRAIN_HERE}{took}"
+
+
+def _refuse_differences(cfg: TrainConfig, record: Mapping, asked: Mapping) -> None:
+    from ar_slicing.plan import differences
+
+    made = {k: record.get(k) for k in asked}
+    lines = differences(made, asked)
+    if lines:
+        raise PrebuiltMismatch(
+            f"train {Path(cfg.out).name}: the prebuilt model {prebuilt_model(cfg)} was made with "
+            "other settings or from other token streams than asked for (prebuilt -> asked):\n    "
+            + "\n    ".join(lines)
+            + _train_here(cfg, record)
+        )
+
+
+def check_prebuilt_settings(cfg: TrainConfig, dtype: str | None = None) -> None:
+    """Refuse, before anything runs, a prebuilt model that is missing or was made with other
+    settings (its token streams are compared when the training store is there: `take`)."""
+    from pipeline.train.state import train_settings
+
+    _refuse_differences(cfg, _record(cfg), {"settings": train_settings(cfg, dtype)})
+
+
+def streams_of(inputs) -> dict:
+    """What identifies a run's token streams wherever it is: their contents' sha256, and the
+    tokenizer's fingerprint."""
+    return {
+        "tokens_sha256": inputs.store.tokens_sha256,
+        "val_tokens_sha256": inputs.val_store.tokens_sha256 if inputs.val_store else None,
+        "fingerprint": inputs.store.fingerprint,
+    }
+
+
+# ---- weights in the folder: bf16 where that is exact ------------------------------------------
+
+
+def _weights(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def write_halved(src: Path, dst: Path) -> None:
+    """`src`'s weights with every fp32 tensor that bf16 holds exactly stored in bf16: no value
+    changes, and a model saved with `saved_dtype = "bf16"` takes half the bytes."""
+    import torch
+
+    from models.checkpoints.native import write_weights
+
+    def halved(v):
+        if v.dtype != torch.float32:
+            return v
+        bf16 = v.to(torch.bfloat16)
+        return bf16 if torch.equal(bf16.to(torch.float32), v) else v
+
+    write_weights({k: halved(v) for k, v in _weights(src).items()}, dst)
+
+
+def write_upcast(src: Path, dst: Path) -> None:
+    """`src`'s weights with every bf16 tensor back in fp32: the bytes the trainer writes."""
+    import torch
+
+    from models.checkpoints.native import write_weights
+
+    state = _weights(src)
+    write_weights({k: v.float() if v.dtype == torch.bfloat16 else v for k, v in state.items()}, dst)
+
+
+def _copy(src: Path, dst: Path) -> None:
+    with atomic_path(dst) as tmp:
+        shutil.copyfile(src, tmp)
+
+
+# ---- taking a model from the folder ---------------------------------------------------------------
+
+
+def take_prebuilt(stage, cfg: TrainConfig, dtype: str, t0: float) -> dict:
+    """Put the prebuilt model asked for into the stage's output (its plan is the one asked for):
+    the model, its tokenizer and its kept checkpoints, each recorded in the ledger as training
+    records them, then meta.json; refused (nothing written) when it was made otherwise."""
+    from models.checkpoints.native import copy_tokenizer
+    from pipeline.train.loop import TrainInputs
+    from pipeline.train.state import KEPT_FILES, kept_part, kept_record, kept_steps, train_settings
+
+    inputs = TrainInputs.open(cfg)
+    record = _record(cfg)
+    _refuse_differences(cfg, record, {"settings": train_settings(cfg, dtype), **streams_of(inputs)})
+    folder, out = prebuilt_model(cfg), stage.out
+    for step in kept_steps(cfg):
+        target = kept_checkpoint(out, step)
+        with atomic_dir(target) as tmp:
+            source = kept_checkpoint(folder, step)
+            _copy(source / MODEL_CONFIG_NAME, tmp / MODEL_CONFIG_NAME)
+            write_upcast(source / MODEL_WEIGHTS_NAME, tmp / MODEL_WEIGHTS_NAME)
+            write_json_atomic(tmp / META_NAME, kept_record(cfg, step, inputs.order.n_rows, stage))
+        stage.record(kept_part(step), [target / name for name in KEPT_FILES], step=step)
+    write_upcast(folder / MODEL_WEIGHTS_NAME, out / MODEL_WEIGHTS_NAME)
+    if inputs.tokenizer_json is not None:
+        copy_tokenizer(inputs.tokenizer_json, out)
+    _copy(folder / MODEL_CONFIG_NAME, out / MODEL_CONFIG_NAME)  # (last: the model is whole)
+    meta = {
+        **record["trained"],
+        "config": to_jsonable(config_to_dict(cfg)),
+        "inputs": inputs.described(),
+        "prebuilt": {"folder": str(folder.resolve()), "made": record.get("made")},
+        "wall_time_s": round(time.time() - t0, 3),
+    }
+    return stage.finish(meta)
+
+
+def without_prebuilt(config: dict) -> dict:
+    """A pipeline config whose [train] models are all trained here (`arslice run --train-here`):
+    `prebuilt` taken out of the [train] table and of every [train.models.<name>]."""
+    train = config.get("train")
+    if not isinstance(train, Mapping):
+        return config
+    table = {k: v for k, v in train.items() if k != "prebuilt"}
+    models = table.get("models")
+    if isinstance(models, Mapping):
+        table["models"] = {
+            name: {k: v for k, v in t.items() if k != "prebuilt"} if isinstance(t, Mapping) else t
+            for name, t in models.items()
+        }
+    return {**config, "train": table}
+
+
+# ---- writing the folder -----------------------------------------------------------------------
+
+
+def machine() -> str:
+    """The machine a model was trained on, in words (its CPU, cores and system)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
+            )
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
+
+
+def export_model(cfg: TrainConfig, folder: Path, made: dict) -> dict:
+    """Write the model `cfg` trained (complete, trained here with `saved_dtype = "bf16"`, from
+    the stores it names as they are now) to FOLDER/<name>/, replacing an earlier export of it;
+    returns its prebuilt.json."""
+    from ar_slicing.plan import identity
+    from pipeline.train.loop import TrainInputs
+
+    out = Path(cfg.out)
+    name = out.name
+    if not (out / META_NAME).is_file():
+        raise BadInput(f"export {name}: {out} is not a complete trained model; train it first")
+    meta = read_json(out / META_NAME)
+    settings = (meta.get("plan") or {}).get("settings") or {}
+    if meta.get("prebuilt"):
+        raise BadInput(
+            f"export {name}: {out} was taken from {meta['prebuilt'].get('folder')}, not trained "
+            f"here; train it here first ({TRAIN_HERE})"
+        )
+    if settings.get("saved_dtype") != "bf16":
+        raise BadInput(
+            f"export {name}: {out} was saved in fp32; a prebuilt folder stores bf16 weights, so "
+            'train it with saved_dtype = "bf16" (the weights a run then takes from the folder '
+            "are the ones it would train)"
+        )
+    if meta["plan"]["inputs"].get("tokens") != identity(cfg.tokens):
+        raise BadInput(
+            f"export {name}: the training store {cfg.tokens} is not the one {out} was trained "
+            "on (it was made again since); train the model again first"
+        )
+    record = {
+        "settings": settings,
+        **streams_of(TrainInputs.open(cfg)),
+        "trained": {k: v for k, v in meta.items() if k not in _RUN_FIELDS},
+        "made": made,
+    }
+    target = folder / name
+    if target.exists() and not (target / PREBUILT_RECORD).is_file():
+        raise BadInput(
+            f"export {name}: {target} holds no {PREBUILT_RECORD}, so it is not an export of "
+            "this project; move it away or choose another folder"
+        )
+    with atomic_dir(target) as tmp:
+        _copy(out / MODEL_CONFIG_NAME, tmp / MODEL_CONFIG_NAME)
+        write_halved(out / MODEL_WEIGHTS_NAME, tmp / MODEL_WEIGHTS_NAME)
+        for step in settings.get("keep_checkpoints", []):
+            source, kept = kept_checkpoint(out, step), kept_checkpoint(tmp, step)
+            kept.mkdir(parents=True)
+            _copy(source / MODEL_CONFIG_NAME, kept / MODEL_CONFIG_NAME)
+            write_halved(source / MODEL_WEIGHTS_NAME, kept / MODEL_WEIGHTS_NAME)
+        write_json_atomic(tmp / PREBUILT_RECORD, record)
+    return record
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def readme(folder: Path, records: dict[str, dict], made: dict) -> str:
+    """The folder's README.md: how it was made, on what, and the models in it."""
+    from pipeline.report.tables import fmt_params
+
+    rows = [
+        "| model | arch | parameters | steps | tokens seen | kept checkpoints | final val loss |",
+        "| :--- | :--- | ---: | ---: | ---: | :--- | ---: |",
+    ]
+    for name, r in records.items():
+        t = r["trained"]
+        kept = ", ".join(map(str, r["settings"].get("keep_checkpoints", []))) or "none"
+        val = t.get("final_val_loss")
+        rows.append(
+            f"| {name} | {t.get('arch')} | {fmt_params(t.get('n_params'))} | {t.get('step'):,} "
+            f"| {t.get('tokens_seen'):,} | {kept} | {'—' if val is None else f'{val:.3f}'} |"
+        )
+    size = folder_bytes(folder)
+    return "\n".join(
+        [
+            "# Prebuilt demo models",
+            "",
+            "The trained models `make all` evaluates, so that it need not train them: each is "
+            "taken instead of trained when `[train]` asks for exactly the settings its "
+            f"`{PREBUILT_RECORD}` records and the run's token streams have the sha256 recorded "
+            f"there; otherwise `make all` refuses and says so. {TRAIN_HERE} trains them here "
+            "instead.",
+            "",
+            f"Made by `{made['command']}`:",
+            "",
+            f"- when: {made['created_at']} (git {made['git_hash']})",
+            f"- training took: {made['train_wall_time_s'] / 60:.1f} min (the train stage, as "
+            "the config runs it)",
+            f"- Python {made['python']}, torch {made['torch']}",
+            f"- machine: {made['machine']}",
+            f"- weights: bf16 (every parameter; a buffer bf16 does not hold exactly stays fp32), "
+            f"upcast to fp32 when taken; {size / 1e6:.1f} MB in all",
+            "",
+            *rows,
+            "",
+        ]
+    )
+
+
+def export_models(configs: Mapping[str, TrainConfig], folder: Path, made: dict) -> dict:
+    """Every model of `configs` into `folder`, then its README.md; returns the records."""
+    from ar_slicing.io import write_bytes_atomic
+
+    folder.mkdir(parents=True, exist_ok=True)
+    records = {name: export_model(cfg, folder, made) for name, cfg in configs.items()}
+    write_bytes_atomic(folder / PREBUILT_README, readme(folder, records, made).encode())
+    return records
+
+
+def made_by(command: str, train_wall_time_s: float) -> dict:
+    """How a folder's models were made: the command, the training's wall time, the versions."""
+    import torch
+
+    from ar_slicing.io import git_hash
+
+    return {
+        "command": command,
+        "train_wall_time_s": round(train_wall_time_s, 1),
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "git_hash": git_hash(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "machine": machine(),
+    }

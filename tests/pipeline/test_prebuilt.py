@@ -1,0 +1,185 @@
+"""Prebuilt models (`pipeline.train.prebuilt`): a run's trained models written to a folder in bf16
+(`arslice export-models`, `make demo-models`), taken by another run instead of trained when they
+were made with the same settings from the same token streams, refused otherwise, and trained
+with `--train-here`; the losses are the same both ways."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+import tomllib
+
+from ar_slicing.errors import BadInput
+from ar_slicing.io import read_json
+from pipeline.runner.run import RunConfig, run_pipeline
+from pipeline.train.prebuilt import PrebuiltMismatch
+from tests.conftest import small_pipeline_config
+
+UP_TO_TRAIN = ["tokenizer", "tokenize", "train"]
+
+
+def config_text(root: Path, run: str, *, prebuilt: Path | None = None, **train: str) -> str:
+    """The small pipeline under `root/<run>`, its models saved in bf16 and keeping step 1
+    (`prebuilt`: taken from that folder); `train` adds or replaces [train] keys."""
+    text = small_pipeline_config(root).replace(f'"{root}/run"', f'"{root}/{run}"')
+    lines = {"saved_dtype": '"bf16"', "keep_checkpoints": "[1]", **train}
+    if prebuilt is not None:
+        lines["prebuilt"] = f'"{prebuilt}"'
+    head = "[train]\n"
+    body = "".join(f"{k} = {v}\n" for k, v in lines.items())
+    for key in lines:  # (a key of the small config is replaced)
+        text = "\n".join(r for r in text.split("\n") if r.split("=")[0].strip() != key)
+    return text.replace(head, head + body)
+
+
+def run(root: Path, name: str, stages=None, train_here: bool = False, **kw) -> Path:
+    config = root / f"{name}.toml"
+    config.write_text(config_text(root, name, **kw))
+    args = {"stage": stages} if stages else {}
+    run_pipeline(RunConfig(config=str(config), train_here=train_here, **args))
+    return config
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+MODELS = ("attention", "base_conv")
+WEIGHTS = [f"models/{m}/{f}" for m in MODELS for f in ("model.safetensors", "checkpoints/step-1/model.safetensors")]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """Run `made` trains the models here (bf16, keeping step 1) and evaluates them; its models are
+    exported to `folder` as `make demo-models` does."""
+    from pipeline.export_models import ExportConfig, run_export
+
+    root = tmp_path_factory.mktemp("prebuilt")
+    config = run(root, "made")
+    folder = root / "demo-models"
+    run_export(ExportConfig(config=str(config), out=str(folder), command="make demo-models"))
+    return {"root": root, "folder": folder}
+
+
+def losses(run_dir: Path, name: str) -> np.ndarray:
+    frame = pl.read_parquet(run_dir / "losses" / name / "losses-*.parquet").sort("window_id", "pos")
+    return frame["nll"].to_numpy()
+
+
+def test_the_folder_holds_bf16_weights_and_says_how_it_was_made(made):
+    from safetensors import safe_open
+
+    folder, made_run = made["folder"], made["root"] / "made"
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", *MODELS]
+    for model in MODELS:
+        assert sorted(str(p.relative_to(folder / model)) for p in (folder / model).rglob("*")) == [
+            "checkpoints",
+            "checkpoints/step-1",
+            "checkpoints/step-1/config.json",
+            "checkpoints/step-1/model.safetensors",
+            "config.json",
+            "model.safetensors",
+            "prebuilt.json",
+        ]
+        with safe_open(str(folder / model / "model.safetensors"), "pt") as f:
+            dtypes = {str(f.get_tensor(k).dtype) for k in f.keys()}  # noqa: SIM118
+        assert "torch.bfloat16" in dtypes
+        size = (folder / model / "model.safetensors").stat().st_size
+        assert size < 0.6 * (made_run / "models" / model / "model.safetensors").stat().st_size
+        record = read_json(folder / model / "prebuilt.json")
+        assert record["settings"]["saved_dtype"] == "bf16"
+        assert record["settings"]["keep_checkpoints"] == [1]
+        assert len(record["tokens_sha256"]) == 64 and record["made"]["torch"]
+    readme = (folder / "README.md").read_text()
+    assert "Made by `make demo-models`" in readme and "DEMO_TRAIN=1" in readme
+    assert "Python " in readme and "machine: " in readme and "MB in all" in readme
+
+
+def test_a_matching_prebuilt_model_is_taken_and_gives_the_same_losses(made):
+    root, folder = made["root"], made["folder"]
+    run(root, "taken", prebuilt=folder)
+    trained, taken = root / "made", root / "taken"
+    for path in WEIGHTS:  # the bytes the trainer writes, upcast from the folder's bf16
+        assert sha256(taken / path) == sha256(trained / path), path
+    for model in MODELS:
+        meta = read_json(taken / "models" / model / "meta.json")
+        assert meta["prebuilt"]["folder"] == str((folder / model).resolve())
+        assert meta["prebuilt"]["made"]["command"] == "make demo-models"
+        made_meta = read_json(trained / "models" / model / "meta.json")
+        assert meta["plan"]["settings"] == made_meta["plan"]["settings"]
+        assert meta["final_val_loss"] == made_meta["final_val_loss"]
+        assert "kept 00000001" in meta["ledger"]  # its kept checkpoint, a part like a trained one
+        np.testing.assert_array_equal(losses(taken, model), losses(trained, model))
+    # the report's numbers, both ways
+    assert (taken / "report/table1.csv").read_bytes() == (
+        trained / "report/table1.csv"
+    ).read_bytes()
+
+
+def test_the_switch_trains_here_to_the_same_weights(made):
+    root, folder = made["root"], made["folder"]
+    run(root, "here", stages=UP_TO_TRAIN, prebuilt=folder, train_here=True)
+    resolved = tomllib.loads((root / "here" / "config.toml").read_text())
+    assert "prebuilt" not in resolved["train"]  # the resolved config says what ran
+    for model in MODELS:
+        assert "prebuilt" not in read_json(root / "here" / "models" / model / "meta.json")
+    for path in WEIGHTS:
+        assert sha256(root / "here" / path) == sha256(root / "made" / path), path
+
+
+def test_another_setting_is_refused_before_anything_runs(made):
+    root, folder = made["root"], made["folder"]
+    with pytest.raises(BadInput) as err:  # (both models: one message naming each problem)
+        run(root, "lr", stages=UP_TO_TRAIN, prebuilt=folder, lr="0.002")
+    message = str(err.value)
+    assert f"the prebuilt model {folder / 'attention'} was made with other settings" in message
+    assert "settings.lr: 0.003 -> 0.002" in message
+    assert "make all DEMO_TRAIN=1" in message and "min on" in message
+    assert not (root / "lr").exists()  # refused before any stage wrote anything
+
+
+def test_another_token_stream_is_refused_naming_it(made, tmp_path):
+    root, folder = made["root"], made["folder"]
+    config = root / "stream.toml"
+    text = config_text(root, "stream", prebuilt=folder)
+    # the tokenized corpus without argparse.py: the same settings, other tokens
+    old = 'glob = "a*.py"\nsplit_fraction = 0.3\nworkers'
+    assert old in text
+    config.write_text(text.replace(old, old.replace("a*.py", "a[!r]*.py")))
+    with pytest.raises(PrebuiltMismatch) as err:
+        run_pipeline(RunConfig(config=str(config), stage=UP_TO_TRAIN))
+    message = str(err.value)
+    assert "tokens_sha256: " in message and "settings." not in message
+    assert "train it here instead: `make all DEMO_TRAIN=1`" in message
+    assert not (root / "stream" / "models" / "attention" / "model.safetensors").exists()
+    # a model the folder does not hold
+    shutil.copytree(folder, tmp_path / "half")
+    shutil.rmtree(tmp_path / "half" / "base_conv")
+    with pytest.raises(PrebuiltMismatch, match=r"no prebuilt model .*half/base_conv"):
+        run(root, "half", stages=UP_TO_TRAIN, prebuilt=tmp_path / "half")
+
+
+def test_export_refuses_models_saved_in_fp32(made, tmp_path):
+    from pipeline.export_models import ExportConfig, run_export
+
+    root = made["root"]
+    config = run(root, "fp32", stages=UP_TO_TRAIN, saved_dtype='"fp32"')
+    with pytest.raises(BadInput, match='saved in fp32; .* saved_dtype = "bf16"'):
+        run_export(ExportConfig(config=str(config), out=str(tmp_path / "f")))
+    # bf16 rounding of the parameters is the only difference between the two trainings' weights
+    import torch
+    from safetensors.torch import load_file
+
+    from models.checkpoints.native import load_native
+
+    rounded = load_file(str(root / "made/models/attention/model.safetensors"))
+    full = load_file(str(root / "fp32/models/attention/model.safetensors"))
+    parameters = {n for n, _ in load_native(root / "fp32/models/attention").named_parameters()}
+    assert parameters & set(full) and any(not torch.equal(full[k], rounded[k]) for k in full)
+    for k, v in full.items():
+        assert torch.equal(v.to(torch.bfloat16).float() if k in parameters else v, rounded[k]), k
