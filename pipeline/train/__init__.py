@@ -104,8 +104,9 @@ def train(cfg: TrainConfig) -> dict:
         say(f"train {cfg.arch}: {out} is complete, skipped (use --overwrite to retrain)")
         return stage.skip()
     if cfg.prebuilt is not None:  # taken from a folder of prebuilt models: the same model
-        with stage.running():
-            meta = take_prebuilt(stage, cfg, dtype, t0)
+        with stage.running(), torch_threads(cfg.threads):
+            meta = take_prebuilt(stage, cfg, dtype, t0, lambda steps: _train_first_steps(
+                stage, cfg, device, dtype, steps))  # fmt: skip
         say(f"train {cfg.arch}: taken from {prebuilt_model(cfg)} (the same settings and tokens)")
         return meta
     # work is a checkpoint the ledger holds
@@ -117,19 +118,14 @@ def train(cfg: TrainConfig) -> dict:
 def _train(stage, cfg: TrainConfig, device: str, dtype: str, t0: float) -> dict:
     """Build the model (resumed from the ledger's latest checkpoint), run the steps left, save
     the model and write meta.json."""
-    import torch
-
     from models.checkpoints.native import save_native
     from models.precision import autocast
     from pipeline.train.loop import Progress, TrainInputs, train_steps
 
     out = stage.out
     inputs = TrainInputs.open(cfg)
-    torch.manual_seed(cfg.seed)
-    model_cfg = model_config_for(cfg, inputs.store.vocab_size)
-    model = build_model(model_cfg, device)
+    model_cfg, model, optimizer = _start(cfg, inputs, device)
     n_params = count_parameters(model)
-    optimizer = make_optimizer(model, cfg)
     progress = resume(stage, model, optimizer, device)
     if progress is not None:
         log.info("resuming %s from step %d of %d", out, progress.step, cfg.steps)
@@ -176,6 +172,41 @@ def _train(stage, cfg: TrainConfig, device: str, dtype: str, t0: float) -> dict:
         f"{val_text}, {meta['wall_time_s']:.0f} s -> {out}"
     )
     return meta
+
+
+def _start(cfg: TrainConfig, inputs, device: str):
+    """The model and optimizer at step 0, from the seed: (model config, model, optimizer)."""
+    import torch
+
+    torch.manual_seed(cfg.seed)
+    model_cfg = model_config_for(cfg, inputs.store.vocab_size)
+    model = build_model(model_cfg, device)
+    return model_cfg, model, make_optimizer(model, cfg)
+
+
+def _train_first_steps(stage, cfg: TrainConfig, device: str, dtype: str, steps: list[int]) -> None:
+    """Train the first max(steps) steps of the run `cfg` describes, keeping the model at each
+    of `steps` as training keeps it: the same weights as the whole run's kept checkpoints
+    (`train_here_until`, for a model taken from a prebuilt folder that holds only later ones).
+    It writes no resumable checkpoint: a killed run does these steps again."""
+    from models.precision import autocast
+    from pipeline.train.loop import Progress, TrainInputs, train_steps
+
+    inputs = TrainInputs.open(cfg)
+    _, model, optimizer = _start(cfg, inputs, device)
+    wanted = set(steps)
+
+    def keep(p):
+        if p.step in wanted:
+            keep_checkpoint(stage, model, cfg, p.step, inputs.order.n_rows)
+
+    progress = Progress()
+    if 0 in wanted:
+        keep(progress)
+    train_steps(
+        cfg, model, optimizer, inputs, progress, device, lambda: autocast(device, dtype),
+        checkpoint=lambda p: None, name=stage.out.name, keep=keep, until=max(steps),
+    )  # fmt: skip
 
 
 def _train_meta(cfg, inputs: TrainInputs, model_cfg, n_params, progress, start_step, device, dtype):

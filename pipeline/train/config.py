@@ -25,6 +25,7 @@ _RESUMABLE_CHANGES = {
     "eval_every",
     "progress",
     "prebuilt",  # (where the same model may be taken from instead: `pipeline.train.prebuilt`)
+    "train_here_until",  # (which of its kept checkpoints are trained here when it is taken)
 }
 
 
@@ -109,6 +110,16 @@ class TrainConfig:
             "OUT's model is taken from FOLDER/<OUT's name>/ instead of trained, when it was made "
             "with the same settings from the same token streams; otherwise refused, naming what "
             "differs"
+        },
+    )
+    train_here_until: int = field(
+        default=0,
+        metadata={
+            "help": "with --prebuilt: the kept checkpoints up to this step are trained here, as "
+            "the first steps of the same run (the same seed, batches and schedule, so the same "
+            "weights), and only the later ones and the final model are taken from the folder "
+            "(which then holds only those): a small folder keeps the early points of the recall "
+            "emergence. 0: every kept checkpoint from the folder"
         },
     )
     device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N or auto"})

@@ -132,8 +132,10 @@ def train_steps(
     checkpoint,
     name: str,
     keep=None,
+    until: int | None = None,
 ) -> None:
-    """Steps `progress.step .. cfg.steps - 1`, updating `progress`; `checkpoint(progress)` is
+    """Steps `progress.step .. cfg.steps - 1` (`until - 1` with `until`: the first steps of the
+    run), updating `progress`; `checkpoint(progress)` is
     called every `checkpoint_every` steps (not after the last: the model itself is saved then),
     and `keep(progress)` after each step of `cfg.keep_checkpoints` (before that step's
     checkpoint, so a run resumed from the checkpoint has kept it). Neither touches the weights,
@@ -147,10 +149,11 @@ def train_steps(
     start_step = progress.step
     model.train()
     t_loop = time.time()
+    last = cfg.steps if until is None else min(until, cfg.steps)
     bar = tqdm(
-        range(start_step, cfg.steps),
+        range(start_step, last),
         initial=start_step,
-        total=cfg.steps,
+        total=last,
         desc=f"train {name}",
         unit="step",
         disable=not cfg.progress,

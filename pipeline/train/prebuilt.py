@@ -39,7 +39,7 @@ from ar_slicing.layout import (
     PREBUILT_RECORD,
     kept_checkpoint,
 )
-from pipeline.config import config_to_dict
+from pipeline.config import config_to_dict, say
 from pipeline.train.config import TrainConfig
 
 # what the README and the refusals tell a person who wants the models trained here
@@ -159,19 +159,43 @@ def _copy(src: Path, dst: Path) -> None:
 # ---- taking a model from the folder ---------------------------------------------------------------
 
 
-def take_prebuilt(stage, cfg: TrainConfig, dtype: str, t0: float) -> dict:
+def take_prebuilt(stage, cfg: TrainConfig, dtype: str, t0: float, train_first) -> dict:
     """Put the prebuilt model asked for into the stage's output (its plan is the one asked for):
     the model, its tokenizer and its kept checkpoints, each recorded in the ledger as training
-    records them, then meta.json; refused (nothing written) when it was made otherwise."""
+    records them, then meta.json; refused (nothing written) when it was made otherwise. The kept
+    checkpoints up to `train_here_until` are trained here: `train_first(steps)`."""
     from models.checkpoints.native import copy_tokenizer
     from pipeline.train.loop import TrainInputs
-    from pipeline.train.state import KEPT_FILES, kept_part, kept_record, kept_steps, train_settings
+    from pipeline.train.state import (
+        KEPT_FILES,
+        kept_part,
+        kept_record,
+        kept_steps,
+        steps_trained_here,
+        train_settings,
+    )
 
     inputs = TrainInputs.open(cfg)
     record = _record(cfg)
     _refuse_differences(cfg, record, {"settings": train_settings(cfg, dtype), **streams_of(inputs)})
     folder, out = prebuilt_model(cfg), stage.out
+    here = steps_trained_here(cfg)
+    missing = [
+        s for s in kept_steps(cfg) if s not in here and not kept_checkpoint(folder, s).is_dir()
+    ]
+    if missing:
+        raise PrebuiltMismatch(
+            f"train {Path(cfg.out).name}: {folder} lacks the kept checkpoint(s) of step(s) "
+            f"{', '.join(map(str, missing))}; with train_here_until = {cfg.train_here_until} "
+            "only the later ones are taken from it (it must be the value the folder was "
+            "exported with)" + _train_here(cfg, record)
+        )
+    if here:
+        say(f"train {Path(cfg.out).name}: steps 1-{max(here)} here, for the checkpoints of {here}")
+        train_first(here)
     for step in kept_steps(cfg):
+        if step in here:
+            continue
         target = kept_checkpoint(out, step)
         with atomic_dir(target) as tmp:
             source = kept_checkpoint(folder, step)
@@ -231,8 +255,10 @@ def export_model(cfg: TrainConfig, folder: Path, made: dict) -> dict:
     returns its prebuilt.json."""
     from ar_slicing.plan import identity
     from pipeline.train.loop import TrainInputs
+    from pipeline.train.state import steps_trained_here
 
     out = Path(cfg.out)
+    early = steps_trained_here(cfg)
     name = out.name
     if not (out / META_NAME).is_file():
         raise BadInput(f"export {name}: {out} is not a complete trained model; train it first")
@@ -270,6 +296,8 @@ def export_model(cfg: TrainConfig, folder: Path, made: dict) -> dict:
         _copy(out / MODEL_CONFIG_NAME, tmp / MODEL_CONFIG_NAME)
         write_halved(out / MODEL_WEIGHTS_NAME, tmp / MODEL_WEIGHTS_NAME)
         for step in settings.get("keep_checkpoints", []):
+            if step in early:
+                continue  # a run taking the model trains these itself
             source, kept = kept_checkpoint(out, step), kept_checkpoint(tmp, step)
             kept.mkdir(parents=True)
             _copy(source / MODEL_CONFIG_NAME, kept / MODEL_CONFIG_NAME)

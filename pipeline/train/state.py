@@ -60,6 +60,12 @@ def kept_steps(cfg: TrainConfig) -> list[int]:
     return sorted(set(cfg.keep_checkpoints))
 
 
+def steps_trained_here(cfg: TrainConfig) -> list[int]:
+    """The kept steps a run taking its model from a prebuilt folder trains here itself
+    (`train_here_until`); the folder holds the others."""
+    return [s for s in kept_steps(cfg) if s <= cfg.train_here_until] if cfg.train_here_until else []
+
+
 def validate_train(cfg: TrainConfig) -> None:
     if cfg.steps <= 0 or cfg.batch_size <= 0 or cfg.seq_len <= 0:
         raise ArSliceError("--steps, --batch-size and --seq-len must be positive")
@@ -71,6 +77,11 @@ def validate_train(cfg: TrainConfig) -> None:
             f"--keep-checkpoints {' '.join(map(str, late))}: a kept step must be from 0 to "
             f"{cfg.steps - 1}, before the last step; the final model (step {cfg.steps}) is "
             "always kept, as OUT itself"
+        )
+    if not 0 <= cfg.train_here_until < cfg.steps:
+        raise ArSliceError(
+            f"--train-here-until {cfg.train_here_until}: must be from 0 to {cfg.steps - 1} "
+            "(the kept checkpoints up to that step are trained here, the rest taken)"
         )
     build_model(model_config_for(cfg, vocab_size=256), device="meta")  # options, shapes: no memory
     # (a complete model is not taken again; its token streams are compared once they are there)

@@ -183,3 +183,29 @@ def test_export_refuses_models_saved_in_fp32(made, tmp_path):
     assert parameters & set(full) and any(not torch.equal(full[k], rounded[k]) for k in full)
     for k, v in full.items():
         assert torch.equal(v.to(torch.bfloat16).float() if k in parameters else v, rounded[k]), k
+
+
+def test_early_checkpoints_are_trained_here_and_the_folder_holds_the_later_ones(tmp_path):
+    """With train_here_until, the folder holds the later checkpoints and the final model only,
+    and a run taking the models trains the first steps itself to the same weights."""
+    from pipeline.export_models import ExportConfig, run_export
+
+    keep = {"keep_checkpoints": "[1, 2]", "train_here_until": "1"}
+    config = run(tmp_path, "made", **keep)
+    folder = tmp_path / "models"
+    run_export(ExportConfig(config=str(config), out=str(folder), command="make demo-models"))
+    for model in MODELS:
+        kept = sorted(p.name for p in (folder / model / "checkpoints").iterdir())
+        assert kept == ["step-2"]  # step 1 is left to the run that takes the model
+    run(tmp_path, "taken", stages=UP_TO_TRAIN, prebuilt=folder, **keep)
+    for model in MODELS:
+        for path in ("model.safetensors", "checkpoints/step-1/model.safetensors",
+                     "checkpoints/step-2/model.safetensors"):  # fmt: skip
+            made = tmp_path / "made" / "models" / model / path
+            assert sha256(tmp_path / "taken" / "models" / model / path) == sha256(made), path
+        ledger = read_json(tmp_path / "taken" / "models" / model / "meta.json")["ledger"]
+        assert "kept 00000001" in ledger and "kept 00000002" in ledger
+    # without train_here_until the folder lacks step 1: refused, naming it
+    with pytest.raises(PrebuiltMismatch, match=r"lacks the kept checkpoint\(s\) of step\(s\) 1;"):
+        run(tmp_path, "all", stages=UP_TO_TRAIN, prebuilt=folder, keep_checkpoints="[1, 2]")
+    assert not (tmp_path / "all" / "models" / "attention" / "model.safetensors").exists()
