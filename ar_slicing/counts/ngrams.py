@@ -270,6 +270,7 @@ def warm() -> None:
     table.add_rows(table.grams[: table.n_rows])
     table._reserve(2 * len(table.orders))
     table.count_stream(tokens, 0, 0, None)
+    table.count_stream(tokens, 0, 0, None, into=np.zeros(table.n_rows, np.uint32))  # (a task's)
 
 
 def span_lengths(match_len: np.ndarray, span_order: int) -> np.ndarray:
@@ -399,7 +400,8 @@ class NgramTable:
     def count_stream(
         self, tokens: np.ndarray, first: int, offset: int, row: int | None, into=None
     ) -> np.ndarray:
-        """Counts (int64, one per row) of the table's n-grams ending at tokens[first:], where
+        """Counts (int64, one per row; `into` may be uint32) of the table's n-grams ending at
+        tokens[first:], where
         tokens[0] is stream index `offset` of the training stream (`row`: the counting unit),
         added to `into` when given (one array for every shard of a task: no array of n_rows
         to allocate, zero and add per shard) and returned."""
@@ -431,7 +433,8 @@ class NgramTable:
             probe = _row_keys(_rows_ending_at(tokens, ends, n, self.span_order))
             at = np.minimum(np.searchsorted(sorted_keys, probe), sorted_keys.size - 1)
             hit = sorted_keys[at] == probe
-            counts += np.bincount(order_of_key[at[hit]], minlength=self.n_rows)
+            hits = np.bincount(order_of_key[at[hit]], minlength=self.n_rows)
+            counts += hits.astype(counts.dtype, copy=False)
         return counts
 
     def trigram_filter(self) -> tuple[np.ndarray, int] | None:
@@ -532,10 +535,16 @@ class SpanCountTask:
         return self.stop - self.start
 
 
+# The most n-gram ends one counting task covers: its counts are uint32 (4 bytes per n-gram and
+# worker, and as many to send them back), exact below 2**32.
+TASK_POSITIONS = (1 << 32) - 1
+
+
 def span_count_tasks(stores, row, span_order: int, groups: int) -> list[SpanCountTask]:
     """About `groups` tasks of consecutive n-gram ends over the concatenated training stream."""
     total = sum(s.n_tokens for s in stores)
-    size = max(1 << 20, -(-total // max(groups, 1)))
+    # (under 2**32 positions each, so that a task's counts fit the uint32 it returns them in)
+    size = min(max(1 << 20, -(-total // max(groups, 1))), TASK_POSITIONS)
     paths = tuple(str(s.path.resolve()) for s in stores)
     return [
         SpanCountTask(paths, a, min(a + size, total), row, span_order)
@@ -556,12 +565,14 @@ def read_stream(stores, start: int, stop: int) -> np.ndarray:
 
 
 def count_span_task(task: SpanCountTask, table: NgramTable) -> np.ndarray:
-    """The table's counts over one task's n-gram ends, shard by shard (each shard read with the
+    """The table's counts (uint32) over one task's n-gram ends, shard by shard (each shard read with the
     K tokens before it, so an n-gram across a shard or store boundary is counted once)."""
     from ar_slicing.store import TokenStore
 
     stores = [TokenStore.open(p) for p in task.stores]
-    counts = np.zeros(table.n_rows, np.int64)
+    if task.stop - task.start > TASK_POSITIONS:
+        raise ValueError(f"a span count task covers at most {TASK_POSITIONS} positions")
+    counts = np.zeros(table.n_rows, np.uint32)
     K = task.span_order
     for a in range(task.start, task.stop, task.shard_tokens):
         b = min(a + task.shard_tokens, task.stop)

@@ -219,6 +219,22 @@ def test_ngram_counts_match_a_plain_counter(case, engine, tmp_path_factory):
         assert got[2] == (-1 if absent else 0)
 
 
+def test_span_count_tasks_stay_under_the_uint32_counts_they_return(tmp_path):
+    """A task's counts are uint32: no task covers 2**32 positions, however few the workers,
+    and the tasks cover the stream once, in order."""
+    from types import SimpleNamespace
+
+    from ar_slicing.counts.ngrams import TASK_POSITIONS, span_count_tasks
+
+    stores = [SimpleNamespace(path=tmp_path / name, n_tokens=n) for name, n in
+              [("a", 5 << 30), ("b", 7 << 30)]]  # fmt: skip
+    for groups in (1, 2, 16):
+        tasks = span_count_tasks(stores, None, 4, groups)
+        assert all(t.stop - t.start <= TASK_POSITIONS for t in tasks)
+        assert tasks[0].start == 0 and tasks[-1].stop == 12 << 30
+        assert all(a.stop == b.start for a, b in zip(tasks, tasks[1:]))
+
+
 @pytest.mark.parametrize("vocab", [65536, 70000])  # uint16 and uint32 files
 def test_store_read_is_slice_from_the_file(tmp_path, vocab):
     """The training pass reads shards from the file; they are the store's tokens."""
