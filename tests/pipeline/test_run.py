@@ -246,14 +246,19 @@ def test_the_sweep_trains_each_demo_model_at_three_rates_and_nothing_else_differ
     demo, sweep = shipped("demo-torch.toml"), shipped("demo-sweep.toml")
     for stage in ("tokenizer", "tokenize", "count", "tag", "eval"):
         assert sweep.table(stage) == demo.table(stage), stage
-    settings = {k: v for k, v in demo.table("train").items() if k != "models"}
-    assert {k: v for k, v in sweep.table("train").items() if k != "models"} == settings
+    # the same training but its length: the sweep trains a quarter of the demo's steps, and
+    # keeps and ships nothing
+    own = {"models", "steps", "keep_checkpoints", "saved_dtype", "prebuilt", "train_here_until"}
+    settings = {k: v for k, v in demo.table("train").items() if k not in own}
+    assert {k: v for k, v in sweep.table("train").items() if k not in own} == settings
+    assert 4 * sweep.table("train")["steps"] == demo.table("train")["steps"]
     swept = sweep.configs("train")
     rates = {0.001: "1e-3", 0.003: "3e-3", 0.01: "1e-2"}
     for name, chosen in demo.configs("train").items():
         runs = {lr: swept[f"{name}-lr{tag}"] for lr, tag in rates.items()}
         # the same model at each rate, and the demo's rate is one of them
         paths = dict(out=chosen.out, tokens=chosen.tokens, val_tokens=chosen.val_tokens)
+        paths.update({k: getattr(chosen, k) for k in own - {"models"}})
         assert all(replace(c, lr=chosen.lr, **paths) == chosen for c in runs.values())
         assert chosen.lr in runs
     # both attention recipes, at the same size
