@@ -234,13 +234,20 @@ def results_plan(run: CheckedRun) -> dict:
     """results.duckdb's stage plan (as JSON). It keeps no work and has no settings of its own:
     its inputs are what its views and tables read, each by where it is (the views name files by
     absolute path, so a moved run is another input), its identity (a redone input is another
-    one) and its parts (an evaluation extended to more windows keeps its plan but adds parts)."""
+    one), its parts (an evaluation extended to more windows keeps its plan but adds parts) and
+    its meta.json as a file (an input redone under the same plan, say with another batch size,
+    writes it again, and the tables that copy its fields must follow)."""
     from ar_slicing.plan import StagePlan, file_identity, identity
 
     layout = run.layout
 
     def folder_input(folder: Path, parts: list[Path]) -> dict:
-        return {"path": str(folder), "identity": identity(folder), "parts": [p.name for p in parts]}
+        return {
+            "path": str(folder),
+            "identity": identity(folder),
+            "parts": [p.name for p in parts],
+            "meta": file_identity(meta_path(folder)),
+        }
 
     counts = None
     if run.counts_dir is not None:

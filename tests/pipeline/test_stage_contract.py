@@ -239,6 +239,29 @@ def test_results_duckdb_is_the_same_on_a_rerun(tiny_run, tmp_path):  # noqa: F81
     assert dump(db) == before and len(before) >= 6
 
 
+def test_results_follow_an_evaluation_redone_with_another_batch_size(tiny_run, tmp_path):  # noqa: F811
+    """The same plan (losses do not depend on the batch size), but the models table copies the
+    batch size and speed from the losses' meta.json: the file is rebuilt."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run["run"], run)
+    assert cli("report", "--run", run, "--bootstrap", "20") == 0
+
+    def batch_size() -> int:
+        con = duckdb.connect(str(run / "results.duckdb"), read_only=True)
+        try:
+            return con.execute("SELECT batch_size FROM models").fetchone()[0]
+        finally:
+            con.close()
+
+    assert batch_size() == 16
+    model = f"native:{tiny_run['model']}"
+    redo = ["eval", "--model", model, "--tags", run / "tags", "--out", run / "losses/attention",
+            "--device", "cpu", "--batch-size", "8", "--chunk-windows", "16", "--overwrite"]  # fmt: skip
+    assert cli(*redo) == 0
+    assert cli("report", "--run", run, "--bootstrap", "20") == 0
+    assert batch_size() == 8
+
+
 # ---- 10: hints that point one level off --------------------------------------------------------
 
 
