@@ -432,10 +432,8 @@ def _count_span_ngrams(cfg: TagConfig, parts: list[PartTask], training, workers:
 def _tag_into(
     stage, cfg: TagConfig, store, counts_meta: dict, training, warnings: list[str], t0: float
 ):
-    from tqdm import tqdm
-
     from ar_slicing.counts import BigramCounts
-    from ar_slicing.executor import LocalExecutor, default_workers
+    from ar_slicing.executor import default_workers
     from ar_slicing.io import build_meta
     from ar_slicing.layout import WINDOWS_NAME
     from ar_slicing.tags import DocTable, warm
@@ -486,33 +484,14 @@ def _tag_into(
             say(f"tag: counting the span n-grams (orders 3..{cfg.span_order + 1}) in training")
             span_workers = min(cfg.workers or default_workers(), len(tasks))
             span_counts, span_times = _count_span_ngrams(cfg, tasks, training, span_workers)
-        t_work = time.time()
-        with tqdm(total=n_targets, unit="tok", unit_scale=True, desc="tag", disable=None) as bar:
-            bar.update(sum(r["rows"] for r in results.values()))
-            for task, result in LocalExecutor(workers).map_unordered(tag_part, todo):
-                stage.record(task.path.name, [task.path], **result)
-                results[task.index] = result
-                bar.update(result["rows"])
-        work_s = time.time() - t_work
+        work_s = _tag_parts(stage, todo, results, workers, n_targets)
     finally:
         for key in keys:
             _OPEN.pop(key, None)
         _BUFFERS.clear()
         _SPANS.clear()
 
-    names: list[str | None] = [None, *docs.subset_names]
-    totals = {
-        key: np.sum([r[key] for r in results.values()], axis=0, dtype=np.int64)
-        if results
-        else np.zeros(len(names), np.int64)
-        for key in ("tokens", "repeats", "ar_hits")
-    }
-    by_subset = [
-        {"subset": name, **{key: int(totals[key][k]) for key in totals}}
-        for k, name in enumerate(names)
-        if totals["tokens"][k] > 0
-    ]
-    summary = {key: int(totals[key].sum()) for key in totals}
+    summary, by_subset = _totals(results, [None, *docs.subset_names])
     if summary["tokens"] != n_targets:
         raise ArSliceError(
             f"{out}: parts hold {summary['tokens']} rows, windows {n_targets}; rerun"
@@ -553,6 +532,40 @@ def _tag_into(
     for line in warnings:
         say(f"tag: warning: {line}")
     return meta
+
+
+def _tag_parts(stage, todo: list[PartTask], results: dict, workers: int, n_targets: int) -> float:
+    """Tag the parts not done yet (`workers` processes), each recorded in the stage's ledger and
+    in `results` as it finishes; the seconds it took."""
+    from tqdm import tqdm
+
+    from ar_slicing.executor import LocalExecutor
+
+    t0 = time.time()
+    with tqdm(total=n_targets, unit="tok", unit_scale=True, desc="tag", disable=None) as bar:
+        bar.update(sum(r["rows"] for r in results.values()))
+        for task, result in LocalExecutor(workers).map_unordered(tag_part, todo):
+            stage.record(task.path.name, [task.path], **result)
+            results[task.index] = result
+            bar.update(result["rows"])
+    return time.time() - t0
+
+
+def _totals(results: dict, names: list[str | None]) -> tuple[dict, list[dict]]:
+    """The parts' per-subset counts added up: (the whole output's tokens, repeats and AR hits,
+    and the same per subset that has tokens; `names[0]` is None, the documents of no subset)."""
+    totals = {
+        key: np.sum([r[key] for r in results.values()], axis=0, dtype=np.int64)
+        if results
+        else np.zeros(len(names), np.int64)
+        for key in ("tokens", "repeats", "ar_hits")
+    }
+    by_subset = [
+        {"subset": name, **{key: int(totals[key][k]) for key in totals}}
+        for k, name in enumerate(names)
+        if totals["tokens"][k] > 0
+    ]
+    return {key: int(totals[key].sum()) for key in totals}, by_subset
 
 
 def _pct(part: int, whole: int) -> str:
