@@ -15,8 +15,9 @@ RUN := $(shell sed -n 's/^run_dir *= *"\([^"]*\)".*/\1/p' $(CONFIG) 2>/dev/null)
 # DEMO_TRAIN=1: train the models here, taking none from the folder of prebuilt models that the
 # config's `[train] prebuilt` names (`arslice run --train-here`).
 RUNFLAGS := $(if $(OVERWRITE),--redo-changed,) $(if $(DEMO_TRAIN),--train-here,)
-# Where `make demo-models` puts the models it trains (the folder `[train] prebuilt` names).
-DEMO_MODELS ?= demo-models
+# Where `make demo-models` puts the models it trains: the folder the config's `[train] prebuilt`
+# names (`prebuilt = "..."`), else demo-models.
+DEMO_MODELS ?= $(or $(shell sed -n 's/^prebuilt *= *"\([^"]*\)".*/\1/p' $(CONFIG) 2>/dev/null),demo-models)
 STAGE = $(ARSLICE) run --config $(CONFIG) $(RUNFLAGS) --stage
 
 .PHONY: FORCE install install-browser test test-slow test-demo test-gpu lint format bench bench-scale bench-gpu all tokenizer tokenize counts tags train eval report verify readme-demo mqar demo-models clean-run
