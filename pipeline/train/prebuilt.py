@@ -282,6 +282,10 @@ def export_model(cfg: TrainConfig, folder: Path, made: dict) -> dict:
         )
     record = {
         "settings": settings,
+        # the kept checkpoints the folder holds (a run taking the model trains the others)
+        "checkpoints_in_folder": [
+            s for s in settings.get("keep_checkpoints", []) if s not in early
+        ],
         **streams_of(TrainInputs.open(cfg)),
         "trained": {k: v for k, v in meta.items() if k not in _RUN_FIELDS},
         "made": made,
@@ -320,7 +324,11 @@ def readme(folder: Path, records: dict[str, dict], made: dict) -> str:
     ]
     for name, r in records.items():
         t = r["trained"]
-        kept = ", ".join(map(str, r["settings"].get("keep_checkpoints", []))) or "none"
+        held = r.get("checkpoints_in_folder", r["settings"].get("keep_checkpoints", []))
+        here = [s for s in r["settings"].get("keep_checkpoints", []) if s not in held]
+        kept = ", ".join(map(str, held)) or "none"
+        if here:
+            kept += f" (and {', '.join(map(str, here))}, which a run taking it trains itself)"
         val = t.get("final_val_loss")
         rows.append(
             f"| {name} | {t.get('arch')} | {fmt_params(t.get('n_params'))} | {t.get('step'):,} "

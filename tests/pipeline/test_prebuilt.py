@@ -197,6 +197,8 @@ def test_early_checkpoints_are_trained_here_and_the_folder_holds_the_later_ones(
     for model in MODELS:
         kept = sorted(p.name for p in (folder / model / "checkpoints").iterdir())
         assert kept == ["step-2"]  # step 1 is left to the run that takes the model
+        assert read_json(folder / model / "prebuilt.json")["checkpoints_in_folder"] == [2]
+    assert "2 (and 1, which a run taking it trains itself)" in (folder / "README.md").read_text()
     run(tmp_path, "taken", stages=UP_TO_TRAIN, prebuilt=folder, **keep)
     for model in MODELS:
         for path in ("model.safetensors", "checkpoints/step-1/model.safetensors",
