@@ -52,7 +52,7 @@ def save_native(model, out_dir, tokenizer_json=None, saved_dtype: str = "fp32") 
         if k not in tied
     }
     if saved_dtype == "bf16":
-        parameters = {name for name, _ in model.named_parameters()}
+        parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
         state = {
             k: v.to(torch.bfloat16).to(v.dtype) if k in parameters and v.is_floating_point() else v
             for k, v in state.items()

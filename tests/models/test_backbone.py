@@ -167,6 +167,26 @@ def test_native_round_trip(tmp_path, bpe_tokenizer_path, bpe_tokenizer):
     torch.testing.assert_close(nll.view(-1), ref.detach(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("mixer", ["attention", "hyena", "base_conv", "rwkv"])
+def test_native_bf16_save_rounds_every_parameter_shared_ones_included(tmp_path, mixer):
+    """saved_dtype="bf16": the saved weights are the parameters rounded to bf16, and a model
+    whose parameters are shared (Hyena's Sin frequencies) loads back with them still one."""
+    torch.manual_seed(0)
+    model = tiny(mixer)
+    with torch.no_grad():  # as after training: no parameter is a bf16 number by chance
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)
+    save_native(model, tmp_path / "m", saved_dtype="bf16")
+    again = load_native(tmp_path / "m")
+    got = dict(again.named_parameters(remove_duplicate=False))
+    for name, p in model.named_parameters(remove_duplicate=False):
+        want = p.detach().to(torch.bfloat16).float()
+        assert torch.equal(got[name].detach(), want), name
+    ids = torch.randint(0, 97, (2, 11))
+    with torch.no_grad():
+        assert torch.isfinite(again(ids)).all()
+
+
 def test_native_untied_head_round_trip(tmp_path):
     model = tiny(tie_word_embeddings=False, state_mixer="identity", state_mixer_kwargs={})
     assert model.lm_head.weight is not model.backbone.embeddings.word_embeddings.weight
