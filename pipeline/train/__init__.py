@@ -105,8 +105,8 @@ def train(cfg: TrainConfig) -> dict:
         return stage.skip()
     if cfg.prebuilt is not None:  # taken from a folder of prebuilt models: the same model
         with stage.running(), torch_threads(cfg.threads):
-            meta = take_prebuilt(stage, cfg, dtype, t0, lambda steps: _train_first_steps(
-                stage, cfg, device, dtype, steps))  # fmt: skip
+            meta = take_prebuilt(stage, cfg, dtype, t0, lambda steps, inputs: _train_first_steps(
+                stage, cfg, device, dtype, steps, inputs))  # fmt: skip
         say(f"train {cfg.arch}: taken from {prebuilt_model(cfg)} (the same settings and tokens)")
         return meta
     # work is a checkpoint the ledger holds
@@ -184,15 +184,17 @@ def _start(cfg: TrainConfig, inputs, device: str):
     return model_cfg, model, make_optimizer(model, cfg)
 
 
-def _train_first_steps(stage, cfg: TrainConfig, device: str, dtype: str, steps: list[int]) -> None:
+def _train_first_steps(
+    stage, cfg: TrainConfig, device: str, dtype: str, steps: list[int], inputs
+) -> None:
     """Train the first max(steps) steps of the run `cfg` describes, keeping the model at each
     of `steps` as training keeps it: the same weights as the whole run's kept checkpoints
     (`train_here_until`, for a model taken from a prebuilt folder that holds only later ones).
-    It writes no resumable checkpoint: a killed run does these steps again."""
+    It writes no resumable checkpoint: a killed run does these steps again. `inputs`: the
+    run's `TrainInputs`, already open."""
     from models.precision import autocast
-    from pipeline.train.loop import Progress, TrainInputs, train_steps
+    from pipeline.train.loop import Progress, train_steps
 
-    inputs = TrainInputs.open(cfg)
     _, model, optimizer = _start(cfg, inputs, device)
     wanted = set(steps)
 

@@ -163,7 +163,7 @@ def take_prebuilt(stage, cfg: TrainConfig, dtype: str, t0: float, train_first) -
     """Put the prebuilt model asked for into the stage's output (its plan is the one asked for):
     the model, its tokenizer and its kept checkpoints, each recorded in the ledger as training
     records them, then meta.json; refused (nothing written) when it was made otherwise. The kept
-    checkpoints up to `train_here_until` are trained here: `train_first(steps)`."""
+    checkpoints up to `train_here_until` are trained here: `train_first(steps, inputs)`."""
     from models.checkpoints.native import copy_tokenizer
     from pipeline.train.loop import TrainInputs
     from pipeline.train.state import (
@@ -192,7 +192,7 @@ def take_prebuilt(stage, cfg: TrainConfig, dtype: str, t0: float, train_first) -
         )
     if here:
         say(f"train {Path(cfg.out).name}: steps 1-{max(here)} here, for the checkpoints of {here}")
-        train_first(here)
+        train_first(here, inputs)
     for step in kept_steps(cfg):
         if step in here:
             continue
@@ -258,7 +258,6 @@ def export_model(cfg: TrainConfig, folder: Path, made: dict) -> dict:
     from pipeline.train.state import steps_trained_here
 
     out = Path(cfg.out)
-    early = steps_trained_here(cfg)
     name = out.name
     if not (out / META_NAME).is_file():
         raise BadInput(f"export {name}: {out} is not a complete trained model; train it first")
@@ -280,12 +279,12 @@ def export_model(cfg: TrainConfig, folder: Path, made: dict) -> dict:
             f"export {name}: the training store {cfg.tokens} is not the one {out} was trained "
             "on (it was made again since); train the model again first"
         )
+    early = steps_trained_here(cfg)
+    # the kept checkpoints the folder holds (a run taking the model trains the others itself)
+    held = [s for s in settings.get("keep_checkpoints", []) if s not in early]
     record = {
         "settings": settings,
-        # the kept checkpoints the folder holds (a run taking the model trains the others)
-        "checkpoints_in_folder": [
-            s for s in settings.get("keep_checkpoints", []) if s not in early
-        ],
+        "checkpoints_in_folder": held,
         **streams_of(TrainInputs.open(cfg)),
         "trained": {k: v for k, v in meta.items() if k not in _RUN_FIELDS},
         "made": made,
@@ -299,9 +298,7 @@ def export_model(cfg: TrainConfig, folder: Path, made: dict) -> dict:
     with atomic_dir(target) as tmp:
         _copy(out / MODEL_CONFIG_NAME, tmp / MODEL_CONFIG_NAME)
         write_halved(out / MODEL_WEIGHTS_NAME, tmp / MODEL_WEIGHTS_NAME)
-        for step in settings.get("keep_checkpoints", []):
-            if step in early:
-                continue  # a run taking the model trains these itself
+        for step in held:
             source, kept = kept_checkpoint(out, step), kept_checkpoint(tmp, step)
             kept.mkdir(parents=True)
             _copy(source / MODEL_CONFIG_NAME, kept / MODEL_CONFIG_NAME)
