@@ -111,15 +111,19 @@ demo-models:
 verify:
 	$(ARSLICE) verify --run $(RUN)
 
-# The README's demo table and frequency curve, regenerated from a real `make all` run.
+# The README's table and figures of a demo, regenerated from a real `make all` run: the run's
+# folder name names them (runs/demo: docs/demo-table1.md, docs/demo-*.png and the README's
+# `<!-- demo-table:start -->` section; runs/demo-stdlib: docs/demo-stdlib-*).
+DOCS_NAME = $(notdir $(RUN))
 readme-demo: all
 	mkdir -p docs
-	sed -n '/^## Table 1/,/^!\[/p' $(RUN)/report/report.md | sed '$$d' > docs/demo-table1.md
-	cp $(RUN)/report/frequency_curve.png docs/demo-frequency-curve.png
-	cp $(RUN)/report/recall_gain.png docs/demo-recall-gain.png
-	cp $(RUN)/report/emergence.png docs/demo-emergence.png
-	$(PY) -c 'import re, pathlib; r = pathlib.Path("README.md"); t = pathlib.Path("docs/demo-table1.md").read_text().split("\n", 2)[2].strip(); r.write_text(re.sub(r"(<!-- demo-table:start[^>]*-->\n).*?(\n<!-- demo-table:end -->)", lambda m: m.group(1) + t + m.group(2), r.read_text(), flags=re.S))'
-	@echo "docs/demo-table1.md, docs/demo-frequency-curve.png, docs/demo-recall-gain.png and docs/demo-emergence.png updated from $(RUN)"
+	sed -n '/^## Table 1/,/^!\[/p' $(RUN)/report/report.md | sed '$$d' > docs/$(DOCS_NAME)-table1.md
+	cp $(RUN)/report/frequency_curve.png docs/$(DOCS_NAME)-frequency-curve.png
+	cp $(RUN)/report/recall_gain.png docs/$(DOCS_NAME)-recall-gain.png
+	cp $(RUN)/report/emergence.png docs/$(DOCS_NAME)-emergence.png
+	cp $(RUN)/report/copy_length.png docs/$(DOCS_NAME)-copy-length.png
+	$(PY) -c 'import re, sys, pathlib; n = sys.argv[1]; r = pathlib.Path("README.md"); t = pathlib.Path(f"docs/{n}-table1.md").read_text().split("\n", 2)[2].strip(); new, k = re.subn(rf"(<!-- {re.escape(n)}-table:start[^>]*-->\n).*?(\n<!-- {re.escape(n)}-table:end -->)", lambda m: m.group(1) + t + m.group(2), r.read_text(), flags=re.S); k or sys.exit(f"README.md has no <!-- {n}-table:start --> section for {n}"); r.write_text(new)' $(DOCS_NAME)
+	@echo "docs/$(DOCS_NAME)-table1.md, docs/$(DOCS_NAME)-*.png and README.md's $(DOCS_NAME) table updated from $(RUN)"
 
 clean-run:
 	rm -rf $(RUN)

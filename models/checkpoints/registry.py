@@ -190,7 +190,7 @@ def parse_spec(spec: str) -> tuple[str, str]:
         raise ArSliceError(
             f"model spec {spec!r}: expected PREFIX:TARGET with PREFIX one of "
             f"{', '.join(f'{f.prefix}:' for f in formats())} (e.g. hf:EleutherAI/pythia-70m, "
-            "native:runs/demo/models/attention)"
+            "native:runs/demo/models/transformer_pp)"
         )
     return prefix, target
 

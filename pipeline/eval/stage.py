@@ -529,7 +529,7 @@ COMMAND = Command(
     summary="per-token losses of one model over the tagged windows",
     examples="""\
   arslice eval --model hf:EleutherAI/pythia-160m --tags runs/pile/tags --out runs/pile/losses/pythia-160m  # needs the hub
-  arslice eval --model native:runs/demo/models/attention --tags runs/demo/tags --out runs/demo/losses/attention
+  arslice eval --model native:runs/demo/models/transformer_pp --tags runs/demo/tags --out runs/demo/losses/transformer_pp
   arslice eval --model hf:RWKV/rwkv-4-169m-pile --tags runs/pile/tags --out runs/pile/losses/rwkv --dtype fp32  # needs the hub
   arslice eval --model hf:./pythia-70m --tags runs/pile/tags --out smoke --max-windows 8 --device cpu
   arslice eval --model hf:EleutherAI/pythia-160m --tags runs/pile/tags --out runs/pile/losses/pythia-rolling --windowing rolling  # needs the hub

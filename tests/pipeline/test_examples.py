@@ -5,7 +5,8 @@ complete small runs under `runs/demo`, `runs/pile` and `runs/pythia` (one real r
 `arslice run` on the standard library), the files the examples read (`val.jsonl.zst`,
 `pile/train/*.jsonl.zst`, `data.parquet`, `train.bin`, Pythia-style `pythia/document.bin` with
 its `.idx` and its 21 shards, `tokenizer.json`, small `transformers` checkpoints `pythia-70m/`
-and `my-model/` with the run's tokenizer), and the README's `# NAME.toml` blocks as files.
+and `my-model/` with the run's tokenizer, the demo's `demo-models/`), and the README's
+`# NAME.toml` blocks as files.
 Before a command that writes `--out DIR` runs, DIR is removed, so the example computes it anew.
 
   * `arslice ...` runs in this process, and must exit 0;
@@ -158,12 +159,23 @@ def _params(examples: list[Example]):
 
 def fixture_run_config(root: Path) -> str:
     """The small pipeline of the other tests, with two attention models named as the examples
-    name them (`attention`, `pythia-160m`), saved in bf16 as a folder of prebuilt models holds
-    them (`arslice export-models`), and the demo's report settings."""
+    name them (`transformer_pp`, the demo's reference, and `pythia-160m`), saved in bf16 as a
+    folder of prebuilt models holds them (`arslice export-models`), and the demo's report
+    settings."""
     text = small_pipeline_config(root, report="bootstrap = 200", train='saved_dtype = "bf16"')
-    base_conv = '[train.models.base_conv]\narch = "base_conv"\n'
-    assert base_conv in text
-    return text.replace(base_conv, '[train.models.pythia-160m]\narch = "attention"\nseed = 1\n')
+    names = {
+        '[train.models.attention]\narch = "attention"\n': (
+            '[train.models.transformer_pp]\narch = "transformer_pp"\n'
+        ),
+        '[train.models.base_conv]\narch = "base_conv"\n': (
+            '[train.models.pythia-160m]\narch = "attention"\nseed = 1\n'
+        ),
+        'reference = "attention"\n': 'reference = "transformer_pp"\n',
+    }
+    for old, new in names.items():
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    return text
 
 
 def _pile_records(texts: list[str], subset: str) -> bytes:
@@ -246,6 +258,8 @@ def example_tree(tmp_path_factory, stdlib_texts) -> Path:
         _tiny_neox(tree / name, tokenizer, vocab)
     for name in ("tests", "queries", "pipeline"):
         (tree / name).symlink_to(REPO / name)
+    # the demo's prebuilt models, copied (an example may write a folder of its own there)
+    shutil.copytree(REPO / "demo-models", tree / "demo-models")
     for name, text in README_FILES.items():
         (tree / name).write_text(text)
     tiny = subprocess.run(

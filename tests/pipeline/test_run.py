@@ -157,9 +157,9 @@ def torch_corpus(files: list[str]) -> None:
 
 # config -> (its run folder, its attention model, its corpus root, what its corpus is)
 DEMOS = {
-    "demo.toml": ("runs/demo", "attention", stdlib_dir, stdlib_corpus),
-    # the longer demo in preparation: its attention is the recipe its sweep picks
-    "demo-torch.toml": ("runs/demo-torch", "transformer_pp", torch_dir, torch_corpus),
+    # the demo: its attention is the recipe its sweep picks
+    "demo.toml": ("runs/demo", "transformer_pp", torch_dir, torch_corpus),
+    "demo-stdlib.toml": ("runs/demo-stdlib", "attention", stdlib_dir, stdlib_corpus),
 }
 
 
@@ -243,7 +243,7 @@ def test_demo_config_builds_every_stage_and_matches_the_makefile(config):
 def test_the_sweep_trains_each_demo_model_at_three_rates_and_nothing_else_differs():
     from dataclasses import replace
 
-    demo, sweep = shipped("demo-torch.toml"), shipped("demo-sweep.toml")
+    demo, sweep = shipped("demo.toml"), shipped("demo-sweep.toml")
     for stage in ("tokenizer", "tokenize", "count", "tag", "eval"):
         assert sweep.table(stage) == demo.table(stage), stage
     # the same training but its length: the sweep trains a quarter of the demo's steps, and
