@@ -27,8 +27,18 @@ pairs: T / 16 pairs), each at several learning rates, trained with `pipeline.tra
 step (Zoology trains many epochs over 100k sequences; on a CPU budget a small fixed set is
 memorised long before the recall mechanism forms, so the stream never repeats) and scored on
 held-out sequences; a run stops early when its held-out accuracy reaches
-`early_stop`, and the remaining learning rates of a cell are skipped once one has (the best
-accuracy over learning rates is what Figure 2 plots).
+`early_stop`, and the remaining runs of a cell are skipped once one has (the best accuracy over
+a cell's runs is what Figure 2 plots).
+
+Restarts: each learning rate is tried from `restarts` initialisations (run r: torch seed and
+training stream seed + r; the held-out sequences stay the same), rate by rate, restart by
+restart. Whether a run finds the recall circuit depends on its initialisation as much as on its
+width or rate. A run that does not falls into a partial solution: one key-value slot, the first
+or the last, is recalled exactly and the other three at chance among the values left, so held-out
+accuracy sits at 1/4 + 3/4 * 1/3 = 50% (two-layer attention, length 64, 4 pairs, per-slot
+accuracy 99 / 35 / 31 / 35%: d_model 128 at lr 1.5e-3 and, last slot, d_model 32 at lr 6e-3).
+From the next initialisation the same width and rate solved it (d_model 32: 99.5% by step 3200;
+128: 96.6% by step 4000 when stopped there). Zoology's sweep tries four rates a cell, one run each.
 
 Defaults, as measured on one CPU core (two-layer attention, d_model 64, length 64, 4 pairs): with
 a vocabulary of 128, 4096 tokens (64 sequences) a step, lr 3e-3 and AdamW's beta2 0.999, held-out
@@ -112,6 +122,13 @@ class MqarConfig:
     lrs: list[float] = field(
         default_factory=lambda: [3e-3, 1e-3],
         metadata={"help": "learning rates tried per cell, in order (the best accuracy is kept)"},
+    )
+    restarts: int = field(
+        default=3,
+        metadata={
+            "help": "training runs per learning rate, run r from its own initialisation and "
+            "sequences (seed + r); a cell stops at the first run that reaches early_stop"
+        },
     )
     vocab_size: int = field(
         default=128,
@@ -201,10 +218,13 @@ def held_out_sequences(cfg: MqarConfig, seq_len: int) -> tuple[np.ndarray, np.nd
     return mqar_examples(cfg.n_test, seq_len, cfg.vocab_size, pairs, rng, cfg.power_a)
 
 
-def train_batch(cfg: MqarConfig, seq_len: int, step: int) -> tuple[np.ndarray, np.ndarray]:
-    """Training batch `step`: new sequences every step, from a seed stream apart from the test
-    set's, so a model can only score by recalling from the context, never by memorising."""
-    rng = np.random.default_rng([cfg.seed, seq_len, 1, step])
+def train_batch(
+    cfg: MqarConfig, seq_len: int, step: int, restart: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Training batch `step` of run `restart`: new sequences every step, from a seed stream apart
+    from the test set's, so a model can only score by recalling from the context, never by
+    memorising."""
+    rng = np.random.default_rng([cfg.seed + restart, seq_len, 1, step])
     batch = max(1, cfg.batch_tokens // seq_len)
     pairs = num_kv_pairs_for(seq_len)
     return mqar_examples(batch, seq_len, cfg.vocab_size, pairs, rng, cfg.power_a)
@@ -258,8 +278,12 @@ def accuracy(model, x, y, batch_size: int) -> float:
     return correct / max(total, 1)
 
 
-def train_cell(cfg: MqarConfig, arch: str, d_model: int, seq_len: int, lr: float) -> dict:
-    """Train one model at one learning rate; its held-out accuracy and how it got there."""
+def train_cell(
+    cfg: MqarConfig, arch: str, d_model: int, seq_len: int, lr: float, restart: int = 0
+) -> dict:
+    """Train one model at one learning rate, from the initialisation and sequences of run
+    `restart`; its held-out accuracy (on the same held-out sequences for every run) and how it
+    got there."""
     import torch
     import torch.nn.functional as F
 
@@ -268,7 +292,7 @@ def train_cell(cfg: MqarConfig, arch: str, d_model: int, seq_len: int, lr: float
 
     t0 = time.time()
     device = resolve_device(cfg.device)
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed + restart)
     model = build_model(arch, d_model, seq_len, cfg.vocab_size).to(device)
     # the project's own training recipe; the token-store fields are unused here
     recipe = TrainConfig(
@@ -285,7 +309,7 @@ def train_cell(cfg: MqarConfig, arch: str, d_model: int, seq_len: int, lr: float
     x_test, y_test = (torch.from_numpy(a).to(device) for a in held_out_sequences(cfg, seq_len))
     history, best, stopped_at = [], 0.0, None
     for step in range(cfg.steps):
-        x, y = (torch.from_numpy(a).to(device) for a in train_batch(cfg, seq_len, step))
+        x, y = (torch.from_numpy(a).to(device) for a in train_batch(cfg, seq_len, step, restart))
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, recipe)
         logits, t = query_logits(model, x, y)
@@ -311,6 +335,7 @@ def train_cell(cfg: MqarConfig, arch: str, d_model: int, seq_len: int, lr: float
         "seq_len": seq_len,
         "num_kv_pairs": num_kv_pairs_for(seq_len),
         "lr": lr,
+        "restart": restart,
         "accuracy": best,
         "final_accuracy": history[-1]["accuracy"] if history else 0.0,
         "steps_run": history[-1]["step"] if history else 0,
@@ -324,8 +349,17 @@ def train_cell(cfg: MqarConfig, arch: str, d_model: int, seq_len: int, lr: float
 # ---- the sweep ------------------------------------------------------------------------------------
 
 
-def cell_name(arch: str, d_model: int, seq_len: int, lr: float) -> str:
-    return f"{arch}-d{d_model}-T{seq_len}-lr{lr:g}.json"
+def cell_name(arch: str, d_model: int, seq_len: int, lr: float, restart: int = 0) -> str:
+    """The file of one training run (run 0 of a learning rate keeps the name it had before
+    restarts, so the runs of an earlier sweep are kept)."""
+    run = f"-r{restart}" if restart else ""
+    return f"{arch}-d{d_model}-T{seq_len}-lr{lr:g}{run}.json"
+
+
+def cell_runs(cfg: MqarConfig) -> list[tuple[float, int]]:
+    """The training runs of a cell, in the order they are tried: every learning rate from the
+    first initialisation, then every rate from the next, ... (learning rate, restart)."""
+    return [(lr, r) for r in range(cfg.restarts) for lr in cfg.lrs]
 
 
 def cell_settings(cfg: MqarConfig) -> dict:
@@ -334,15 +368,21 @@ def cell_settings(cfg: MqarConfig) -> dict:
 
 def sweep_grid(cfg: MqarConfig) -> dict:
     """The cells asked for (the plan's scope: it changes no cell's result)."""
-    return {"archs": cfg.archs, "d_models": cfg.d_models, "seq_lens": cfg.seq_lens, "lrs": cfg.lrs}
+    return {
+        "archs": cfg.archs,
+        "d_models": cfg.d_models,
+        "seq_lens": cfg.seq_lens,
+        "lrs": cfg.lrs,
+        "restarts": cfg.restarts,
+    }
 
 
 def run_group(
     cfg: MqarConfig, cells_dir: str, arch: str, d_model: int, seq_len: int, done: dict
 ) -> list:
-    """Every learning rate of one (arch, d_model, seq_len) in order, stopping once one reaches
-    `early_stop`: the cells in `done` (what the ledger holds, by cell name) are kept, the others
-    trained and written atomically (the sweep's driver records them)."""
+    """Every run of one (arch, d_model, seq_len) in order (`cell_runs`), stopping once one
+    reaches `early_stop`: the runs in `done` (what the ledger holds, by file name) are kept, the
+    others trained and written atomically (the sweep's driver records them)."""
     from models.precision import torch_threads
 
     with torch_threads(cfg.threads):
@@ -354,13 +394,14 @@ def _run_rates(
 ) -> list:
     settings = cell_settings(cfg)
     out = []
-    for lr in cfg.lrs:
-        name = cell_name(arch, d_model, seq_len, lr)
+    for lr, restart in cell_runs(cfg):
+        name = cell_name(arch, d_model, seq_len, lr, restart)
         cell = done.get(name)
         if cell is None:
             if out and max(c["accuracy"] for c in out) >= cfg.early_stop:
-                break  # an earlier rate already solved the cell
-            cell = {**train_cell(cfg, arch, d_model, seq_len, lr), "settings": settings}
+                break  # an earlier run already solved the cell
+            run = train_cell(cfg, arch, d_model, seq_len, lr, restart)
+            cell = {**run, "settings": settings}
             write_json_atomic(Path(cells_dir) / name, cell)
         out.append(cell)
         if cell["accuracy"] >= cfg.early_stop:
@@ -395,7 +436,8 @@ def best_rows(cells: list[dict], cfg: MqarConfig) -> list[dict]:
                         "d_model": d_model,
                         "accuracy": round(best["accuracy"], 4),
                         "best_lr": best["lr"],
-                        "lrs_tried": len(mine),
+                        "best_restart": best.get("restart", 0),
+                        "runs": len(mine),
                         "steps_run": best["steps_run"],
                         "n_params": best["n_params"],
                     }
@@ -410,7 +452,8 @@ CSV_COLUMNS = (
     "d_model",
     "accuracy",
     "best_lr",
-    "lrs_tried",
+    "best_restart",
+    "runs",
     "steps_run",
     "n_params",
 )
@@ -496,8 +539,11 @@ def run_mqar(cfg: MqarConfig) -> dict:
         raise ArSliceError(
             f"--archs: unknown {', '.join(unknown)}; choose from {', '.join(ARCHITECTURES)}"
         )
-    if not cfg.lrs or not cfg.d_models or not cfg.seq_lens or cfg.steps <= 0:
-        raise ArSliceError("--lrs, --d-models and --seq-lens need values and --steps must be > 0")
+    if not cfg.lrs or not cfg.d_models or not cfg.seq_lens or cfg.steps <= 0 or cfg.restarts < 1:
+        raise ArSliceError(
+            "--lrs, --d-models and --seq-lens need values, --steps must be > 0 and "
+            f"--restarts >= 1 (got --steps {cfg.steps}, --restarts {cfg.restarts})"
+        )
     from models.precision import resolve_device
 
     resolve_device(cfg.device)  # refuse a missing GPU before any worker starts
@@ -534,7 +580,7 @@ def _run_sweep(stage, cfg: MqarConfig) -> dict:
 
     def finished(group, cells: list[dict]) -> list[dict]:
         for cell in cells:  # (recorded here, by the driver, once the worker wrote its file)
-            name = cell_name(*group, cell["lr"])
+            name = cell_name(*group, cell["lr"], cell.get("restart", 0))
             if name not in kept[group]:
                 stage.record(name, [cells_dir / name], **cell_facts(cell))
         bar.update(1)
@@ -578,7 +624,7 @@ def _run_sweep(stage, cfg: MqarConfig) -> dict:
 
 def _kept_cells(stage, cfg: MqarConfig, arch: str, d_model: int, seq_len: int) -> dict:
     """The cells of one (arch, d_model, seq_len) the ledger holds, by name, with their facts."""
-    names = (cell_name(arch, d_model, seq_len, lr) for lr in cfg.lrs)
+    names = (cell_name(arch, d_model, seq_len, lr, r) for lr, r in cell_runs(cfg))
     return {n: facts for n in names if (facts := stage.done(n)) is not None}
 
 

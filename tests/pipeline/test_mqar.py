@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from ar_slicing.errors import ArSliceError
+from ar_slicing.io import read_json
 from pipeline.config import printing_summaries
 from pipeline.mqar import (
     IGNORE,
@@ -117,6 +118,7 @@ TINY = dict(
     d_models=[16],
     seq_lens=[16],
     lrs=[3e-3, 1e-3],
+    restarts=1,
     vocab_size=24,
     n_test=32,
     steps=6,
@@ -231,6 +233,45 @@ def test_a_solved_cell_skips_the_remaining_learning_rates(tmp_path):
         "attention-d16-T16-lr0.003.json"
     ]
     assert meta["counts"]["runs_stopped_early"] == 1
+
+
+def test_restarts_try_each_rate_from_new_initialisations_until_one_solves_the_cell(tmp_path):
+    """Run r of a rate starts from its own initialisation and sequences (seed + r) and is scored
+    on the same held-out sequences; runs go rate by rate, restart by restart, and stop at the
+    first that solves the cell. More restarts later train only the runs not held yet."""
+    cfg = MqarConfig(out="unused", **TINY)
+    first, again = train_batch(cfg, 16, 3, restart=1), train_batch(cfg, 16, 3, restart=1)
+    assert np.array_equal(first[0], again[0])
+    assert not np.array_equal(first[0], train_batch(cfg, 16, 3)[0])
+    zero = train_cell(cfg, "attention", 16, 16, 1e-3)
+    one = train_cell(cfg, "attention", 16, 16, 1e-3, restart=1)
+    assert (zero["restart"], one["restart"]) == (0, 1)
+    assert zero["history"] != one["history"]
+
+    out = tmp_path / "m"
+    never = {**TINY, "archs": ["attention"], "early_stop": 1.1}  # no run stops the cell
+    run_mqar(MqarConfig(out=str(out), **never))
+    kept = {p.name: p.read_bytes() for p in (out / "cells").iterdir()}
+    assert sorted(kept) == ["attention-d16-T16-lr0.001.json", "attention-d16-T16-lr0.003.json"]
+    meta = run_mqar(MqarConfig(out=str(out), **{**never, "restarts": 2}))
+    assert meta["counts"]["runs_kept_from_before"] == 2 and meta["counts"]["training_runs"] == 4
+    assert sorted(p.name for p in (out / "cells").iterdir()) == [
+        "attention-d16-T16-lr0.001-r1.json",
+        "attention-d16-T16-lr0.001.json",
+        "attention-d16-T16-lr0.003-r1.json",
+        "attention-d16-T16-lr0.003.json",
+    ]
+    assert {n: (out / "cells" / n).read_bytes() for n in kept} == kept
+    cells = [read_json(p) for p in sorted((out / "cells").iterdir())]
+    (row,) = meta["rows"]
+    (best,) = [c for c in cells if (c["lr"], c["restart"]) == (row["best_lr"], row["best_restart"])]
+    assert row["runs"] == 4 and best["accuracy"] == max(c["accuracy"] for c in cells)
+
+    solved = tmp_path / "solved"
+    meta = run_mqar(MqarConfig(out=str(solved), **{**never, "early_stop": 0.0, "restarts": 3}))
+    assert [p.name for p in (solved / "cells").iterdir()] == ["attention-d16-T16-lr0.003.json"]
+    with pytest.raises(ArSliceError, match="--restarts >= 1"):
+        run_mqar(MqarConfig(out=str(tmp_path / "none"), **{**TINY, "restarts": 0}))
 
 
 def test_every_family_builds_and_trains_a_step():
