@@ -92,6 +92,7 @@ ARCHITECTURES = ["attention", "base_conv", "hyena", "rwkv", "based"]
 IGNORE = -100  # target of every position that is not a query (Zoology's ignore index)
 # Settings a cell's result depends on (the sweep's plan): a sweep made with others is refused.
 CELL_SETTINGS = (
+    "lr_reference_width",
     "vocab_size",
     "n_test",
     "steps",
@@ -122,6 +123,13 @@ class MqarConfig:
     lrs: list[float] = field(
         default_factory=lambda: [3e-3, 1e-3],
         metadata={"help": "learning rates tried per cell, in order (the best accuracy is kept)"},
+    )
+    lr_reference_width: int = field(
+        default=64,
+        metadata={
+            "help": "--lrs are the rates of a model this wide; a model of width d trains at "
+            "lr * this / d (Adam's 1/width rule, as in muP); 0 trains every width at --lrs"
+        },
     )
     restarts: int = field(
         default=3,
@@ -356,10 +364,12 @@ def cell_name(arch: str, d_model: int, seq_len: int, lr: float, restart: int = 0
     return f"{arch}-d{d_model}-T{seq_len}-lr{lr:g}{run}.json"
 
 
-def cell_runs(cfg: MqarConfig) -> list[tuple[float, int]]:
-    """The training runs of a cell, in the order they are tried: every learning rate from the
-    first initialisation, then every rate from the next, ... (learning rate, restart)."""
-    return [(lr, r) for r in range(cfg.restarts) for lr in cfg.lrs]
+def cell_runs(cfg: MqarConfig, d_model: int) -> list[tuple[float, int]]:
+    """The training runs of a cell of width `d_model`, in the order they are tried: every
+    learning rate (scaled to the width) from the first initialisation, then every rate from the
+    next, ... (learning rate, restart)."""
+    scale = cfg.lr_reference_width / d_model if cfg.lr_reference_width else 1.0
+    return [(float(f"{lr * scale:.6g}"), r) for r in range(cfg.restarts) for lr in cfg.lrs]
 
 
 def cell_settings(cfg: MqarConfig) -> dict:
@@ -394,7 +404,7 @@ def _run_rates(
 ) -> list:
     settings = cell_settings(cfg)
     out = []
-    for lr, restart in cell_runs(cfg):
+    for lr, restart in cell_runs(cfg, d_model):
         name = cell_name(arch, d_model, seq_len, lr, restart)
         cell = done.get(name)
         if cell is None:
@@ -539,10 +549,12 @@ def run_mqar(cfg: MqarConfig) -> dict:
         raise ArSliceError(
             f"--archs: unknown {', '.join(unknown)}; choose from {', '.join(ARCHITECTURES)}"
         )
-    if not cfg.lrs or not cfg.d_models or not cfg.seq_lens or cfg.steps <= 0 or cfg.restarts < 1:
+    bad = cfg.steps <= 0 or cfg.restarts < 1 or cfg.lr_reference_width < 0
+    if not cfg.lrs or not cfg.d_models or not cfg.seq_lens or bad:
         raise ArSliceError(
-            "--lrs, --d-models and --seq-lens need values, --steps must be > 0 and "
-            f"--restarts >= 1 (got --steps {cfg.steps}, --restarts {cfg.restarts})"
+            "--lrs, --d-models and --seq-lens need values, --steps must be > 0, --restarts >= 1 "
+            f"and --lr-reference-width >= 0 (got --steps {cfg.steps}, --restarts "
+            f"{cfg.restarts}, --lr-reference-width {cfg.lr_reference_width})"
         )
     from models.precision import resolve_device
 
@@ -624,7 +636,7 @@ def _run_sweep(stage, cfg: MqarConfig) -> dict:
 
 def _kept_cells(stage, cfg: MqarConfig, arch: str, d_model: int, seq_len: int) -> dict:
     """The cells of one (arch, d_model, seq_len) the ledger holds, by name, with their facts."""
-    names = (cell_name(arch, d_model, seq_len, lr, r) for lr, r in cell_runs(cfg))
+    names = (cell_name(arch, d_model, seq_len, lr, r) for lr, r in cell_runs(cfg, d_model))
     return {n: facts for n in names if (facts := stage.done(n)) is not None}
 
 

@@ -118,6 +118,7 @@ TINY = dict(
     d_models=[16],
     seq_lens=[16],
     lrs=[3e-3, 1e-3],
+    lr_reference_width=0,  # every width at the rates as given
     restarts=1,
     vocab_size=24,
     n_test=32,
@@ -272,6 +273,20 @@ def test_restarts_try_each_rate_from_new_initialisations_until_one_solves_the_ce
     assert [p.name for p in (solved / "cells").iterdir()] == ["attention-d16-T16-lr0.003.json"]
     with pytest.raises(ArSliceError, match="--restarts >= 1"):
         run_mqar(MqarConfig(out=str(tmp_path / "none"), **{**TINY, "restarts": 0}))
+
+
+def test_learning_rates_scale_inversely_with_the_width(tmp_path):
+    """--lrs are the rates of a model --lr-reference-width wide: half as wide trains at twice the
+    rate (the cells' files, their records and the table say the rate a model trained at)."""
+    out = tmp_path / "m"
+    grid = {**TINY, "archs": ["attention"], "d_models": [16, 32], "lrs": [2e-3]}
+    meta = run_mqar(MqarConfig(out=str(out), **{**grid, "lr_reference_width": 32}))
+    names = sorted(p.name for p in (out / "cells").iterdir())
+    assert names == ["attention-d16-T16-lr0.004.json", "attention-d32-T16-lr0.002.json"]
+    assert [read_json(out / "cells" / n)["lr"] for n in names] == [0.004, 0.002]
+    assert {r["d_model"]: r["best_lr"] for r in meta["rows"]} == {16: 0.004, 32: 0.002}
+    with pytest.raises(ArSliceError, match=r"settings.lr_reference_width: 32 -> 64"):
+        run_mqar(MqarConfig(out=str(out), **{**grid, "lr_reference_width": 64}))
 
 
 def test_every_family_builds_and_trains_a_step():
