@@ -94,9 +94,10 @@ FORCE:
 
 # Zoology's MQAR probe (Figure 2): synthetic, so it needs none of the stages above. Finished
 # cells are kept, a rerun trains only what is missing and a complete sweep is skipped
-# (OVERWRITE=1 retrains everything).
+# (OVERWRITE=1 retrains everything). MQAR_ARGS runs a part of the grid, e.g. the one in docs/:
+# make mqar MQAR_ARGS="--archs attention --seq-lens 64"
 mqar:
-	$(ARSLICE) mqar --out $(RUN)/mqar $(if $(OVERWRITE),--overwrite,)
+	$(ARSLICE) mqar --out $(RUN)/mqar $(MQAR_ARGS) $(if $(OVERWRITE),--overwrite,)
 
 # The demo's models trained here (DEMO_TRAIN, with the config's kept checkpoints), then written
 # in bf16 to $(DEMO_MODELS)/ with a README saying how (`arslice export-models`): the folder to

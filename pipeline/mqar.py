@@ -17,50 +17,51 @@ At a query position the model reads the key and must output its value; only thos
 are scored, and accuracy is the fraction of queries whose arg-max prediction (over the whole
 vocabulary) is the value.
 
-The sweep: every sequence mixer of `models/` as a two-layer `models.backbone.LanguageModel`
-without state mixer (Zoology's Figure 2 models; BaseConv alternates a short and a long
-convolution; Based is its short gated convolution, then Taylor linear attention with 16-dim
-feature maps; Mamba is not a mixer of the backbone and is not in it), for each model dimension and sequence length (Zoology's pairing of length and
-pairs: T / 16 pairs), each at several learning rates, trained with `pipeline.train`'s recipe
-(AdamW with decay on matrices, warmup then cosine, gradient clipping; beta2 0.999 as Zoology's
-`torch.optim.AdamW` defaults, which its recall circuit needs here) on new sequences every
-step (Zoology trains many epochs over 100k sequences; on a CPU budget a small fixed set is
-memorised long before the recall mechanism forms, so the stream never repeats) and scored on
-held-out sequences; a run stops early when its held-out accuracy reaches
-`early_stop`, and the remaining runs of a cell are skipped once one has (the best accuracy over
-a cell's runs is what Figure 2 plots).
+The sweep: every sequence mixer of `models/` as a two-layer `models.backbone.LanguageModel` without
+state mixer (Zoology's Figure 2 models; BaseConv alternates a short and a long convolution; Based
+is its short gated convolution, then Taylor linear attention with 16-dim feature maps; Mamba is not
+a mixer of the backbone and is not in it), for each model dimension and sequence length (Zoology's
+pairing of length and pairs: T / 16 pairs), each at several learning rates, trained with
+`pipeline.train`'s recipe (AdamW with decay on matrices, warmup then cosine, gradient clipping;
+beta2 0.999 as Zoology's `torch.optim.AdamW` defaults, which its recall circuit needs here) on new
+sequences every step (Zoology trains many epochs over 100k sequences; on a CPU budget a small fixed
+set is memorised long before the recall mechanism forms, so the stream never repeats) and scored on
+held-out sequences; a run stops early when its held-out accuracy reaches `early_stop`, and the
+remaining runs of a cell are skipped once one has (the best accuracy over a cell's runs is what
+Figure 2 plots).
 
-Restarts: each learning rate is tried from `restarts` initialisations (run r: torch seed and
-training stream seed + r; the held-out sequences stay the same), rate by rate, restart by
-restart. Whether a run finds the recall circuit depends on its initialisation as much as on its
-width or rate. A run that does not falls into a partial solution: one key-value slot, the first
-or the last, is recalled exactly and the other three at chance among the values left, so held-out
-accuracy sits at 1/4 + 3/4 * 1/3 = 50% (two-layer attention, length 64, 4 pairs, per-slot
-accuracy 99 / 35 / 31 / 35%: d_model 128 at lr 1.5e-3 and, last slot, d_model 32 at lr 6e-3).
-From the next initialisation the same width and rate solved it (d_model 32: 99.5% by step 3200;
-128: 96.6% by step 4000 when stopped there). Zoology's sweep tries four rates a cell, one run each.
+Learning rates and restarts. `--lrs` are the rates of a model `lr_reference_width` (64) wide; a
+model of width d trains at lr * 64 / d (Adam's 1/width rule, as in muP), and each rate is tried
+from `restarts` initialisations (run r: torch seed and training stream seed + r; the held-out
+sequences stay the same), rate by rate, restart by restart, until a run reaches `early_stop`.
+Both are measured needs (two-layer attention, length 64, 4 pairs, vocabulary 128, 4096 tokens a
+step, one CPU core). With 3e-3 and 1e-3 at every width, d_model 64 solves it (99.5% by step
+4200, 2 min) but 32 stays at 27-46% in six runs (one 86.8%) and 128 at 27.5%. A failed run stays
+at chance (25%: loss ~ln 4, one of the context's four values) or sits at a partial solution: one
+key-value slot, the first or the last, recalled exactly and the other three at chance among the
+values left, 1/4 + 3/4 * 1/3 = 50% (per-slot accuracy 99 / 35 / 31 / 35%: d_model 128 at 1.5e-3;
+the last slot for 32 at 6e-3). With the width-scaled rates the second initialisation solves both
+(32: 99.4% by step 3200 at 6e-3; 128: 99.0% by step 5800 at 1.5e-3), so attention solves every
+width at length 64 (20 min on two cores, docs/mqar.csv). With the language-model trainer's beta2
+0.95 instead of 0.999 the d_model 64 run stays at 25-27% through 8000 steps. At length 128 (8
+pairs) attention at d_model 64 is at 14.8% after 6000 steps (chance 12.5%): Zoology trains a
+cell ~12.5k steps of 512 sequences, 33x the sequences of a run here. The full sweep (45 cells,
+up to six runs each) is many hours on two CPU cores and minutes on a GPU (`--device cuda`);
+`--archs`, `--d-models` and `--seq-lens` run a part of it, and finished runs are kept, so it can
+be grown a part at a time.
 
-Defaults, as measured on one CPU core (two-layer attention, d_model 64, length 64, 4 pairs): with
-a vocabulary of 128, 4096 tokens (64 sequences) a step, lr 3e-3 and AdamW's beta2 0.999, held-out
-accuracy sits at ~25% (loss ~ln 4: one of the context's four values, at random) until the recall
-circuit forms abruptly, reaching 92.5% at step 3200 and 99.6% at 5600 (160 s). With the language-
-model trainer's beta2 0.95 it stays at 25-27% through 8000 steps (learned or rotary positions);
-at lr 1e-2, a vocabulary of 64, or 2048 tokens a step it stays below 45% after 5000 steps. So the
-defaults give each run 6000 steps: the full sweep (45 cells, up to two rates each) is hours on two
-CPU cores and minutes on a GPU (`--device cuda`); `--archs`, `--d-models` and `--seq-lens` run a
-part of it, and finished cells are kept, so it can be grown a part at a time.
+Outputs (`--out DIR`, e.g. `runs/demo/mqar`): `cells/<arch>-d<D>-T<T>-lr<LR>[-r<R>].json`, one per
+finished training run (written atomically, each a part of the stage's ledger), then `mqar.csv` and
+`mqar.md` (the best accuracy per architecture, dimension and length, with the learning rate and
+restart of its run and how many runs it took), `mqar.png` (accuracy vs model dimension, one panel
+per sequence length) and `meta.json`, written last. `mqar_results(DIR)` reads them back for the
+report.
 
-Outputs (`--out DIR`, e.g. `runs/demo/mqar`): `cells/<arch>-d<D>-T<T>-lr<LR>.json`, one per
-finished training run (written atomically, each a part of the stage's ledger), then `mqar.csv`
-and `mqar.md` (the best accuracy per architecture, dimension and length, with its learning
-rate), `mqar.png` (accuracy vs model dimension, one panel per sequence length) and `meta.json`,
-written last. `mqar_results(DIR)` reads them back for the report.
-
-The sweep is a stage under the plan (`ar_slicing.plan`): its settings are the ones a cell's
-result depends on (`CELL_SETTINGS`), so a sweep made with others is refused, naming each field
-with both values, unless `--overwrite`; the grid (architectures, dimensions, lengths, rates) is
-the plan's scope, so finished cells are kept when it changes: an interrupted sweep resumes, and
-a grid grows a part at a time, training only the cells it does not hold yet.
+The sweep is a stage under the plan (`ar_slicing.plan`): its settings are the ones a cell's result
+depends on (`CELL_SETTINGS`), so a sweep made with others is refused, naming each field with both
+values, unless `--overwrite`; the grid (architectures, dimensions, lengths, rates) is the plan's
+scope (with the number of restarts), so finished runs are kept when it changes: an interrupted
+sweep resumes, and a grid grows a part at a time, training only the cells it does not hold yet.
 """
 
 from __future__ import annotations
@@ -160,9 +161,12 @@ class MqarConfig:
         default=200, metadata={"help": "held-out accuracy every N steps (early stopping)"}
     )
     early_stop: float = field(
-        default=0.99, metadata={"help": "stop a run (and skip further learning rates) at this"}
+        default=0.99, metadata={"help": "stop a run (and skip the cell's further runs) at this"}
     )
-    seed: int = field(default=0, metadata={"help": "seed of the data and the initialisation"})
+    seed: int = field(
+        default=0,
+        metadata={"help": "seed of the held-out sequences; run r trains from seed + r"},
+    )
     workers: int = field(default=2, metadata={"help": "training processes running side by side"})
     threads: int = field(default=1, metadata={"help": "torch CPU threads per process"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or auto"})
@@ -672,6 +676,7 @@ COMMAND = Command(
     summary="Zoology's multi-query associative recall probe (Figure 2)",
     examples="""\
   arslice mqar --out runs/demo/mqar                       # the full sweep (make mqar)
+  arslice mqar --out runs/demo/mqar --archs attention --seq-lens 64   # docs/mqar.csv (20 min)
   arslice mqar --out runs/demo/mqar --archs attention hyena --d-models 64 --seq-lens 64
   arslice mqar --out /tmp/mqar --lrs 1e-3 3e-3 1e-2 --steps 8000 --device cuda --workers 1  # needs a GPU""",
 )
