@@ -20,7 +20,9 @@ from pipeline.mqar import (
     mqar_examples,
     mqar_results,
     num_kv_pairs_for,
+    query_slots,
     run_mqar,
+    slot_accuracy,
     train_batch,
     train_cell,
 )
@@ -287,6 +289,50 @@ def test_learning_rates_scale_inversely_with_the_width(tmp_path):
     assert {r["d_model"]: r["best_lr"] for r in meta["rows"]} == {16: 0.004, 32: 0.002}
     with pytest.raises(ArSliceError, match=r"settings.lr_reference_width: 32 -> 64"):
         run_mqar(MqarConfig(out=str(out), **{**grid, "lr_reference_width": 64}))
+
+
+class SlotZeroOracle:
+    """Answers the query of the first key-value slot with its value and every other query with
+    the filler token: what a run that solved one slot only does."""
+
+    def hidden_and_head(self, inputs):
+        import torch
+
+        vocab = 128
+        hidden = torch.zeros(*inputs.shape, vocab)
+        hidden[..., 0] = 1.0
+        first_key, first_value = inputs[:, 0:1], inputs[:, 1]
+        asks = (inputs == first_key).nonzero()
+        asks = asks[asks[:, 1] > 0]  # the queries of the first key (not the key itself)
+        hidden[asks[:, 0], asks[:, 1]] = 0.0
+        hidden[asks[:, 0], asks[:, 1], first_value[asks[:, 0]]] = 1.0
+        return hidden, torch.eye(vocab), None
+
+    def eval(self):
+        return self
+
+    def train(self):
+        return self
+
+
+def test_each_query_is_scored_by_the_slot_it_asks_for():
+    import torch
+
+    x, y = (torch.from_numpy(a) for a in mqar_examples(50, 64, 128, 4, np.random.default_rng(3)))
+    slots = query_slots(x, y, 4)
+    mask = y != IGNORE
+    rows = mask.nonzero()[:, 0]
+    # the queried key is that slot's key, and the target that slot's value
+    assert torch.equal(x[rows, 2 * slots], x[mask]) and torch.equal(x[rows, 2 * slots + 1], y[mask])
+    assert torch.bincount(slots, minlength=4).tolist() == [50, 50, 50, 50]  # each key once a row
+
+    acc, per_slot = slot_accuracy(SlotZeroOracle(), x, y, 16, 4)
+    assert (acc, per_slot) == (0.25, [1.0, 0.0, 0.0, 0.0])
+    # a trained run records the slots of its best evaluation; their mean is its accuracy
+    cfg = MqarConfig(out="unused", **{**TINY, "steps": 3, "eval_every": 1})
+    cell = train_cell(cfg, "attention", 16, 64, 1e-3)
+    assert len(cell["slot_accuracy"]) == 4
+    assert sum(cell["slot_accuracy"]) / 4 == pytest.approx(cell["accuracy"], abs=1e-3)
 
 
 def test_every_family_builds_and_trains_a_step():
