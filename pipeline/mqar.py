@@ -287,11 +287,6 @@ def query_slots(inputs, targets, num_kv_pairs: int):
     return (keys[rows] == inputs[mask][:, None]).int().argmax(1)
 
 
-def accuracy(model, x, y, batch_size: int) -> float:
-    """Held-out accuracy: the fraction of queries answered with their value."""
-    return slot_accuracy(model, x, y, batch_size, 1)[0]
-
-
 def slot_accuracy(model, x, y, batch_size: int, num_kv_pairs: int) -> tuple[float, list[float]]:
     """Held-out accuracy, and the accuracy per key-value slot (every key is queried once per
     sequence, so the slots' mean is the accuracy). A run at 50% with 4 pairs that recalls one slot
@@ -360,9 +355,8 @@ def train_cell(
         optimizer.step()
         done = step + 1
         if done % cfg.eval_every == 0 or done == cfg.steps:
-            batch = max(1, cfg.batch_tokens // seq_len)
-            acc, slots = slot_accuracy(model, x_test, y_test, batch, pairs)
-            if acc > best or not history:
+            acc, slots = slot_accuracy(model, x_test, y_test, recipe.batch_size, pairs)
+            if acc > best:
                 best, best_slots = acc, [round(s, 4) for s in slots]
             history.append({"step": done, "loss": round(loss.item(), 4), "accuracy": acc})
             if acc >= cfg.early_stop:
@@ -428,10 +422,10 @@ def run_group(
     from models.precision import torch_threads
 
     with torch_threads(cfg.threads):
-        return _run_rates(cfg, cells_dir, arch, d_model, seq_len, done)
+        return _run_cell(cfg, cells_dir, arch, d_model, seq_len, done)
 
 
-def _run_rates(
+def _run_cell(
     cfg: MqarConfig, cells_dir: str, arch: str, d_model: int, seq_len: int, done: dict
 ) -> list:
     settings = cell_settings(cfg)
