@@ -10,7 +10,9 @@ tensor bf16 holds exactly stored in bf16 (half the size: every parameter, since 
 trained with `saved_dtype = "bf16"`), and `checkpoints/step-<n>/` for each checkpoint it kept.
 
 A model is taken only when it was made with exactly the settings asked for (`train_settings`,
-what the stage plan records) from exactly the same token streams, compared by content
+what the stage plan records, except which checkpoints it kept: the folder need only hold the
+kept ones a run does not train itself, those after `train_here_until`) from exactly the same
+token streams, compared by content
 (`TokenStore.tokens_sha256`: a store's plan identity records paths and times, which differ
 between machines). Its weights are upcast to fp32 and written as the trainer writes them, so a
 model taken from the folder and one trained here with the same settings are the same bytes on
@@ -84,10 +86,25 @@ def _train_here(cfg: TrainConfig, record: Mapping | None) -> str:
     return f"\n  train it here instead: {TRAIN_HERE}{took}"
 
 
+# Which checkpoints a run keeps decides nothing of its weights (keeping one touches neither the
+# weights, the optimizer nor any random state: `loop.train_steps`), so a folder is taken whatever
+# steps it was exported keeping, as long as it holds every kept one the run does not train
+# itself (`_refuse_missing`). Points of a recall emergence can then be added without training
+# the folder's models again.
+_NOT_COMPARED = ("keep_checkpoints",)
+
+
+def _compared(settings: Mapping | None) -> dict | None:
+    if not isinstance(settings, Mapping):
+        return settings
+    return {k: v for k, v in settings.items() if k not in _NOT_COMPARED}
+
+
 def _refuse_differences(cfg: TrainConfig, record: Mapping, asked: Mapping) -> None:
     from ar_slicing.plan import differences
 
-    made = {k: record.get(k) for k in asked}
+    made = {k: _compared(record.get(k)) if k == "settings" else record.get(k) for k in asked}
+    asked = {k: _compared(v) if k == "settings" else v for k, v in asked.items()}
     lines = differences(made, asked)
     if lines:
         raise PrebuiltMismatch(
@@ -103,7 +120,29 @@ def check_prebuilt_settings(cfg: TrainConfig, dtype: str | None = None) -> None:
     settings (its token streams are compared when the training store is there: `take`)."""
     from pipeline.train.state import train_settings
 
-    _refuse_differences(cfg, _record(cfg), {"settings": train_settings(cfg, dtype)})
+    record = _record(cfg)
+    _refuse_differences(cfg, record, {"settings": train_settings(cfg, dtype)})
+    _refuse_missing(cfg, record)
+
+
+def _refuse_missing(cfg: TrainConfig, record: Mapping) -> None:
+    """Refuse a folder that lacks a kept checkpoint the run does not train itself (those up to
+    `train_here_until`)."""
+    from pipeline.train.state import kept_steps, steps_trained_here
+
+    folder, here = prebuilt_model(cfg), steps_trained_here(cfg)
+    missing = [
+        s for s in kept_steps(cfg) if s not in here and not kept_checkpoint(folder, s).is_dir()
+    ]
+    if missing:
+        held = record.get("checkpoints_in_folder") or []
+        raise PrebuiltMismatch(
+            f"train {Path(cfg.out).name}: {folder} lacks the kept checkpoint(s) of step(s) "
+            f"{', '.join(map(str, missing))} (it holds {', '.join(map(str, held)) or 'none'}); "
+            f"a run trains only the kept checkpoints up to train_here_until = "
+            f"{cfg.train_here_until} itself: raise train_here_until to {max(missing)}, or keep "
+            "only steps the folder holds" + _train_here(cfg, record)
+        )
 
 
 def streams_of(inputs) -> dict:
@@ -178,18 +217,9 @@ def take_prebuilt(stage, cfg: TrainConfig, dtype: str, t0: float, train_first) -
     inputs = TrainInputs.open(cfg)
     record = _record(cfg)
     _refuse_differences(cfg, record, {"settings": train_settings(cfg, dtype), **streams_of(inputs)})
+    _refuse_missing(cfg, record)
     folder, out = prebuilt_model(cfg), stage.out
     here = steps_trained_here(cfg)
-    missing = [
-        s for s in kept_steps(cfg) if s not in here and not kept_checkpoint(folder, s).is_dir()
-    ]
-    if missing:
-        raise PrebuiltMismatch(
-            f"train {Path(cfg.out).name}: {folder} lacks the kept checkpoint(s) of step(s) "
-            f"{', '.join(map(str, missing))}; with train_here_until = {cfg.train_here_until} "
-            "only the later ones are taken from it (it must be the value the folder was "
-            "exported with)" + _train_here(cfg, record)
-        )
     if here:
         say(f"train {Path(cfg.out).name}: steps 1-{max(here)} here, for the checkpoints of {here}")
         train_first(here, inputs)
@@ -209,6 +239,7 @@ def take_prebuilt(stage, cfg: TrainConfig, dtype: str, t0: float, train_first) -
     _copy(folder / MODEL_CONFIG_NAME, out / MODEL_CONFIG_NAME)  # (last: the model is whole)
     meta = {
         **record["trained"],
+        "checkpoints": kept_steps(cfg),  # (the run's own, whichever the folder was made keeping)
         "config": to_jsonable(config_to_dict(cfg)),
         "inputs": inputs.described(),
         "prebuilt": {"folder": str(folder.resolve()), "made": record.get("made")},

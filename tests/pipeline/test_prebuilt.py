@@ -207,7 +207,32 @@ def test_early_checkpoints_are_trained_here_and_the_folder_holds_the_later_ones(
             assert sha256(tmp_path / "taken" / "models" / model / path) == sha256(made), path
         ledger = read_json(tmp_path / "taken" / "models" / model / "meta.json")["ledger"]
         assert "kept 00000001" in ledger and "kept 00000002" in ledger
-    # without train_here_until the folder lacks step 1: refused, naming it
-    with pytest.raises(PrebuiltMismatch, match=r"lacks the kept checkpoint\(s\) of step\(s\) 1;"):
+    # without train_here_until the folder lacks step 1: refused before anything runs, naming
+    # the step and the fix
+    with pytest.raises(BadInput) as err:
         run(tmp_path, "all", stages=UP_TO_TRAIN, prebuilt=folder, keep_checkpoints="[1, 2]")
-    assert not (tmp_path / "all" / "models" / "attention" / "model.safetensors").exists()
+    message = str(err.value)
+    assert "lacks the kept checkpoint(s) of step(s) 1 (it holds 2)" in message
+    assert "raise train_here_until to 1, or keep only steps the folder holds" in message
+    assert not (tmp_path / "all").exists()
+
+
+def test_a_run_may_keep_other_checkpoints_than_the_folder_was_made_keeping(tmp_path):
+    """Which checkpoints a run keeps changes none of its weights, so a folder exported keeping
+    [1, 2] (step 1 left to the run) is taken by a run keeping [0, 1, 2] that trains up to step 1
+    itself: the same weights at every step, and the run's own list of checkpoints."""
+    from pipeline.export_models import ExportConfig, run_export
+
+    config = run(tmp_path, "made", keep_checkpoints="[1, 2]", train_here_until="1")
+    folder = tmp_path / "models"
+    run_export(ExportConfig(config=str(config), out=str(folder), command="make demo-models"))
+    more = {"keep_checkpoints": "[0, 1, 2]", "train_here_until": "1"}
+    run(tmp_path, "more", stages=UP_TO_TRAIN, prebuilt=folder, **more)
+    for model in MODELS:
+        taken = tmp_path / "more" / "models" / model
+        for path in ("model.safetensors", "checkpoints/step-1/model.safetensors",
+                     "checkpoints/step-2/model.safetensors"):  # fmt: skip
+            assert sha256(taken / path) == sha256(tmp_path / "made" / "models" / model / path)
+        assert (taken / "checkpoints" / "step-0" / "model.safetensors").is_file()
+        meta = read_json(taken / "meta.json")
+        assert meta["checkpoints"] == [0, 1, 2] and "prebuilt" in meta
