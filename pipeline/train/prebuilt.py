@@ -12,9 +12,8 @@ trained with `saved_dtype = "bf16"`), and `checkpoints/step-<n>/` for each check
 A model is taken only when it was made with exactly the settings asked for (`train_settings`,
 what the stage plan records, except which checkpoints it kept: the folder need only hold the
 kept ones a run does not train itself, those after `train_here_until`) from exactly the same
-token streams, compared by content
-(`TokenStore.tokens_sha256`: a store's plan identity records paths and times, which differ
-between machines). Its weights are upcast to fp32 and written as the trainer writes them, so a
+token streams, compared by content (`TokenStore.tokens_sha256`: a store's plan identity records
+paths and times, which differ between machines). Its weights are upcast to fp32 and written as the trainer writes them, so a
 model taken from the folder and one trained here with the same settings are the same bytes on
 the machine that made the folder, and the same digits elsewhere (both rounded to bf16). Anything
 else is refused, naming what differs and how to train here instead. A taken model is the train
