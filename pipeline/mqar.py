@@ -42,12 +42,14 @@ key-value slot, the first or the last, recalled exactly and the other three at c
 values left, 1/4 + 3/4 * 1/3 = 50% (per-slot accuracy 99 / 35 / 31 / 35%: d_model 128 at 1.5e-3;
 the last slot for 32 at 6e-3). With the width-scaled rates the second initialisation solves both
 (32: 99.4% by step 3200 at 6e-3; 128: 99.0% by step 5800 at 1.5e-3), so attention solves every
-width at length 64 (20 min on two cores; docs/mqar.csv, with BaseConv's 33.9 / 29.0 / 91.5%). With the language-model trainer's beta2
-0.95 instead of 0.999 the d_model 64 run stays at 25-27% through 8000 steps. At length 128 (8
-pairs) attention at d_model 64 and 3e-3 stays near chance (12.5%): 14.8% after 6000 steps, 15.1%
-after 20000 (12 min), so more steps alone do not find the circuit there (Zoology trains a cell
-~12.5k steps of 512 sequences, 33x the sequences of a 6000-step run here). The full sweep (45 cells,
-up to six runs each) is many hours on two CPU cores and minutes on a GPU (`--device cuda`);
+width at length 64 (20 min on two cores; docs/mqar.csv, with BaseConv's 33.9 / 29.0 / 91.5%).
+With the language-model trainer's beta2 0.95 instead of 0.999 the d_model 64 run stays at 25-27%
+through 8000 steps. At length 128 (8 pairs) attention at d_model 64 and 3e-3 stays near chance
+(12.5%): 14.8% after 6000 steps, 15.1% after 20000 (12 min), so more steps alone do not find the
+circuit there, nor did mixed pair counts, rotary positions, random fillers, 4 heads, attention
+dropout or other rates (13-15%; README, MQAR); with 4 pairs it is at 26% (chance 25%), so
+the length is what is hard (Zoology trains a cell ~12.5k steps of 512 sequences, 33x the
+sequences of a 6000-step run here). The full sweep (45 cells, up to six runs each) is many hours on two CPU cores and minutes on a GPU (`--device cuda`);
 `--archs`, `--d-models` and `--seq-lens` run a part of it, and finished runs are kept, so it can
 be grown a part at a time.
 

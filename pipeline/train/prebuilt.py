@@ -99,7 +99,9 @@ def _compared(settings: Mapping | None) -> dict | None:
     return {k: v for k, v in settings.items() if k not in _NOT_COMPARED}
 
 
-def _refuse_differences(cfg: TrainConfig, record: Mapping, asked: Mapping) -> None:
+def _refuse_mismatch(cfg: TrainConfig, record: Mapping, asked: Mapping) -> None:
+    """Refuse a prebuilt model made otherwise than `asked` (settings, and token streams when
+    given), or whose folder lacks a kept checkpoint the run does not train itself."""
     from ar_slicing.plan import differences
 
     made = {k: _compared(record.get(k)) if k == "settings" else record.get(k) for k in asked}
@@ -112,6 +114,7 @@ def _refuse_differences(cfg: TrainConfig, record: Mapping, asked: Mapping) -> No
             + "\n    ".join(lines)
             + _train_here(cfg, record)
         )
+    _refuse_missing(cfg, record)
 
 
 def check_prebuilt_settings(cfg: TrainConfig, dtype: str | None = None) -> None:
@@ -119,9 +122,7 @@ def check_prebuilt_settings(cfg: TrainConfig, dtype: str | None = None) -> None:
     settings (its token streams are compared when the training store is there: `take`)."""
     from pipeline.train.state import train_settings
 
-    record = _record(cfg)
-    _refuse_differences(cfg, record, {"settings": train_settings(cfg, dtype)})
-    _refuse_missing(cfg, record)
+    _refuse_mismatch(cfg, _record(cfg), {"settings": train_settings(cfg, dtype)})
 
 
 def _refuse_missing(cfg: TrainConfig, record: Mapping) -> None:
@@ -215,8 +216,7 @@ def take_prebuilt(stage, cfg: TrainConfig, dtype: str, t0: float, train_first) -
 
     inputs = TrainInputs.open(cfg)
     record = _record(cfg)
-    _refuse_differences(cfg, record, {"settings": train_settings(cfg, dtype), **streams_of(inputs)})
-    _refuse_missing(cfg, record)
+    _refuse_mismatch(cfg, record, {"settings": train_settings(cfg, dtype), **streams_of(inputs)})
     folder, out = prebuilt_model(cfg), stage.out
     here = steps_trained_here(cfg)
     if here:
