@@ -76,7 +76,7 @@ def _train_here(cfg: TrainConfig, record: Mapping | None) -> str:
     """How to train the model here instead, and how long it took where the folder was made."""
     took = ""
     made = (record or {}).get("made") or {}
-    if made.get("train_wall_time_s"):
+    if made.get("train_wall_time_s") is not None:  # (0.0 for a few steps of a tiny model)
         minutes = made["train_wall_time_s"] / 60
         took = (
             f"; training the folder's models took {minutes:.1f} min on {made.get('machine')} "
