@@ -44,21 +44,30 @@ the last slot for 32 at 6e-3). With the width-scaled rates the second initialisa
 (32: 99.4% by step 3200 at 6e-3; 128: 99.0% by step 5800 at 1.5e-3), so attention solves every
 width at length 64 (20 min on two cores; docs/mqar.csv, with BaseConv's 33.9 / 29.0 / 91.5%).
 With the language-model trainer's beta2 0.95 instead of 0.999 the d_model 64 run stays at 25-27%
-through 8000 steps. At length 128 (8 pairs) attention at d_model 64 and 3e-3 stays near chance
-(12.5%): 14.8% after 6000 steps, 15.1% after 20000 (12 min), so more steps alone do not find the
-circuit there, nor did mixed pair counts, rotary positions, random fillers, 4 heads, attention
-dropout or other rates (13-15%; README, MQAR); with 4 pairs it is at 26% (chance 25%), so
-the length is what is hard (Zoology trains a cell ~12.5k steps of 512 sequences, 33x the
-sequences of a 6000-step run here). The full sweep (45 cells, up to six runs each) is many hours on two CPU cores and minutes on a GPU (`--device cuda`);
-`--archs`, `--d-models` and `--seq-lens` run a part of it, and finished runs are kept, so it can
-be grown a part at a time.
+through 8000 steps. At length 128 (8 pairs) attention trained there from the start stays near chance
+(12.5%) whatever was tried (6000 or 20000 steps, mixed pair counts, rotary positions, random
+fillers, 4 heads, attention dropout, other rates: 13-15%; README, MQAR). What moves it is a
+curriculum (`curriculum_len`, on by default): a run at a longer length first trains at 64 (4 pairs)
+until it reaches `early_stop` there or for `steps` steps, then up to `steps` more at its own length,
+scored there before its first step. Whether the circuit carries over depends on attention's
+positions (`attention_positions`). Zoology's learned ones tie it to the positions it was learned at:
+a d_model 64 model that solved length 64 recalls 48% at 128 at once (the pairs at positions it
+knows) and 60% after 4000 more steps. Rotary ones on every channel do not: the same width solves 64
+in 3200 steps and then recalls 99.4% at 128 before any step there, and at 256 87.6%, 99.9% after 200
+steps (6 min for the three cells on one core; docs/mqar-rotary.csv). But rotary attention seldom
+solves length 64 from scratch (none of 8 runs at d_model 32 or 3 at 128; 1 of 2 at 64), so learned
+positions stay the default, and the curriculum, which changes no cell at length 64, is how lengths
+128 and 256 are trained either way. The full sweep (45 cells, up to six runs each) is many hours on
+two CPU cores and minutes on a GPU (`--device cuda`); `--archs`, `--d-models` and `--seq-lens` run a
+part of it, and finished runs are kept, so it can be grown a part at a time.
 
 Outputs (`--out DIR`, e.g. `runs/demo/mqar`): `cells/<arch>-d<D>-T<T>-lr<LR>[-r<R>].json`, one per
 finished training run (its best held-out accuracy, the accuracy per key-value slot at that
-evaluation, its history; written atomically, each a part of the stage's ledger), then `mqar.csv`
-and `mqar.md` (the best accuracy per architecture, dimension and length, with the learning rate and
-restart of its run and how many runs it took), `mqar.png` (accuracy vs model dimension, one panel
-per sequence length) and `meta.json`, written last. `mqar_results(DIR)` reads them back for the
+evaluation, its history, and its `curriculum` stage's, if any; written atomically, each a part of
+the stage's ledger), then `mqar.csv` and `mqar.md` (the best accuracy per architecture, dimension
+and length, with the learning rate and restart of its run, its steps at its own length and in its
+curriculum, and how many runs it took), `mqar.png` (accuracy vs model dimension, one panel per
+sequence length) and `meta.json`, written last. `mqar_results(DIR)` reads them back for the
 report.
 
 The sweep is a stage under the plan (`ar_slicing.plan`): its settings are the ones a cell's result
@@ -108,6 +117,8 @@ CELL_SETTINGS = (
     "eval_every",
     "early_stop",
     "seed",
+    "attention_positions",
+    "curriculum_len",
 )
 
 
@@ -170,6 +181,22 @@ class MqarConfig:
     seed: int = field(
         default=0,
         metadata={"help": "seed of the held-out sequences; run r trains from seed + r"},
+    )
+    attention_positions: str = field(
+        default="learned",
+        metadata={
+            "help": "attention's positions: learned (Zoology's absolute position embeddings) or "
+            "rotary (on every channel: a circuit learned at one length holds at others)",
+            "choices": ["rotary", "learned"],
+        },
+    )
+    curriculum_len: int = field(
+        default=64,
+        metadata={
+            "help": "a run at a longer length first trains at this one (length / 16 pairs) "
+            "until it reaches early_stop there or for --steps steps, then --steps more at its "
+            "own; 0: no curriculum"
+        },
     )
     workers: int = field(default=2, metadata={"help": "training processes running side by side"})
     threads: int = field(default=1, metadata={"help": "torch CPU threads per process"})
@@ -249,11 +276,16 @@ def train_batch(
 # ---- one training run -----------------------------------------------------------------------------
 
 
-def build_model(arch: str, d_model: int, seq_len: int, vocab_size: int):
-    """Zoology's Figure 2 model: two blocks of the mixer, no state mixer, tied head."""
+def build_model(
+    arch: str, d_model: int, seq_len: int, vocab_size: int, attention_positions: str = "learned"
+):
+    """Zoology's Figure 2 model: two blocks of the mixer, no state mixer, tied head. Attention
+    has one head, with Zoology's learned positions or rotary ones on all its channels."""
     from models.backbone import LanguageModel, ModelConfig
 
-    mixer_kwargs = {"attention": {"num_heads": 1}, "base_conv": {"kernel_size": [3, -1]}}
+    rotary = arch == "attention" and attention_positions == "rotary"
+    attention = {"num_heads": 1, "rotary_emb_dim": d_model if rotary else 0}
+    mixer_kwargs = {"attention": attention, "base_conv": {"kernel_size": [3, -1]}}
     mixer, layer_mixers = arch, []
     if arch == "based":  # Based's pair: a short gated convolution, then Taylor linear attention
         mixer = "based_conv"
@@ -269,6 +301,7 @@ def build_model(arch: str, d_model: int, seq_len: int, vocab_size: int):
             state_mixer="identity",
             l_max=seq_len,
             layer_mixers=layer_mixers,
+            max_position_embeddings=0 if rotary else None,  # None: the backbone's default
         )
     )
 
@@ -316,17 +349,54 @@ def train_cell(
 ) -> dict:
     """Train one model at one learning rate, from the initialisation and sequences of run
     `restart`; its held-out accuracy (on the same held-out sequences for every run) and how it
-    got there."""
+    got there. A run longer than `curriculum_len` first trains at that length (its record's
+    `curriculum`), then at its own, scored there from step 0 on."""
     import torch
-    import torch.nn.functional as F
 
     from models.precision import resolve_device
-    from pipeline.train import TrainConfig, learning_rate, make_optimizer
 
     t0 = time.time()
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed + restart)
-    model = build_model(arch, d_model, seq_len, cfg.vocab_size).to(device)
+    model = build_model(arch, d_model, seq_len, cfg.vocab_size, cfg.attention_positions)
+    model = model.to(device)
+    curriculum = None
+    if 0 < cfg.curriculum_len < seq_len:
+        curriculum = _train_at(cfg, model, arch, cfg.curriculum_len, lr, restart, device)
+    run = _train_at(cfg, model, arch, seq_len, lr, restart, device, curriculum is not None)
+    return {
+        "arch": arch,
+        "d_model": d_model,
+        "seq_len": seq_len,
+        "num_kv_pairs": num_kv_pairs_for(seq_len),
+        "lr": lr,
+        "restart": restart,
+        **run,
+        "curriculum": curriculum,
+        "n_params": sum(p.numel() for p in model.parameters()),
+        "wall_time_s": round(time.time() - t0, 2),
+    }
+
+
+def _train_at(
+    cfg: MqarConfig,
+    model,
+    arch: str,
+    seq_len: int,
+    lr: float,
+    restart: int,
+    device,
+    score_first: bool = False,
+) -> dict:
+    """Up to `cfg.steps` steps of the project's recipe (a fresh optimizer and schedule) on
+    sequences of `seq_len`, held-out accuracy every `eval_every` steps (and at step 0 with
+    `score_first`: a model trained at another length may already recall at this one), stopping
+    at `early_stop`."""
+    import torch
+    import torch.nn.functional as F
+
+    from pipeline.train import TrainConfig, learning_rate, make_optimizer
+
     # the project's own training recipe; the token-store fields are unused here
     recipe = TrainConfig(
         arch=arch,
@@ -342,7 +412,18 @@ def train_cell(
     x_test, y_test = (torch.from_numpy(a).to(device) for a in held_out_sequences(cfg, seq_len))
     pairs = num_kv_pairs_for(seq_len)
     history, best, best_slots, stopped_at = [], 0.0, [0.0] * pairs, None
-    for step in range(cfg.steps):
+
+    def score(done: int, loss: float | None) -> bool:
+        nonlocal best, best_slots
+        acc, slots = slot_accuracy(model, x_test, y_test, recipe.batch_size, pairs)
+        if acc > best or not history:
+            best, best_slots = acc, [round(s, 4) for s in slots]
+        history.append({"step": done, "loss": loss, "accuracy": acc})
+        return acc >= cfg.early_stop
+
+    if score_first and score(0, None):
+        stopped_at = 0
+    for step in range(cfg.steps if stopped_at is None else 0):
         x, y = (torch.from_numpy(a).to(device) for a in train_batch(cfg, seq_len, step, restart))
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, recipe)
@@ -356,28 +437,17 @@ def train_cell(
         torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
         optimizer.step()
         done = step + 1
-        if done % cfg.eval_every == 0 or done == cfg.steps:
-            acc, slots = slot_accuracy(model, x_test, y_test, recipe.batch_size, pairs)
-            if acc > best:
-                best, best_slots = acc, [round(s, 4) for s in slots]
-            history.append({"step": done, "loss": round(loss.item(), 4), "accuracy": acc})
-            if acc >= cfg.early_stop:
-                stopped_at = done
-                break
+        if (done % cfg.eval_every == 0 or done == cfg.steps) and score(done, round(loss.item(), 4)):
+            stopped_at = done
+            break
     return {
-        "arch": arch,
-        "d_model": d_model,
         "seq_len": seq_len,
         "num_kv_pairs": pairs,
-        "lr": lr,
-        "restart": restart,
         "accuracy": best,
         "slot_accuracy": best_slots,
         "final_accuracy": history[-1]["accuracy"] if history else 0.0,
         "steps_run": history[-1]["step"] if history else 0,
         "stopped_early_at": stopped_at,
-        "n_params": sum(p.numel() for p in model.parameters()),
-        "wall_time_s": round(time.time() - t0, 2),
         "history": history,
     }
 
@@ -448,8 +518,11 @@ def _run_cell(
 
 
 def cell_facts(cell: dict) -> dict:
-    """What the ledger keeps of a cell: its result without the history (in the cell's file)."""
-    return {k: v for k, v in cell.items() if k not in ("history", "settings")}
+    """What the ledger keeps of a cell: its result without the histories (in the cell's file)."""
+    facts = {k: v for k, v in cell.items() if k not in ("history", "settings")}
+    if facts.get("curriculum"):
+        facts["curriculum"] = {k: v for k, v in facts["curriculum"].items() if k != "history"}
+    return facts
 
 
 def best_rows(cells: list[dict], cfg: MqarConfig) -> list[dict]:
@@ -477,6 +550,7 @@ def best_rows(cells: list[dict], cfg: MqarConfig) -> list[dict]:
                         "best_restart": best.get("restart", 0),
                         "runs": len(mine),
                         "steps_run": best["steps_run"],
+                        "curriculum_steps": (best.get("curriculum") or {}).get("steps_run", 0),
                         "n_params": best["n_params"],
                     }
                 )
@@ -493,6 +567,7 @@ CSV_COLUMNS = (
     "best_restart",
     "runs",
     "steps_run",
+    "curriculum_steps",
     "n_params",
 )
 
@@ -651,7 +726,7 @@ def _run_sweep(stage, cfg: MqarConfig) -> dict:
             "cells": len(groups),
             "training_runs": len(cells),
             "runs_kept_from_before": reused,
-            "runs_stopped_early": sum(1 for c in cells if c["stopped_early_at"]),
+            "runs_stopped_early": sum(1 for c in cells if c["stopped_early_at"] is not None),
         },
         wall_time_s=wall,
         rows=rows,
@@ -702,5 +777,7 @@ COMMAND = Command(
   arslice mqar --out runs/demo/mqar                       # the full sweep (make mqar)
   arslice mqar --out runs/demo/mqar --archs attention base_conv --seq-lens 64  # docs/mqar.csv
   arslice mqar --out runs/demo/mqar --archs attention hyena --d-models 64 --seq-lens 64
+  arslice mqar --out runs/demo/mqar-rotary --archs attention --d-models 64 --seq-lens 64 128 256 \\
+      --attention-positions rotary  # docs/mqar-rotary.csv: length 64 first, then 128 and 256
   arslice mqar --out /tmp/mqar --lrs 1e-3 3e-3 1e-2 --steps 8000 --device cuda --workers 1  # needs a GPU""",
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -335,6 +336,62 @@ def test_each_query_is_scored_by_the_slot_it_asks_for():
     assert sum(cell["slot_accuracy"]) / 4 == pytest.approx(cell["accuracy"], abs=1e-3)
 
 
+def test_a_longer_run_first_trains_at_the_curriculum_length_then_is_scored_from_step_0(tmp_path):
+    """Its first stage is the run at the curriculum length (the same initialisation and batches,
+    as rotary attention has no parameter of the length); its own length is scored before any step
+    there, and a model that recalls already stops at step 0."""
+    tiny = {**TINY, "steps": 4, "eval_every": 2, "early_stop": 1.1, "curriculum_len": 16}
+    cfg = MqarConfig(out="unused", **tiny, attention_positions="rotary")
+    short = train_cell(cfg, "attention", 16, 16, 1e-3)
+    longer = train_cell(cfg, "attention", 16, 32, 1e-3)
+    assert short["curriculum"] is None and short["history"][0]["step"] == 2
+    stage = longer["curriculum"]
+    assert (stage["seq_len"], stage["num_kv_pairs"]) == (16, 1)
+    assert stage["history"] == short["history"] and stage["accuracy"] == short["accuracy"]
+    assert [h["step"] for h in longer["history"]] == [0, 2, 4]
+    assert longer["history"][0]["loss"] is None and longer["num_kv_pairs"] == 2
+
+    off = train_cell(replace(cfg, curriculum_len=0), "attention", 16, 32, 1e-3)
+    assert off["curriculum"] is None and [h["step"] for h in off["history"]] == [2, 4]
+
+    at_once = replace(cfg, early_stop=0.0)  # every evaluation "solves" it
+    cell = train_cell(at_once, "attention", 16, 32, 1e-3)
+    assert cell["curriculum"]["stopped_early_at"] == 2
+    assert (cell["stopped_early_at"], cell["steps_run"], len(cell["history"])) == (0, 0, 1)
+    sweep = {**tiny, "archs": ["attention"], "seq_lens": [32], "lrs": [1e-3], "early_stop": 0.0}
+    meta = run_mqar(MqarConfig(out=str(tmp_path / "m"), **sweep, attention_positions="rotary"))
+    assert meta["counts"]["runs_stopped_early"] == 1  # stopped at step 0 is stopped early
+    (row,) = meta["rows"]
+    assert (row["steps_run"], row["curriculum_steps"]) == (0, 2)
+    with open(tmp_path / "m" / "mqar.csv") as f:
+        assert next(csv.DictReader(f))["curriculum_steps"] == "2"
+
+
+def test_attention_has_rotary_or_learned_positions_and_a_sweep_keeps_to_one(tmp_path):
+    import torch
+
+    learned = build_model("attention", 16, 32, 24)
+    rotary = build_model("attention", 16, 32, 24, attention_positions="rotary")
+    names = {n for n, _ in rotary.named_parameters()}
+    assert not any("position" in n for n in names)
+    assert rotary.backbone.layers[0].sequence_mixer.rotary_emb is not None
+    assert learned.backbone.embeddings.position_embeddings.weight.shape == (32, 16)
+    assert learned.backbone.layers[0].sequence_mixer.rotary_emb is None
+    # rotary positions are relative: the model runs at any length, learned ones stop at theirs
+    x = torch.from_numpy(mqar_examples(2, 64, 24, 4, np.random.default_rng(0))[0])
+    assert rotary(x).shape == (2, 64, 24)
+    with pytest.raises(ValueError, match="exceeds the model's 32 positions"):
+        learned(x)
+
+    out = tmp_path / "m"
+    grid = {**TINY, "archs": ["attention"], "steps": 1}
+    run_mqar(MqarConfig(out=str(out), **grid))
+    with pytest.raises(ArSliceError, match=r'settings.attention_positions: "learned" -> "rotary"'):
+        run_mqar(MqarConfig(out=str(out), **grid, attention_positions="rotary"))
+    with pytest.raises(ArSliceError, match=r"settings.curriculum_len: 64 -> 0"):
+        run_mqar(MqarConfig(out=str(out), **grid, curriculum_len=0))
+
+
 def test_every_family_builds_and_trains_a_step():
     cfg = MqarConfig(out="unused", **{**TINY, "steps": 1, "eval_every": 1})
     for arch in ("attention", "base_conv", "hyena", "rwkv"):
@@ -364,6 +421,17 @@ def test_two_layer_attention_solves_mqar_at_d64_length_64(one_torch_thread):
     cfg = MqarConfig(out="unused")
     cell = train_cell(cfg, "attention", 64, 64, cfg.lrs[0])
     assert cell["accuracy"] >= 0.90, cell["history"]
+
+
+@pytest.mark.slow
+def test_rotary_attention_solved_at_length_64_recalls_at_128(one_torch_thread):
+    """The curriculum with positions that carry over: d_model 64 with rotary positions solves
+    length 64 (4 pairs) and then recalls at 128 (8 pairs) with at most a few hundred steps there
+    (~2 min, one thread). From the start at 128 the same model stays near chance (README)."""
+    cfg = MqarConfig(out="unused", attention_positions="rotary")
+    cell = train_cell(cfg, "attention", 64, 128, cfg.lrs[0])
+    assert cell["curriculum"]["accuracy"] >= 0.99, cell["curriculum"]["history"]
+    assert cell["accuracy"] >= 0.99 and cell["steps_run"] <= 400, cell["history"]
 
 
 def test_the_report_shows_a_finished_probe_and_follows_it(tiny_run):  # noqa: F811
