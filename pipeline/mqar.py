@@ -56,12 +56,12 @@ knows) and 60% after 4000 more steps. Rotary ones on every channel do not: the s
 in 3200 steps and then recalls 99.4% at 128 before any step there, and at 256 87.6%, 99.9% after 200
 steps (6 min for the three cells on one core; docs/mqar-rotary.csv). But rotary attention seldom
 solves length 64 from scratch in 6000 steps (none of 8 runs at d_model 32 or 3 at 128; 1 of 2 at
-64); with `--steps 20000` d_model 32 does (2 of 2; then 99.7% at 128 and 99.4% at 256 after 200
-steps; docs/mqar-rotary-d32.csv) but 128 not (29% after 20000 steps). So learned positions stay the
-default, and the curriculum, which changes no cell at length 64, is how lengths 128 and 256 are
-trained either way. The full sweep (45 cells, up to six runs each) is many hours on two CPU cores
-and minutes on a GPU (`--device cuda`); `--archs`, `--d-models` and `--seq-lens` run a part of it,
-and finished runs are kept, so it can be grown a part at a time.
+64); with `--steps 20000` d_model 32 does (2 of 2, and 64 1 of 1; then 99.7% at 128 and 99.4% at 256
+after 200 steps; docs/mqar-rotary-d32.csv) but 128 not (29% after 20000 steps). So learned positions
+stay the default, and the curriculum, which changes no cell at length 64, is how lengths 128 and 256
+are trained either way. The full sweep (45 cells, up to six runs each) is many hours on two CPU
+cores and minutes on a GPU (`--device cuda`); `--archs`, `--d-models` and `--seq-lens` run a part of
+it, and finished runs are kept, so it can be grown a part at a time.
 
 Outputs (`--out DIR`, e.g. `runs/demo/mqar`): `cells/<arch>-d<D>-T<T>-lr<LR>[-r<R>].json`, one per
 finished training run (its best held-out accuracy, the accuracy per key-value slot at that
@@ -664,7 +664,12 @@ def run_mqar(cfg: MqarConfig) -> dict:
     from models.precision import resolve_device
 
     resolve_device(cfg.device)  # refuse a missing GPU before any worker starts
-    for seq_len in cfg.seq_lens:  # refuse impossible lengths before any training
+    if cfg.curriculum_len < 0:
+        raise ArSliceError(f"--curriculum-len must be >= 0 (0: none), got {cfg.curriculum_len}")
+    curriculum = (
+        [cfg.curriculum_len] if any(0 < cfg.curriculum_len < t for t in cfg.seq_lens) else []
+    )
+    for seq_len in [*cfg.seq_lens, *curriculum]:  # refuse impossible lengths before any training
         mqar_examples(
             1, seq_len, cfg.vocab_size, num_kv_pairs_for(seq_len), np.random.default_rng()
         )

@@ -390,6 +390,11 @@ def test_attention_has_rotary_or_learned_positions_and_a_sweep_keeps_to_one(tmp_
         run_mqar(MqarConfig(out=str(out), **grid, attention_positions="rotary"))
     with pytest.raises(ArSliceError, match=r"settings.curriculum_len: 64 -> 0"):
         run_mqar(MqarConfig(out=str(out), **grid, curriculum_len=0))
+    # an impossible curriculum is refused before any training, naming the length
+    for bad, message in ((-1, "--curriculum-len must be >= 0"), (9, "a sequence of 9 tokens")):
+        with pytest.raises(ArSliceError, match=message):
+            run_mqar(MqarConfig(out=str(tmp_path / "bad"), **grid, curriculum_len=bad))
+        assert not (tmp_path / "bad").exists()
 
 
 def test_every_family_builds_and_trains_a_step():
