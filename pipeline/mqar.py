@@ -346,6 +346,11 @@ def slot_accuracy(model, x, y, batch_size: int, num_kv_pairs: int) -> tuple[floa
     return float(hit.mean()) if hit.numel() else 0.0, per_slot
 
 
+def curriculum_len_for(cfg: MqarConfig, seq_len: int) -> int | None:
+    """The length a run at `seq_len` first trains at, or None when it has no curriculum."""
+    return cfg.curriculum_len if 0 < cfg.curriculum_len < seq_len else None
+
+
 def train_cell(
     cfg: MqarConfig, arch: str, d_model: int, seq_len: int, lr: float, restart: int = 0
 ) -> dict:
@@ -363,8 +368,8 @@ def train_cell(
     model = build_model(arch, d_model, seq_len, cfg.vocab_size, cfg.attention_positions)
     model = model.to(device)
     curriculum = None
-    if 0 < cfg.curriculum_len < seq_len:
-        curriculum = _train_at(cfg, model, arch, cfg.curriculum_len, lr, restart, device)
+    if first := curriculum_len_for(cfg, seq_len):
+        curriculum = _train_at(cfg, model, arch, first, lr, restart, device)
     run = _train_at(cfg, model, arch, seq_len, lr, restart, device, curriculum is not None)
     return {
         "arch": arch,
@@ -666,10 +671,8 @@ def run_mqar(cfg: MqarConfig) -> dict:
     resolve_device(cfg.device)  # refuse a missing GPU before any worker starts
     if cfg.curriculum_len < 0:
         raise ArSliceError(f"--curriculum-len must be >= 0 (0: none), got {cfg.curriculum_len}")
-    curriculum = (
-        [cfg.curriculum_len] if any(0 < cfg.curriculum_len < t for t in cfg.seq_lens) else []
-    )
-    for seq_len in [*cfg.seq_lens, *curriculum]:  # refuse impossible lengths before any training
+    curricula = {c for t in cfg.seq_lens if (c := curriculum_len_for(cfg, t))}
+    for seq_len in [*cfg.seq_lens, *curricula]:  # refuse impossible lengths before any training
         mqar_examples(
             1, seq_len, cfg.vocab_size, num_kv_pairs_for(seq_len), np.random.default_rng()
         )

@@ -9,15 +9,15 @@ the machine, versions and time of the training), `config.json`, `model.safetenso
 tensor bf16 holds exactly stored in bf16 (half the size: every parameter, since such a model was
 trained with `saved_dtype = "bf16"`), and `checkpoints/step-<n>/` for each checkpoint it kept.
 
-A model is taken only when it was made with exactly the settings asked for (`train_settings`,
-what the stage plan records, except which checkpoints it kept: the folder need only hold the
-kept ones a run does not train itself, those after `train_here_until`) from exactly the same
-token streams, compared by content (`TokenStore.tokens_sha256`: a store's plan identity records
-paths and times, which differ between machines). Its weights are upcast to fp32 and written as the trainer writes them, so a
-model taken from the folder and one trained here with the same settings are the same bytes on
-the machine that made the folder, and the same digits elsewhere (both rounded to bf16). Anything
-else is refused, naming what differs and how to train here instead. A taken model is the train
-stage's output like a trained one (the same plan, so the same identity to the evaluations that
+A model is taken only when it was made with exactly the settings asked for (`train_settings`, what
+the stage plan records, except which checkpoints it kept: the folder need only hold the kept ones a
+run does not train itself, those after `train_here_until`) from exactly the same token streams,
+compared by content (`TokenStore.tokens_sha256`: a store's plan identity records paths and times,
+which differ between machines). Its weights are upcast to fp32 and written as the trainer writes
+them, so a model taken from the folder and one trained here with the same settings are the same
+bytes on the machine that made the folder, and the same digits elsewhere (both rounded to bf16).
+Anything else is refused, naming what differs and how to train here instead. A taken model is the
+train stage's output like a trained one (the same plan, so the same identity to the evaluations that
 read it); its meta.json says where it came from (`prebuilt`).
 """
 
