@@ -95,7 +95,7 @@ FORCE:
 # Zoology's MQAR probe (Figure 2): synthetic, so it needs none of the stages above. Finished
 # cells are kept, a rerun trains only what is missing and a complete sweep is skipped
 # (OVERWRITE=1 retrains everything). MQAR_ARGS runs a part of the grid, e.g. the one in docs/:
-# make mqar MQAR_ARGS="--archs attention base_conv --seq-lens 64"
+# make mqar MQAR_ARGS="--archs attention base_conv --lrs 3e-3 --restarts 1"
 mqar:
 	$(ARSLICE) mqar --out $(RUN)/mqar $(MQAR_ARGS) $(if $(OVERWRITE),--overwrite,)
 

@@ -31,46 +31,50 @@ remaining runs of a cell are skipped once one has (the best accuracy over a cell
 Figure 2 plots).
 
 Learning rates and restarts. `--lrs` are the rates of a model `lr_reference_width` (64) wide; a
-model of width d trains at lr * 64 / d (Adam's 1/width rule, as in muP), and each rate is tried
-from `restarts` initialisations (run r: torch seed and training stream seed + r; the held-out
-sequences stay the same), rate by rate, restart by restart, until a run reaches `early_stop`.
-Both are measured needs (two-layer attention, length 64, 4 pairs, vocabulary 128, 4096 tokens a
-step, one CPU core). With 3e-3 and 1e-3 at every width, d_model 64 solves it (99.5% by step
-4200, 2 min) but 32 stays at 27-46% in six runs (one 86.8%) and 128 at 27.5%. A failed run stays
-at chance (25%: loss ~ln 4, one of the context's four values) or sits at a partial solution: one
-key-value slot, the first or the last, recalled exactly and the other three at chance among the
-values left, 1/4 + 3/4 * 1/3 = 50% (per-slot accuracy 99 / 35 / 31 / 35%: d_model 128 at 1.5e-3;
-the last slot for 32 at 6e-3). With the width-scaled rates the second initialisation solves both
-(32: 99.4% by step 3200 at 6e-3; 128: 99.0% by step 5800 at 1.5e-3), so attention solves every
-width at length 64 (20 min on two cores; docs/mqar.csv, with BaseConv's 33.9 / 29.0 / 91.5%).
-With the language-model trainer's beta2 0.95 instead of 0.999 the d_model 64 run stays at 25-27%
-through 8000 steps. At length 128 (8 pairs) attention trained there from the start stays near chance
-(12.5%) whatever was tried (6000 or 20000 steps, mixed pair counts, rotary positions, random
-fillers, 4 heads, attention dropout, other rates: 13-15%; README, MQAR). What moves it is a
-curriculum (`curriculum_len`, on by default): a run at a longer length first trains at 64 (4 pairs)
-until it reaches `early_stop` there or for `steps` steps, then up to `steps` more at its own length,
-scored there before its first step. Whether the circuit carries over depends on attention's
-positions (`attention_positions`). Zoology's learned ones tie it to the positions it was learned at:
-a d_model 64 model that solved length 64 recalls 48% at 128 at once (the pairs at positions it
-knows) and 60% after 4000 more steps. Rotary ones on every channel do not: the same width solves 64
-in 3200 steps and then recalls 99.4% at 128 before any step there, and at 256 87.6%, 99.9% after 200
-steps (6 min for the three cells on one core; docs/mqar-rotary.csv). But rotary attention seldom
-solves length 64 from scratch in 6000 steps (none of 8 runs at d_model 32 or 3 at 128; 1 of 2 at
-64); with `--steps 20000` d_model 32 does (2 of 2, and 64 1 of 1; then 99.7% at 128 and 99.4% at 256
-after 200 steps; docs/mqar-rotary-d32.csv) but 128 not (29% after 20000 steps). So learned positions
-stay the default, and the curriculum, which changes no cell at length 64, is how lengths 128 and 256
-are trained either way. The full sweep (45 cells, up to six runs each) is many hours on two CPU
-cores and minutes on a GPU (`--device cuda`); `--archs`, `--d-models` and `--seq-lens` run a part of
-it, and finished runs are kept, so it can be grown a part at a time.
+model of width d trains at lr * 64 / d (Adam's 1/width rule, as in muP), and each rate is tried from
+`restarts` initialisations (run r: torch seed and training stream seed + r; the held-out sequences
+stay the same), rate by rate, restart by restart, until a run reaches `early_stop`. Both are
+measured needs (two-layer attention with learned positions and no curriculum, length 64, 4 pairs,
+vocabulary 128, 4096 tokens a step, one CPU core). With 3e-3 and 1e-3 at every width, d_model 64
+solves it (99.5% by step 4200, 2 min) but 32 stays at 27-46% in six runs (one 86.8%) and 128 at
+27.5%. A failed run stays at chance (25%: loss ~ln 4, one of the context's four values) or sits at a
+partial solution: one key-value slot, the first or the last, recalled exactly and the other three at
+chance among the values left, 1/4 + 3/4 * 1/3 = 50% (per-slot accuracy 99 / 35 / 31 / 35%: d_model
+128 at 1.5e-3; the last slot for 32 at 6e-3). With the width-scaled rates the second initialisation
+solves both (32: 99.4% by step 3200 at 6e-3; 128: 99.0% by step 5800 at 1.5e-3), so attention solves
+every width at length 64 (20 min on two cores; docs/mqar-learned-T64.csv, with BaseConv's 33.9 /
+29.0 / 91.5%). With the language-model trainer's beta2 0.95 instead of 0.999 the d_model 64 run
+stays at 25-27% through 8000 steps.
+
+Positions and a curriculum. At length 128 (8 pairs) attention trained there from the start stays
+near chance (12.5%) whatever was tried (6000 or 20000 steps, mixed pair counts, rotary positions,
+random fillers, 4 heads, attention dropout, other rates: 13-15%; README, MQAR). What moves it is a
+curriculum (`curriculum_lens`, 32 and 64 by default): a run first trains at each of those lengths
+shorter than its own (length / 16 pairs each) until it reaches `early_stop` there or for `steps`
+steps, then up to `steps` more at its own length, each stage after the first scored at its length
+before its first step. Whether the circuit carries over depends on attention's positions
+(`attention_positions`). Zoology's learned ones tie it to the positions it was learned at: a
+d_model 64 model that solved length 64 recalls 48% at 128 at once (the pairs at positions it knows)
+and 60% after 4000 more steps. Rotary ones on every channel (the default) do not: a model that
+solved 64 recalls 99% at 128 and 256 within 200 steps there. But rotary attention from the start
+at 64 seldom forms the circuit (none of 8 runs at d_model 32 in 6000 steps; d_model 128 none of 5,
+29% after 20000 steps): both layers attend to the context's values alike and it predicts their
+mean, loss ~ln 4. Two pairs at length 32 first take d_model 128 out of that (solved there in 1200
+steps, then 99.6% at 64 after 200 more); d_model 32 and 64 stay at 55% (chance with 2 pairs: 50%)
+through their stage at 32 and solve 64 in the stage after (3600 and 4000 steps). With these
+defaults every attention cell of the grid reaches 99% on its first run (99.2-99.9%; 14 min on two
+cores; docs/mqar.csv). The full sweep of every family (45 cells, up to six runs each) is many hours
+on two CPU cores and minutes on a GPU (`--device cuda`); `--archs`, `--d-models` and `--seq-lens`
+run a part of it, and finished runs are kept, so it can be grown a part at a time.
 
 Outputs (`--out DIR`, e.g. `runs/demo/mqar`): `cells/<arch>-d<D>-T<T>-lr<LR>[-r<R>].json`, one per
 finished training run (its best held-out accuracy, the accuracy per key-value slot at that
-evaluation, its history, and its `curriculum` stage's, if any; written atomically, each a part of
-the stage's ledger), then `mqar.csv` and `mqar.md` (the best accuracy per architecture, dimension
-and length, with the learning rate and restart of its run, its steps at its own length and in its
-curriculum, and how many runs it took), `mqar.png` (accuracy vs model dimension, one panel per
-sequence length) and `meta.json`, written last. `mqar_results(DIR)` reads them back for the
-report.
+evaluation, its history, and its `curriculum` stages', one per shorter length it trained at first;
+written atomically, each a part of the stage's ledger), then `mqar.csv` and `mqar.md` (the best
+accuracy per architecture, dimension and length, with the learning rate and restart of its run, its
+steps at its own length and in its curriculum, and how many runs it took), `mqar.png` (accuracy vs
+model dimension, one panel per sequence length) and `meta.json`, written last. `mqar_results(DIR)`
+reads them back for the report.
 
 The sweep is a stage under the plan (`ar_slicing.plan`): its settings are the ones a cell's result
 depends on (`CELL_SETTINGS`), so a sweep made with others is refused, naming each field with both
@@ -120,7 +124,7 @@ CELL_SETTINGS = (
     "early_stop",
     "seed",
     "attention_positions",
-    "curriculum_len",
+    "curriculum_lens",
 )
 
 
@@ -185,19 +189,19 @@ class MqarConfig:
         metadata={"help": "seed of the held-out sequences; run r trains from seed + r"},
     )
     attention_positions: str = field(
-        default="learned",
+        default="rotary",
         metadata={
-            "help": "attention's positions: learned (Zoology's absolute position embeddings) or "
-            "rotary (on every channel: a circuit learned at one length holds at others)",
+            "help": "attention's positions: rotary (on every channel: a circuit learned at one "
+            "length holds at others) or learned (Zoology's absolute position embeddings)",
             "choices": ["rotary", "learned"],
         },
     )
-    curriculum_len: int = field(
-        default=64,
+    curriculum_lens: list[int] = field(
+        default_factory=lambda: [32, 64],
         metadata={
-            "help": "a run at a longer length first trains at this one (length / 16 pairs) "
-            "until it reaches early_stop there or for --steps steps, then --steps more at its "
-            "own; 0: no curriculum"
+            "help": "a run at a longer length first trains at each of these shorter ones, in "
+            "order (length / 16 pairs each), until it reaches early_stop there or for --steps "
+            "steps, then --steps more at its own; 0: no curriculum"
         },
     )
     workers: int = field(default=2, metadata={"help": "training processes running side by side"})
@@ -346,9 +350,9 @@ def slot_accuracy(model, x, y, batch_size: int, num_kv_pairs: int) -> tuple[floa
     return float(hit.mean()) if hit.numel() else 0.0, per_slot
 
 
-def curriculum_len_for(cfg: MqarConfig, seq_len: int) -> int | None:
-    """The length a run at `seq_len` first trains at, or None when it has no curriculum."""
-    return cfg.curriculum_len if 0 < cfg.curriculum_len < seq_len else None
+def curriculum_for(cfg: MqarConfig, seq_len: int) -> list[int]:
+    """The lengths a run at `seq_len` first trains at, in order (none: no curriculum)."""
+    return [c for c in cfg.curriculum_lens if 0 < c < seq_len]
 
 
 def train_cell(
@@ -356,8 +360,9 @@ def train_cell(
 ) -> dict:
     """Train one model at one learning rate, from the initialisation and sequences of run
     `restart`; its held-out accuracy (on the same held-out sequences for every run) and how it
-    got there. A run longer than `curriculum_len` first trains at that length (its record's
-    `curriculum`), then at its own, scored there from step 0 on."""
+    got there. A run longer than a curriculum length first trains at each such length in turn
+    (its record's `curriculum`, one stage each), then at its own, each stage scored at its length
+    from step 0 on when it follows another."""
     import torch
 
     from models.precision import resolve_device
@@ -367,10 +372,10 @@ def train_cell(
     torch.manual_seed(cfg.seed + restart)
     model = build_model(arch, d_model, seq_len, cfg.vocab_size, cfg.attention_positions)
     model = model.to(device)
-    curriculum = None
-    if first := curriculum_len_for(cfg, seq_len):
-        curriculum = _train_at(cfg, model, arch, first, lr, restart, device)
-    run = _train_at(cfg, model, arch, seq_len, lr, restart, device, curriculum is not None)
+    curriculum = []
+    for first in curriculum_for(cfg, seq_len):
+        curriculum.append(_train_at(cfg, model, arch, first, lr, restart, device, bool(curriculum)))
+    run = _train_at(cfg, model, arch, seq_len, lr, restart, device, bool(curriculum))
     return {
         "arch": arch,
         "d_model": d_model,
@@ -527,8 +532,9 @@ def _run_cell(
 def cell_facts(cell: dict) -> dict:
     """What the ledger keeps of a cell: its result without the histories (in the cell's file)."""
     facts = {k: v for k, v in cell.items() if k not in ("history", "settings")}
-    if facts.get("curriculum"):
-        facts["curriculum"] = {k: v for k, v in facts["curriculum"].items() if k != "history"}
+    facts["curriculum"] = [
+        {k: v for k, v in stage.items() if k != "history"} for stage in facts.get("curriculum", [])
+    ]
     return facts
 
 
@@ -557,7 +563,7 @@ def best_rows(cells: list[dict], cfg: MqarConfig) -> list[dict]:
                         "best_restart": best.get("restart", 0),
                         "runs": len(mine),
                         "steps_run": best["steps_run"],
-                        "curriculum_steps": (best.get("curriculum") or {}).get("steps_run", 0),
+                        "curriculum_steps": sum(s["steps_run"] for s in best["curriculum"]),
                         "n_params": best["n_params"],
                     }
                 )
@@ -669,9 +675,13 @@ def run_mqar(cfg: MqarConfig) -> dict:
     from models.precision import resolve_device
 
     resolve_device(cfg.device)  # refuse a missing GPU before any worker starts
-    if cfg.curriculum_len < 0:
-        raise ArSliceError(f"--curriculum-len must be >= 0 (0: none), got {cfg.curriculum_len}")
-    curricula = {c for t in cfg.seq_lens if (c := curriculum_len_for(cfg, t))}
+    lens = cfg.curriculum_lens
+    if not lens or (lens != [0] and (min(lens) <= 0 or lens != sorted(set(lens)))):
+        raise ArSliceError(
+            "--curriculum-lens must be increasing lengths > 0, or 0 for no curriculum "
+            f"(got {' '.join(map(str, lens))})"
+        )
+    curricula = {c for t in cfg.seq_lens for c in curriculum_for(cfg, t)}
     for seq_len in [*cfg.seq_lens, *curricula]:  # refuse impossible lengths before any training
         mqar_examples(
             1, seq_len, cfg.vocab_size, num_kv_pairs_for(seq_len), np.random.default_rng()
@@ -785,11 +795,9 @@ COMMAND = Command(
     summary="Zoology's multi-query associative recall probe (Figure 2)",
     examples="""\
   arslice mqar --out runs/demo/mqar                       # the full sweep (make mqar)
-  arslice mqar --out runs/demo/mqar --archs attention base_conv --seq-lens 64  # docs/mqar.csv
-  arslice mqar --out runs/demo/mqar --archs attention hyena --d-models 64 --seq-lens 64
-  arslice mqar --out runs/demo/mqar-rotary --archs attention --d-models 64 --seq-lens 64 128 256 \\
-      --attention-positions rotary  # docs/mqar-rotary.csv: length 64 first, then 128 and 256
-  arslice mqar --out runs/demo/mqar-rotary-d32 --archs attention --d-models 32 \\
-      --seq-lens 64 128 256 --attention-positions rotary --steps 20000  # docs/mqar-rotary-d32.csv
+  arslice mqar --out runs/demo/mqar --archs attention     # attention's 9 cells, 14 min on 2 cores
+  arslice mqar --out runs/demo/mqar --archs attention base_conv --lrs 3e-3 --restarts 1  # docs/mqar.csv
+  arslice mqar --out runs/demo/mqar-learned --archs attention --seq-lens 64 \\
+      --attention-positions learned --curriculum-lens 0  # Zoology's positions, no curriculum
   arslice mqar --out /tmp/mqar --lrs 1e-3 3e-3 1e-2 --steps 8000 --device cuda --workers 1  # needs a GPU""",
 )
