@@ -94,8 +94,10 @@ FORCE:
 
 # Zoology's MQAR probe (Figure 2): synthetic, so it needs none of the stages above. Finished
 # cells are kept, a rerun trains only what is missing and a complete sweep is skipped
-# (OVERWRITE=1 retrains everything). MQAR_ARGS runs a part of the grid, e.g. the one in docs/:
-# make mqar MQAR_ARGS="--archs attention base_conv --lrs 3e-3 --restarts 1"
+# (OVERWRITE=1 retrains everything). By default the panel in docs/ (attention and BaseConv over
+# every width and length, one run a cell: ~37 min on 2 cores); `make mqar MQAR_ARGS=` runs the
+# whole sweep of every family (many hours on a CPU), other MQAR_ARGS another part of it.
+MQAR_ARGS ?= --archs attention base_conv --lrs 3e-3 --restarts 1
 mqar:
 	$(ARSLICE) mqar --out $(RUN)/mqar $(MQAR_ARGS) $(if $(OVERWRITE),--overwrite,)
 
