@@ -373,8 +373,8 @@ def train_cell(
     model = build_model(arch, d_model, seq_len, cfg.vocab_size, cfg.attention_positions)
     model = model.to(device)
     curriculum = []
-    for first in curriculum_for(cfg, seq_len):
-        curriculum.append(_train_at(cfg, model, arch, first, lr, restart, device, bool(curriculum)))
+    for length in curriculum_for(cfg, seq_len):
+        curriculum.append(_train_at(cfg, model, arch, length, lr, restart, device, bool(curriculum)))
     run = _train_at(cfg, model, arch, seq_len, lr, restart, device, bool(curriculum))
     return {
         "arch": arch,
@@ -794,9 +794,9 @@ COMMAND = Command(
     plan_settings=cell_settings,
     summary="Zoology's multi-query associative recall probe (Figure 2)",
     examples="""\
-  arslice mqar --out runs/demo/mqar                       # the full sweep (make mqar)
+  arslice mqar --out runs/demo/mqar                       # the full sweep (make mqar MQAR_ARGS=)
   arslice mqar --out runs/demo/mqar --archs attention     # attention's 9 cells, 14 min on 2 cores
-  arslice mqar --out runs/demo/mqar --archs attention base_conv --lrs 3e-3 --restarts 1  # docs/mqar.csv
+  arslice mqar --out runs/demo/mqar --archs attention base_conv --lrs 3e-3 --restarts 1  # make mqar: docs/mqar.csv
   arslice mqar --out runs/demo/mqar-learned --archs attention --seq-lens 64 \\
       --attention-positions learned --curriculum-lens 0  # Zoology's positions, no curriculum
   arslice mqar --out /tmp/mqar --lrs 1e-3 3e-3 1e-2 --steps 8000 --device cuda --workers 1  # needs a GPU""",
