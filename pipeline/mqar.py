@@ -374,7 +374,9 @@ def train_cell(
     model = model.to(device)
     curriculum = []
     for length in curriculum_for(cfg, seq_len):
-        curriculum.append(_train_at(cfg, model, arch, length, lr, restart, device, bool(curriculum)))
+        curriculum.append(
+            _train_at(cfg, model, arch, length, lr, restart, device, bool(curriculum))
+        )
     run = _train_at(cfg, model, arch, seq_len, lr, restart, device, bool(curriculum))
     return {
         "arch": arch,
