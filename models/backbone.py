@@ -39,6 +39,10 @@ SEQUENCE_MIXERS: dict[str, tuple[str, str]] = {
     "based_conv": ("models.mixers.base_conv", "GatedConv"),
     "linear_attention": ("models.mixers.linear_attention", "LinearAttention"),
     "sliding_attention": ("models.mixers.sliding_attention", "SlidingWindowAttention"),
+    "h3": ("models.mixers.h3", "H3"),
+    "long_conv": ("models.mixers.long_conv", "LongConv"),
+    "implicit_long_conv": ("models.mixers.long_conv", "ImplicitLongConv"),
+    "retnet": ("models.mixers.retnet", "MultiScaleRetention"),
 }
 # "rwkv" as a state mixer is RWKV-4's channel mixing; "base_conv" is a second BaseConv, as the
 # Zoology of 2023-10-28 .. 2023-11-20 built every block's state mixer from the sequence mixer's config
@@ -46,6 +50,7 @@ STATE_MIXERS: dict[str, tuple[str, str]] = {
     "mlp": ("models.mixers.mlp", "MLP"),
     "glu": ("models.mixers.mlp", "GLU"),
     "swiglu": ("models.mixers.mlp", "SwiGLU"),
+    "gated_ffn": ("models.mixers.mlp", "GatedFFN"),
     "rwkv": ("models.mixers.rwkv", "RWKVChannelMixer"),
     "identity": ("models.backbone", "IdentityMixer"),
     "base_conv": SEQUENCE_MIXERS["base_conv"],

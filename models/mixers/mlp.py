@@ -1,5 +1,6 @@
 """State mixers: the two-layer MLP and the GLU of Zoology's `zoology/mixers/mlp.py` (keys fc1, fc2[, fc3]),
-and the SwiGLU of flash-attn / HazyResearch/based's `GatedMlp` (one fused `fc1`, then `fc2`)."""
+the SwiGLU of flash-attn / HazyResearch/based's `GatedMlp` (one fused `fc1`, then `fc2`), and
+torchscale's RetNet FFN (`GatedFFN`: keys fc1, fc2, gate)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ class MLPOptions:
         get_activation(self.activation)
 
 
-def hidden_width(d_model: int, opts: MLPOptions | SwiGLUOptions) -> int:
+def hidden_width(d_model: int, opts: MLPOptions | SwiGLUOptions | GatedFFNOptions) -> int:
     """The hidden width: `opts.hidden` when given, else `d_model * opts.hidden_mult`."""
     return d_model * opts.hidden_mult if opts.hidden is None else opts.hidden
 
@@ -99,3 +100,30 @@ class SwiGLU(StateMixer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, gate = self.fc1(x).chunk(2, dim=-1)  # each (B, T, hidden)
         return self.fc2(y * F.silu(gate))  # (B, T, D)
+
+
+@dataclass
+class GatedFFNOptions:
+    hidden: int | None = None  # None: d_model * hidden_mult (torchscale sets decoder_ffn_embed_dim)
+    hidden_mult: int = 2  # the RetNet paper's FFN width
+    activation: str = "gelu"  # torchscale's default activation_fn (exact erf GELU)
+
+    def __post_init__(self):
+        get_activation(self.activation)
+
+
+class GatedFFN(StateMixer):
+    """torchscale's `GLU` (RetNet's FFN): `fc2(act(fc1(x)) ⊙ gate(x))`, no biases."""
+
+    Options = GatedFFNOptions
+    mixer_name = "gated_ffn"
+
+    def build(self, opts: GatedFFNOptions) -> None:
+        hidden = hidden_width(self.d_model, opts)
+        self.fc1 = nn.Linear(self.d_model, hidden, bias=False)
+        self.fc2 = nn.Linear(hidden, self.d_model, bias=False)
+        self.gate = nn.Linear(self.d_model, hidden, bias=False)
+        self.act = get_activation(opts.activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x).float()).to(x.dtype) * self.gate(x))
