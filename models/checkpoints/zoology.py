@@ -12,7 +12,10 @@ What Zoology computes, and this loader with it (checked against checkpoints Zool
 made, tests/fixtures/upstream):
   * attention (`MHA`), `BaseConv` (short, explicit long, and both implicit filters: Zoology's
     current Linear-ReLU-Linear one and, told apart by its keys, the Hyena-style one it had before
-    2023-10-29), `Hyena` (one head), RWKV-4 (`RWKVTimeMixer` / `RWKVStateMixer`); `MLP`, `GLU`,
+    2023-10-29), `Hyena` (one head), RWKV-4 (`RWKVTimeMixer` / `RWKVStateMixer`), `h3.H3` (its
+    kernels cut at the l_max it is given, as Zoology's are), `convolution.LongConvolution` and
+    `ImplicitLongConvolution` on their own (the Long Conv row), and `hybrid.Hybrid` (layer i runs
+    its `configs[i % len(configs)]`: the hybrid rows); `MLP`, `GLU`,
     `torch.nn.Identity` state mixers; learned positions; padded vocabularies; untied heads
     (`learnable_word_embeddings: false`).
   * `layer_norm_epsilon` is used for `ln_f` alone: Zoology's blocks build norm1/norm2 with
@@ -29,6 +32,7 @@ made, tests/fixtures/upstream):
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +50,11 @@ CONFIG_NAMES = ("config.json", "config.yaml", "config.yml")
 # The last component of Zoology's import path -> this project's mixer names.
 SEQUENCE_MIXER_NAMES = {
     "MHA": "attention", "SelfAttention": "attention", "BaseConv": "base_conv",
-    "Hyena": "hyena", "RWKVTimeMixer": "rwkv",
+    "Hyena": "hyena", "RWKVTimeMixer": "rwkv", "H3": "h3", "LongConvolution": "long_conv",
+    "ImplicitLongConvolution": "implicit_long_conv",
 }  # fmt: skip
+# Zoology's `hybrid.Hybrid`: layer i runs `configs[i % len(configs)]`, under `sequence_mixer.mixer`
+HYBRID = "Hybrid"
 STATE_MIXER_NAMES = {"MLP": "mlp", "GLU": "glu", "RWKVStateMixer": "rwkv", "Identity": "identity"}
 # Zoology ModelConfig defaults (zoology/config.py) for keys a saved config may omit.
 ZOOLOGY_DEFAULTS = {
@@ -63,7 +70,15 @@ _MIXER_NO_EFFECT = {
     "hyena": {"lr", "lr_pos_emb", "wd", "modulation_lr", "return_state", "channels", "outer_mixing"},
     "rwkv": {"n_layer"},
     "mlp": set(), "glu": set(), "identity": set(), "attention": set(), "base_conv": set(),
+    # H3: its dropout is never applied; the fast FFT convolution is a CUDA kernel of the same function
+    "h3": {"dropout", "use_fast_fftconv", "device", "dtype"},
+    "long_conv": set(), "implicit_long_conv": set(),
 }  # fmt: skip
+# H3's kernel_args (upstream's SSKernel): options that only initialise, and those with one value here
+_H3_KERNEL_NO_EFFECT = {"measure", "dt_min", "dt_max", "lr", "deterministic", "rank", "verbose",
+                        "measure_args"}  # fmt: skip
+_H3_KERNEL_MUST_BE = {"mode": "diag", "real_type": "exp", "bandlimit": None, "force_real": False,
+                      "n_ssm": None, "channels": 1}  # fmt: skip
 # Zoology options that only their default value leaves without effect.
 _MIXER_MUST_BE = {
     "hyena": {"bidirectional": False, "linear_mixer": False},
@@ -113,9 +128,52 @@ def _mixer_options(name: str, kwargs: dict, what: str, source: str) -> dict:
                 )
             continue
         options[key] = value
+    if name == "h3":
+        for key, value in (options.pop("kernel_args", None) or {}).items():
+            if key == "disc":
+                options["disc"] = value
+            elif key in _H3_KERNEL_MUST_BE and value != _H3_KERNEL_MUST_BE[key]:
+                raise ArSliceError(
+                    f"{source}: {what} kernel_args.{key}={value!r} is not implemented "
+                    f"(only {_H3_KERNEL_MUST_BE[key]!r})"
+                )
+            elif key not in _H3_KERNEL_NO_EFFECT | set(_H3_KERNEL_MUST_BE):
+                known = sorted({"disc", *_H3_KERNEL_NO_EFFECT, *_H3_KERNEL_MUST_BE})
+                raise ArSliceError(
+                    f"{source}: {what} kernel_args.{key} is not an option this project "
+                    f"implements; it knows: {', '.join(known)}"
+                )
     if name in ("mlp", "glu"):
         options.setdefault("hidden_mult", 1)  # Zoology's MLP default (this project's is 4)
     return options
+
+
+def is_hybrid(spec: Any) -> bool:
+    name = spec if isinstance(spec, str) else (spec or {}).get("name", "")
+    return str(name).rsplit(".", 1)[-1] == HYBRID
+
+
+def _layer_mixer_specs(spec: Any, n_layers: int, source: str) -> list[tuple[Any, str]]:
+    """(Zoology mixer spec, where it is named) of every layer: the one sequence mixer, or a
+    Hybrid's `configs[i % len(configs)]`."""
+    if not is_hybrid(spec):
+        return [(spec, "sequence_mixer")] * n_layers
+    kwargs = dict(spec.get("kwargs") or {}) if isinstance(spec, dict) else {}
+    configs = kwargs.pop("configs", None)
+    if not isinstance(configs, list) or not configs or kwargs:
+        raise ArSliceError(
+            f"{source}: a Hybrid sequence_mixer takes one kwarg, 'configs', a list of mixer "
+            f"configs (one per layer, cycled); found {sorted((spec.get('kwargs') or {}))}"
+        )
+    return [
+        (configs[i % len(configs)], f"sequence_mixer.configs[{i % len(configs)}]")
+        for i in range(n_layers)
+    ]
+
+
+def unwrap_hybrid(state: dict) -> dict:
+    """A Hybrid's keys `layers.N.sequence_mixer.mixer.*` as its mixer's own, `sequence_mixer.*`."""
+    return {re.sub(r"(\.layers\.\d+\.sequence_mixer)\.mixer\.", r"\1.", k): v for k, v in state.items()}
 
 
 def state_layout(state: dict) -> dict[str, Any]:
@@ -159,13 +217,28 @@ def model_config_from_zoology(data: dict, source: str, layout: dict | None = Non
     cfg = {**ZOOLOGY_DEFAULTS, **data}
     if cfg["block_type"] != "TransformerBlock":
         raise ArSliceError(f"{source}: block_type {cfg['block_type']!r} is not supported")
-    mixer, zoology_kwargs = _mixer_name(
-        cfg["sequence_mixer"], SEQUENCE_MIXER_NAMES, "sequence_mixer", source
-    )
-    l_max = zoology_kwargs.pop("l_max", None) or cfg["max_position_embeddings"] or 2048
-    for key in ("layer_idx", "d_model"):
-        zoology_kwargs.pop(key, None)
-    mixer_kwargs = _mixer_options(mixer, zoology_kwargs, "sequence_mixer", source)
+    n_layers = int(cfg["n_layers"])
+    per_layer, l_maxes = [], set()
+    for i, (spec, what) in enumerate(_layer_mixer_specs(cfg["sequence_mixer"], n_layers, source)):
+        name, zoology_kwargs = _mixer_name(spec, SEQUENCE_MIXER_NAMES, what, source)
+        given = zoology_kwargs.pop("l_max", None)
+        if given:
+            l_maxes.add(int(given))
+        for key in ("layer_idx", "d_model"):
+            zoology_kwargs.pop(key, None)
+        options = _mixer_options(name, zoology_kwargs, what, source)
+        if name == "h3" and given:
+            options["truncate_kernel"] = True  # Zoology's H3 cuts its kernels at l_max
+        per_layer.append((name, options))
+    if len(l_maxes) > 1:
+        raise ArSliceError(f"{source}: the hybrid's mixers name different l_max {sorted(l_maxes)}")
+    l_max = next(iter(l_maxes), None) or cfg["max_position_embeddings"] or 2048
+    mixer, mixer_kwargs = per_layer[0]
+    layer_mixers = [
+        {"layers": [i], "name": name, "kwargs": options}
+        for i, (name, options) in enumerate(per_layer)
+        if (name, options) != (mixer, mixer_kwargs)
+    ]
     if mixer == "base_conv" and "implicit_filter" in layout:
         mixer_kwargs["implicit_filter"] = layout["implicit_filter"]
     if layout.get("state_is_sequence_copy") and mixer == "base_conv":
@@ -186,7 +259,7 @@ def model_config_from_zoology(data: dict, source: str, layout: dict | None = Non
         return ModelConfig(
             vocab_size=int(cfg["vocab_size"]),
             d_model=int(cfg["d_model"]),
-            n_layers=int(cfg["n_layers"]),
+            n_layers=n_layers,
             sequence_mixer=mixer,
             sequence_mixer_kwargs=mixer_kwargs,
             state_mixer=state,
@@ -197,6 +270,7 @@ def model_config_from_zoology(data: dict, source: str, layout: dict | None = Non
             block_norm_epsilon=1e-5,  # Zoology's TransformerBlock: nn.LayerNorm(d_model)
             tie_word_embeddings=bool(cfg["learnable_word_embeddings"]),
             pad_vocab_size_multiple=int(cfg["pad_vocab_size_multiple"]),
+            layer_mixers=layer_mixers,
         )
     except ArSliceError as e:
         raise ArSliceError(f"{source}: {e}") from None
@@ -230,6 +304,8 @@ def load_zoology(target: str | Path, model_config: str | Path | None = None):
             f"{' / '.join(CONFIG_NAMES)} beside it); save Zoology's ModelConfig there as JSON"
         )
     state = state_dict_from(obj, weights_file)
+    if is_hybrid((data.get("model") if isinstance(data.get("model"), dict) else data).get("sequence_mixer")):
+        state = unwrap_hybrid(state)
     layout = state_layout(state)
     config = model_config_from_zoology(data, source, layout)
     try:
