@@ -297,8 +297,9 @@ def max_positions_of(config) -> int | None:
         # attention without rotary has no notion of order beyond l_max; rotary has no limit
         if (
             (mixer == "attention" and not kwargs.get("rotary_emb_dim"))
-            or mixer == "hyena"
+            or mixer in ("hyena", "long_conv", "implicit_long_conv")
             or (mixer == "base_conv" and long_conv)
+            or (mixer == "h3" and kwargs.get("truncate_kernel"))
         ):
             limits.append(config.l_max)
     return min(limits) if limits else None

@@ -56,7 +56,7 @@ _SHAPES = {
 }  # fmt: skip
 _MUST_BE = {
     "decoder_normalize_before": True, "layernorm_embedding": False, "moe_freq": 0,
-    "deepnorm": False, "multiway": False, "no_output_layer": False,
+    "deepnorm": False, "multiway": False, "no_output_layer": False, "chunkwise_recurrent": False,
 }  # fmt: skip
 _OPTIONS = ("activation_fn", "no_scale_embedding", "share_decoder_input_output_embed", "layernorm_eps")
 # training switches, settings RetNetDecoder never reads, and MoE settings without MoE layers

@@ -12,7 +12,8 @@ The diagonal SSM is S4D (`SSKernelDiag`): `A = -exp(inv_A_real) + i A_imag`, `dt
 pure-PyTorch Vandermonde fallback computes it (`exp(l · log dA)`), discretised bilinearly (the
 upstream default; `zoh` too). The shift SSM (`SSKernelShift`) is the cross-correlation of its `B`
 and `C`, `N` taps long. Both convolutions run by FFT in fp32 (`fft_causal_conv`); no pykeops, no
-CUDA extension. The SSM parameters carry no weight decay, as upstream registers them.
+CUDA extension. The SSM parameters upstream registers through `OptimModule.register` (`log_dt`,
+`B`, `inv_A_real`, `A_imag`, the shift's `B`) carry no weight decay; the `C`s do, as there.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ class ShiftSSM(nn.Module):
         C = torch.empty(d_model, 1, d_state)
         nn.init.kaiming_uniform_(C, a=math.sqrt(5))  # as torch's Conv1d initialises its taps
         self.B = nn.Parameter(B)  # (H, N)
-        self.C = nn.Parameter(C.transpose(0, 1).contiguous())  # (1, H, N)
-        no_weight_decay(self.B, self.C)
+        self.C = nn.Parameter(C.transpose(0, 1).contiguous())  # (1, H, N), decayed as upstream
+        no_weight_decay(self.B)
 
     def forward(self, L: int) -> torch.Tensor:
         """The first L taps, (H, L), fp32 (zeros past N)."""
@@ -77,7 +78,8 @@ class DiagonalSSM(nn.Module):
         B = torch.ones(H, n, dtype=torch.cfloat)
         C = torch.randn(1, H, n, dtype=torch.cfloat) * B
         self.disc = opts.disc
-        self.C = nn.Parameter(torch.view_as_real(C.conj().resolve_conj()))  # (1, H, n, 2)
+        # (1, H, n, 2); a plain parameter upstream (weight decay applies), the others registered
+        self.C = nn.Parameter(torch.view_as_real(C.conj().resolve_conj()))
         self.log_dt = nn.Parameter(log_dt + math.log(opts.dt_min))  # (H,)
         self.B = nn.Parameter(torch.view_as_real(B))  # (H, n, 2)
         self.inv_A_real = nn.Parameter(torch.full((H, n), math.log(0.5)))  # A's real part -1/2

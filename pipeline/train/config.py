@@ -13,7 +13,11 @@ log = logging.getLogger(__name__)
 # The sequence mixers of `models/`, plus "transformer_pp": attention in the Transformer++ recipe
 # (rotary, SwiGLU, RMSNorm, no biases; `pipeline.train.model.TRANSFORMER_PP`), the attention
 # baseline HazyResearch/based and later gated-convolution papers compare against.
-ARCHITECTURES = ["attention", "base_conv", "hyena", "rwkv", "transformer_pp"]
+# The paper's other rows: H3, Long Conv (explicit or implicit filters) and RetNet's retention.
+ARCHITECTURES = [
+    "attention", "base_conv", "hyena", "rwkv", "transformer_pp",
+    "h3", "long_conv", "implicit_long_conv", "retnet",
+]  # fmt: skip
 STATE_DIR = TRAIN_STATE_DIR
 # Fields that change how a run is executed or reported but not what it computes, so a run may
 # be resumed after changing them.

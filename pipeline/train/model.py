@@ -108,11 +108,15 @@ def count_parameters(model) -> int:
 
 
 def make_optimizer(model, cfg: TrainConfig):
-    """AdamW with weight decay on matrices (dim >= 2) only, as nanoGPT's configure_optimizers."""
+    """AdamW with weight decay on matrices (dim >= 2) only, as nanoGPT's configure_optimizers,
+    and never on parameters a mixer marks `_no_weight_decay` (H3's SSM parameters, as upstream)."""
     import torch
 
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    def decays(p) -> bool:
+        return p.dim() >= 2 and not getattr(p, "_no_weight_decay", False)
+
+    decay = [p for p in model.parameters() if p.requires_grad and decays(p)]
+    no_decay = [p for p in model.parameters() if p.requires_grad and not decays(p)]
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

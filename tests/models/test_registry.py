@@ -16,12 +16,13 @@ from models.checkpoints import registry
 
 def test_the_formats_are_found_in_their_package_in_listing_order():
     found = registry.formats()
-    assert [f.prefix for f in found] == ["hf", "zoology", "safari", "based", "native"]
-    assert {f.prefix for f in found if f.hub} == {"hf", "safari", "based"}
-    assert {f.prefix for f in found if f.model_config} == {"zoology", "safari", "based"}
-    assert [f.load.__module__ for f in found] == [
-        f"models.checkpoints.{name}" for name in ("hf", "zoology", "safari", "based", "native")
-    ]
+    names = ["hf", "zoology", "safari", "based", "native", "h3", "retnet"]
+    assert [f.prefix for f in found] == names
+    assert {f.prefix for f in found if f.hub} == {"hf", "safari", "based", "h3"}
+    assert {f.prefix for f in found if f.model_config} == {
+        "zoology", "safari", "based", "h3", "retnet"
+    }  # fmt: skip
+    assert [f.load.__module__ for f in found] == [f"models.checkpoints.{name}" for name in names]
 
 
 def test_a_registered_format_is_accepted_listed_and_loaded(monkeypatch):
@@ -29,16 +30,16 @@ def test_a_registered_format_is_accepted_listed_and_loaded(monkeypatch):
     monkeypatch.setattr(registry, "_FORMATS", dict(registry._FORMATS))
     requests = []
 
-    @registry.register_loader("toy", order=6, hub=True)
+    @registry.register_loader("toy", order=9, hub=True)
     def load_toy(request):
         requests.append(request)
         return "the toy model"
 
     assert registry.parse_spec("toy:owner/name") == ("toy", "owner/name")
     assert registry.reads_hub_models("toy") and not registry.reads_hub_models("native")
-    with pytest.raises(ArSliceError, match="one of hf:, zoology:, safari:, based:, native:, toy:"):
+    with pytest.raises(ArSliceError, match="one of hf:, zoology:, safari:, based:, native:, h3:, retnet:, toy:"):
         registry.parse_spec("gguf:model.bin")
-    assert registry.spec_forms().endswith(", native:<dir>, toy:<hub id or dir>")
+    assert registry.spec_forms().endswith(", native:<dir>, h3:<hub id, file or dir>, retnet:<file or dir>, toy:<hub id or dir>")
     with pytest.raises(ArSliceError, match="; hf:, native: and toy: directories carry"):
         load_model("toy:./weights", model_config="config.json")
     # a bare name is a hub id only for a format registered with bare_hub_ids (hf:)
@@ -56,8 +57,9 @@ def test_eval_help_lists_the_formats_as_registered():
 
     text = " ".join(build_parser("eval")[0].format_help().split())
     forms = "hf:<hub id or dir>, zoology:<file or dir>, safari:<hub id, file or dir>, "
-    assert f"--model MODEL model spec: {forms}based:<hub id or dir>, native:<dir>" in text
-    assert "--model-config MODEL_CONFIG zoology:, safari: or based: model config file" in text
+    more = "native:<dir>, h3:<hub id, file or dir>, retnet:<file or dir>"
+    assert f"--model MODEL model spec: {forms}based:<hub id or dir>, {more}" in text
+    assert "--model-config MODEL_CONFIG zoology:, safari:, based:, h3: or retnet: model config file" in text
 
 
 def test_reading_a_spec_imports_neither_torch_nor_transformers():
@@ -66,7 +68,7 @@ def test_reading_a_spec_imports_neither_torch_nor_transformers():
     code = (
         "import sys\n"
         "from models.checkpoints.registry import formats, parse_spec\n"
-        "parse_spec('hf:gpt2'); assert len(formats()) == 5\n"
+        "parse_spec('hf:gpt2'); assert len(formats()) == 7\n"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

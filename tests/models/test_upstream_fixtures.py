@@ -48,10 +48,12 @@ def max_nll_error(loaded, windows) -> float:
 
 def test_every_family_and_layout_has_a_fixture():
     assert len(CASES) >= 15
-    for prefix in ("zoology-", "safari-", "hf-"):
+    for prefix in ("zoology-", "safari-", "hf-", "h3-", "retnet-"):
         assert any(c.startswith(prefix) for c in CASES)
+    for case in ("zoology-h3", "zoology-longconv", "zoology-implicit-longconv", "zoology-hybrid"):
+        assert case in CASES
     total = sum(f.stat().st_size for f in UPSTREAM.rglob("*") if f.is_file())
-    assert total < 3 * 2**20
+    assert total < 4 * 2**20
 
 
 @pytest.mark.parametrize("case", CASES)
