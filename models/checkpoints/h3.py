@@ -59,7 +59,14 @@ PUBLISHED = {
 PUBLISHED_SSM = {"mode": "diag", "measure": "diag-lin"}
 
 # SSMLMHeadModel arguments: shapes (checked against the weights), options, no-effect
-_SHAPES = ("d_model", "n_layer", "d_inner", "vocab_size", "max_position_embeddings", "attn_layer_idx")
+_SHAPES = (
+    "d_model",
+    "n_layer",
+    "d_inner",
+    "vocab_size",
+    "max_position_embeddings",
+    "attn_layer_idx",
+)
 _NO_EFFECT = {
     "resid_dropout", "embed_dropout", "dropout_cls", "initializer_cfg", "fused_mlp",
     "fused_dropout_add_ln", "pad_vocab_size_multiple", "residual_in_fp32", "device", "dtype",

@@ -58,7 +58,12 @@ _MUST_BE = {
     "decoder_normalize_before": True, "layernorm_embedding": False, "moe_freq": 0,
     "deepnorm": False, "multiway": False, "no_output_layer": False, "chunkwise_recurrent": False,
 }  # fmt: skip
-_OPTIONS = ("activation_fn", "no_scale_embedding", "share_decoder_input_output_embed", "layernorm_eps")
+_OPTIONS = (
+    "activation_fn",
+    "no_scale_embedding",
+    "share_decoder_input_output_embed",
+    "layernorm_eps",
+)
 # training switches, settings RetNetDecoder never reads, and MoE settings without MoE layers
 _NO_EFFECT = {
     "dropout", "drop_path_rate", "activation_dropout", "checkpoint_activations", "fsdp",
@@ -129,11 +134,16 @@ def model_config_for(shapes: dict, settings: dict):
         d_model=shapes["d_model"],
         n_layers=shapes["n_layers"],
         sequence_mixer="retnet",
-        sequence_mixer_kwargs={"num_heads": shapes["num_heads"], "value_dim": shapes["value_dim"],
-                               "group_norm_eps": eps},  # fmt: skip
+        sequence_mixer_kwargs={
+            "num_heads": shapes["num_heads"],
+            "value_dim": shapes["value_dim"],
+            "group_norm_eps": eps,
+        },  # fmt: skip
         state_mixer="gated_ffn",
-        state_mixer_kwargs={"hidden": shapes["ffn_dim"],
-                            "activation": ACTIVATIONS[settings["activation_fn"]]},  # fmt: skip
+        state_mixer_kwargs={
+            "hidden": shapes["ffn_dim"],
+            "activation": ACTIVATIONS[settings["activation_fn"]],
+        },  # fmt: skip
         l_max=2048,
         max_position_embeddings=0,
         layer_norm_epsilon=eps,

@@ -158,12 +158,12 @@ def _layer_mixer_specs(spec: Any, n_layers: int, source: str) -> list[tuple[Any,
     Hybrid's `configs[i % len(configs)]`."""
     if not is_hybrid(spec):
         return [(spec, "sequence_mixer")] * n_layers
-    kwargs = dict(spec.get("kwargs") or {}) if isinstance(spec, dict) else {}
-    configs = kwargs.pop("configs", None)
-    if not isinstance(configs, list) or not configs or kwargs:
+    given = dict(spec.get("kwargs") or {}) if isinstance(spec, dict) else {}
+    configs = given.get("configs")
+    if not isinstance(configs, list) or not configs or set(given) != {"configs"}:
         raise ArSliceError(
             f"{source}: a Hybrid sequence_mixer takes one kwarg, 'configs', a list of mixer "
-            f"configs (one per layer, cycled); found {sorted((spec.get('kwargs') or {}))}"
+            f"configs (one per layer, cycled); found {sorted(given)}"
         )
     return [
         (configs[i % len(configs)], f"sequence_mixer.configs[{i % len(configs)}]")
@@ -173,7 +173,9 @@ def _layer_mixer_specs(spec: Any, n_layers: int, source: str) -> list[tuple[Any,
 
 def unwrap_hybrid(state: dict) -> dict:
     """A Hybrid's keys `layers.N.sequence_mixer.mixer.*` as its mixer's own, `sequence_mixer.*`."""
-    return {re.sub(r"(\.layers\.\d+\.sequence_mixer)\.mixer\.", r"\1.", k): v for k, v in state.items()}
+    return {
+        re.sub(r"(\.layers\.\d+\.sequence_mixer)\.mixer\.", r"\1.", k): v for k, v in state.items()
+    }
 
 
 def state_layout(state: dict) -> dict[str, Any]:
@@ -219,7 +221,7 @@ def model_config_from_zoology(data: dict, source: str, layout: dict | None = Non
         raise ArSliceError(f"{source}: block_type {cfg['block_type']!r} is not supported")
     n_layers = int(cfg["n_layers"])
     per_layer, l_maxes = [], set()
-    for i, (spec, what) in enumerate(_layer_mixer_specs(cfg["sequence_mixer"], n_layers, source)):
+    for spec, what in _layer_mixer_specs(cfg["sequence_mixer"], n_layers, source):
         name, zoology_kwargs = _mixer_name(spec, SEQUENCE_MIXER_NAMES, what, source)
         given = zoology_kwargs.pop("l_max", None)
         if given:
@@ -304,7 +306,9 @@ def load_zoology(target: str | Path, model_config: str | Path | None = None):
             f"{' / '.join(CONFIG_NAMES)} beside it); save Zoology's ModelConfig there as JSON"
         )
     state = state_dict_from(obj, weights_file)
-    if is_hybrid((data.get("model") if isinstance(data.get("model"), dict) else data).get("sequence_mixer")):
+    if is_hybrid(
+        (data.get("model") if isinstance(data.get("model"), dict) else data).get("sequence_mixer")
+    ):
         state = unwrap_hybrid(state)
     layout = state_layout(state)
     config = model_config_from_zoology(data, source, layout)

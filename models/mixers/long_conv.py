@@ -34,7 +34,9 @@ class LongConv(Mixer):
 
 @dataclass
 class ImplicitLongConvOptions:
-    d_emb: int = 3  # positional features: time and (d_emb - 1) / 2 complex bands (Zoology's default)
+    d_emb: int = (
+        3  # positional features: time and (d_emb - 1) / 2 complex bands (Zoology's default)
+    )
     d_hidden: int = 16  # width of the filter MLP (Zoology's default)
 
     def __post_init__(self):

@@ -37,9 +37,13 @@ def test_a_registered_format_is_accepted_listed_and_loaded(monkeypatch):
 
     assert registry.parse_spec("toy:owner/name") == ("toy", "owner/name")
     assert registry.reads_hub_models("toy") and not registry.reads_hub_models("native")
-    with pytest.raises(ArSliceError, match="one of hf:, zoology:, safari:, based:, native:, h3:, retnet:, toy:"):
+    with pytest.raises(
+        ArSliceError, match="one of hf:, zoology:, safari:, based:, native:, h3:, retnet:, toy:"
+    ):
         registry.parse_spec("gguf:model.bin")
-    assert registry.spec_forms().endswith(", native:<dir>, h3:<hub id, file or dir>, retnet:<file or dir>, toy:<hub id or dir>")
+    assert registry.spec_forms().endswith(
+        ", native:<dir>, h3:<hub id, file or dir>, retnet:<file or dir>, toy:<hub id or dir>"
+    )
     with pytest.raises(ArSliceError, match="; hf:, native: and toy: directories carry"):
         load_model("toy:./weights", model_config="config.json")
     # a bare name is a hub id only for a format registered with bare_hub_ids (hf:)
@@ -59,7 +63,10 @@ def test_eval_help_lists_the_formats_as_registered():
     forms = "hf:<hub id or dir>, zoology:<file or dir>, safari:<hub id, file or dir>, "
     more = "native:<dir>, h3:<hub id, file or dir>, retnet:<file or dir>"
     assert f"--model MODEL model spec: {forms}based:<hub id or dir>, {more}" in text
-    assert "--model-config MODEL_CONFIG zoology:, safari:, based:, h3: or retnet: model config file" in text
+    assert (
+        "--model-config MODEL_CONFIG zoology:, safari:, based:, h3: or retnet: model config file"
+        in text
+    )
 
 
 def test_reading_a_spec_imports_neither_torch_nor_transformers():

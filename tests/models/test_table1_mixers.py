@@ -46,7 +46,9 @@ def h3_recurrent(mixer: H3, u: torch.Tensor) -> torch.Tensor:
         register = torch.cat([register.new_zeros(B, D, 1), register[..., :-1]], -1)
         register = register + shift_B * k[:, t, :, None]
         k_t = (register * shift_C).sum(-1) + mixer.ssm_k_D * k[:, t]  # (B, D)
-        kv = k_t.view(B, H, hd, 1).permute(0, 2, 3, 1) * v[:, t].view(B, H, 1, hd).permute(0, 2, 3, 1)
+        kv = k_t.view(B, H, hd, 1).permute(0, 2, 3, 1) * v[:, t].view(B, H, 1, hd).permute(
+            0, 2, 3, 1
+        )
         state = dA * state + dB * kv[..., None]  # (B, hd, hd, H, n)
         y = 2 * (C * state).sum(-1).real + mixer.D * kv  # (B, hd, hd, H)
         y = (y * q[:, t].view(B, H, hd, 1).permute(0, 2, 3, 1)).sum(1)  # (B, hd, H)
@@ -189,7 +191,10 @@ def test_h3_attention_heads_must_come_from_a_config(tmp_path):
     "change, message",
     [
         ({"ssm_cfg": {"mode": "nplr"}}, r"ssm_cfg.mode='nplr' is not implemented"),
-        ({"attn_cfg": {"num_heads": 2, "dwconv": True}}, r"attn_cfg.dwconv=True is not implemented"),
+        (
+            {"attn_cfg": {"num_heads": 2, "dwconv": True}},
+            r"attn_cfg.dwconv=True is not implemented",
+        ),
         ({"attn_layer_idx": [2]}, r"attn_layer_idx is \[2\] but the weights have \[1\]"),
         ({"ssm_cfg": {"d_state": 64}}, r"ssm_cfg.d_state is 64 but the weights have 16"),
         ({"n_layers": 3}, r"n_layers is not an option"),

@@ -298,6 +298,12 @@ def test_pile_configs_build_every_stage(name, reference):
         parse_spec(c.model)  # a known loader prefix
 
 
+def test_gpt2_config_evaluates_the_papers_h3_row_beside_attention_and_hyena():
+    evals = {n: c.model for n, c in shipped("pile-gpt2.toml").configs("eval").items()}
+    assert evals["h3-125m"] == "h3:danfu09/H3-125M" and evals["h3-355m"] == "h3:danfu09/H3-355M"
+    assert evals["gpt-neo-125m"].startswith("hf:") and evals["hyena-153m"].startswith("safari:")
+
+
 def test_hazy_config_evaluates_the_whole_suite():
     p = shipped("pile-hazy.toml")
     assert p.table("tokenizer")["pretrained"] == "gpt2"
