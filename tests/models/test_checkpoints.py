@@ -423,6 +423,6 @@ def test_safari_bad_inputs(tmp_path):
     ):
         load_model(f"safari:{tmp_path / 'bad.pt'}")
     with pytest.raises(
-        ArSliceError, match="applies to zoology:, safari: and based: checkpoints only"
+        ArSliceError, match="applies to zoology:, safari:, based:, h3: and retnet: checkpoints only"
     ):
         load_model(f"native:{tmp_path}", model_config=tmp_path / "x.yaml")

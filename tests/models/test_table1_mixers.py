@@ -300,3 +300,14 @@ def test_zoology_h3_kernel_args_are_checked(tmp_path):
     base["sequence_mixer"]["kwargs"]["kernel_args"] = {"measure": "diag-inv", "dt_min": 0.01}
     folder = copy_case("zoology-h3", tmp_path / "ok", config=base)
     load_model(f"zoology:{folder / 'model.pt'}")  # initialisation only: accepted
+
+
+@pytest.mark.parametrize("arch", NEW_MIXERS)
+def test_mqar_builds_the_new_mixers(arch):
+    """`arslice mqar --archs h3 ...`: Figure 2's two-block model of each, on an MQAR batch."""
+    from pipeline.mqar import MORE_ARCHITECTURES, MqarConfig, build_model, train_batch
+
+    assert arch in MORE_ARCHITECTURES
+    model = build_model(arch, d_model=32, seq_len=64, vocab_size=128)
+    inputs, _ = train_batch(MqarConfig(out="-", vocab_size=128, batch_tokens=128), 64, step=0)
+    assert model(torch.as_tensor(inputs)).shape == (*inputs.shape, 128)
