@@ -376,7 +376,8 @@ def test_unknown_stage_keys_name_the_table(tmp_path):
         Pipeline(cfg, load_pipeline_config(cfg)).configs("train")
     cfg.write_text('run_dir = "r"\n[eval.models.x]\ndevice = "cpu"\n')
     with pytest.raises(
-        BadInput, match=r"needs `model.*\(hf:\.\.\., zoology:\.\.\., .*native:\.\.\.(, [a-z0-9]+:\.\.\.)*\)"
+        BadInput,
+        match=r"needs `model.*\(hf:\.\.\., zoology:\.\.\., .*native:\.\.\.(, [a-z0-9]+:\.\.\.)*\)",
     ):
         Pipeline(cfg, load_pipeline_config(cfg)).configs("eval")
 
