@@ -149,6 +149,8 @@ def _mamba1_options(ssm: dict, source: str, chunk_size: int) -> dict:
 
 def _mamba2_options(ssm: dict, source: str) -> dict:
     """ssm_cfg of a Mamba2 layer -> models/mixers/mamba2.py's Mamba2Options."""
+    from models.mixers.mamba2 import LOADED_CHUNK_SIZE
+
     ssm = _known_keys(ssm, _MAMBA2_READ, _MAMBA2_NO_EFFECT, source, "ssm_cfg (Mamba2)")
     limit = ssm["dt_limit"]
     if not isinstance(limit, (list, tuple)) or len(limit) != 2:
@@ -160,7 +162,8 @@ def _mamba2_options(ssm: dict, source: str) -> dict:
         "ngroups": int(ssm["ngroups"]), "D_has_hdim": bool(ssm["D_has_hdim"]),
         "rmsnorm": bool(ssm["rmsnorm"]), "norm_before_gate": bool(ssm["norm_before_gate"]),
         "dt_limit": (float(limit[0]), float(limit[1])), "bias": bool(ssm["bias"]),
-        "conv_bias": bool(ssm["conv_bias"]), "chunk_size": int(ssm["chunk_size"]),
+        # the scan's chunk changes nothing but rounding (models/mixers/mamba2.py)
+        "conv_bias": bool(ssm["conv_bias"]), "chunk_size": LOADED_CHUNK_SIZE,
     }  # fmt: skip
 
 
@@ -244,7 +247,8 @@ def load_mamba_ssm(
     tied = ("lm_head.weight",) if cfg.tie_embeddings else ()
     source = f"{spec} ({Path(path).name})"
     if as_transformers and isinstance(cfg, MixerModelConfig):
-        return _transformers_mamba2(cfg, state, source, tied)
+        chunk = int((raw.get("ssm_cfg") or {}).get("chunk_size", _MAMBA2_READ["chunk_size"]))
+        return _transformers_mamba2(cfg, state, source, tied, chunk)
     if as_transformers:
         return _transformers_mamba(cfg, state, source, tied)
     model = MixerLM(cfg) if isinstance(cfg, MixerModelConfig) else MambaLM(cfg)
@@ -294,7 +298,7 @@ def _transformers_mamba(cfg, state: dict, source: str, tied):
     return model.eval()
 
 
-def _transformers_mamba2(cfg, state: dict, source: str, tied):
+def _transformers_mamba2(cfg, state: dict, source: str, tied, chunk_size: int):
     """transformers' `Mamba2ForCausalLM` holding a mamba_ssm Mamba-2 checkpoint: only the
     settings transformers' Mamba-2 has (no attention, no MLP, RMSNorm, the gated norm after
     the gate, D per head, d_ssm = d_inner)."""
@@ -321,7 +325,7 @@ def _transformers_mamba2(cfg, state: dict, source: str, tied):
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layer,
         state_size=ssm["d_state"], num_heads=d_inner // ssm["headdim"], head_dim=ssm["headdim"],
         n_groups=ssm["ngroups"], expand=ssm["expand"], conv_kernel=ssm["d_conv"],
-        use_bias=ssm["bias"], use_conv_bias=ssm["conv_bias"], chunk_size=ssm["chunk_size"],
+        use_bias=ssm["bias"], use_conv_bias=ssm["conv_bias"], chunk_size=chunk_size,
         time_step_limit=tuple(ssm["dt_limit"]), layer_norm_epsilon=cfg.norm_epsilon,
         residual_in_fp32=cfg.residual_in_fp32, tie_word_embeddings=cfg.tie_embeddings,
     )  # fmt: skip
@@ -340,6 +344,7 @@ def mamba2_from_transformers(hf_model, chunk_size: int | None = None):
     (its gated norm's epsilon is its layer_norm_epsilon, normalised after the gate)."""
     from models.checkpoints.io import load_state_dict_checked
     from models.mixer_model import MixerLM, MixerModelConfig
+    from models.mixers.mamba2 import LOADED_CHUNK_SIZE
 
     config = hf_model.config
     source = f"transformers {type(hf_model).__name__}"
@@ -353,7 +358,7 @@ def mamba2_from_transformers(hf_model, chunk_size: int | None = None):
     ssm = {
         "d_state": config.state_size, "d_conv": config.conv_kernel, "expand": config.expand,
         "headdim": config.head_dim, "ngroups": config.n_groups, "bias": config.use_bias,
-        "conv_bias": config.use_conv_bias, "chunk_size": chunk_size or config.chunk_size,
+        "conv_bias": config.use_conv_bias, "chunk_size": chunk_size or LOADED_CHUNK_SIZE,
         "dt_limit": tuple(float(v) for v in config.time_step_limit),
         "norm_eps": config.layer_norm_epsilon, "norm_before_gate": False,
     }  # fmt: skip
