@@ -39,6 +39,7 @@ SEQUENCE_MIXERS: dict[str, tuple[str, str]] = {
     "based_conv": ("models.mixers.base_conv", "GatedConv"),
     "linear_attention": ("models.mixers.linear_attention", "LinearAttention"),
     "sliding_attention": ("models.mixers.sliding_attention", "SlidingWindowAttention"),
+    "prefix_linear_attention": ("models.mixers.prefix_linear_attention", "PrefixLinearAttention"),
 }
 # "rwkv" as a state mixer is RWKV-4's channel mixing; "base_conv" is a second BaseConv, as the
 # Zoology of 2023-10-28 .. 2023-11-20 built every block's state mixer from the sequence mixer's config
