@@ -565,31 +565,6 @@ def architecture_of(config: Any) -> str:
     return "attention" if describe(config) == "attention" else "based"
 
 
-def with_prefix_scoring(loaded: LoadedModel) -> LoadedModel:
-    """A JRT model scores each position from its own context alone (models/mixers/
-    prefix_linear_attention.py, `prefix_causal_hidden`): its encoder would otherwise show the
-    positions inside the prefix their own next tokens. Recorded in the loader's settings."""
-    from models.mixers.prefix_linear_attention import prefix_causal_hidden, prefix_enc_length
-
-    model = loaded.model
-    enc = prefix_enc_length(model)
-    log.warning(
-        "%s: JRT-RNN reads its first %d tokens non-causally; each of the first %d positions of a "
-        "window is scored from a pass over its own context (about %dx the work of one window)",
-        loaded.spec, enc, enc - 1, max(1, (enc - 1) // 2),
-    )  # fmt: skip
-
-    def hidden_and_head(input_ids):
-        return prefix_causal_hidden(model, input_ids), model.lm_head.weight, None
-
-    loaded._hidden_and_head = hidden_and_head
-    loaded.settings = {
-        **loaded.settings,
-        "prefix_scoring": f"positions < {enc - 1} scored from their own context (enc_length {enc})",
-    }
-    return loaded
-
-
 @register_loader("based", order=4, hub=True, model_config=True)
 def load_spec(request: LoadRequest) -> LoadedModel:
     from models.checkpoints.mamba_ssm import is_mamba_ssm_config, read_config_json
@@ -601,6 +576,6 @@ def load_spec(request: LoadRequest) -> LoadedModel:
     model, tokenizer_dir = load_based(
         request.target, request.spec, request.model_config, request.commit
     )
-    architecture = architecture_of(model.config)
-    loaded = loaded_language_model(model, request, tokenizer_dir, architecture=architecture)
-    return with_prefix_scoring(loaded) if architecture == "jrt" else loaded
+    return loaded_language_model(
+        model, request, tokenizer_dir, architecture=architecture_of(model.config)
+    )

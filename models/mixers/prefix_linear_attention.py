@@ -136,3 +136,23 @@ def prefix_causal_hidden(model: nn.Module, input_ids: torch.Tensor) -> torch.Ten
                 rerun = model.backbone(prefix.expand(len(ts), n))  # (rows, n, D)
             hidden[b, ts] = rerun[torch.arange(len(ts)), ts]
     return hidden
+
+
+def prefix_scoring(model: nn.Module, spec: str):
+    """(hidden_and_head, loader settings) scoring every position of a model with prefix linear
+    attention from its own context (`prefix_causal_hidden`), or None for a model without it. Its
+    encoder would otherwise show the positions inside the prefix their own next tokens."""
+    enc = prefix_enc_length(model)
+    if not enc:
+        return None
+    log.warning(
+        "%s: JRT-RNN reads its first %d tokens non-causally; each of the first %d positions of a "
+        "window is scored from a pass over its own context (about %dx the work of one window)",
+        spec, enc, enc - 1, max(1, (enc - 1) // 2),
+    )  # fmt: skip
+
+    def hidden_and_head(input_ids):
+        return prefix_causal_hidden(model, input_ids), model.lm_head.weight, None
+
+    note = f"positions < {enc - 1} scored from their own context (enc_length {enc})"
+    return hidden_and_head, {"prefix_scoring": note}

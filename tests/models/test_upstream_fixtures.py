@@ -51,7 +51,9 @@ def test_every_family_and_layout_has_a_fixture():
     for prefix in ("zoology-", "safari-", "hf-"):
         assert any(c.startswith(prefix) for c in CASES)
     total = sum(f.stat().st_size for f in UPSTREAM.rglob("*") if f.is_file())
-    assert total < 3 * 2**20
+    # small enough to ship: tiny widths; the largest are the windows of 2048 predictions
+    # (Mamba-2) and upstream GatedMlp's 256-wide MLPs (Based, JRT)
+    assert total < 4 * 2**20
 
 
 @pytest.mark.parametrize("case", CASES)
