@@ -109,7 +109,9 @@ def bench(hf, fast, batch: int, seq: int, repeats: int) -> dict:
         )
         s = scan_inputs(hf, inputs)
         scan_diff = (transformers_scan(s) - chunked_scan(s)).abs().max().item()
-        ts = best_times({"hf": lambda: transformers_scan(s), "ours": lambda: chunked_scan(s)}, repeats)
+        ts = best_times(
+            {"hf": lambda: transformers_scan(s), "ours": lambda: chunked_scan(s)}, repeats
+        )
     return {
         "batch": batch, "model_hf_s": t["hf"], "model_ours_s": t["ours"],
         "model_speedup": t["hf"] / t["ours"], "max_dnll": dnll.max().item(),

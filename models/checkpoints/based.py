@@ -284,7 +284,9 @@ def prefix_mixer(spec: dict, target: str, cfg: dict, source: str) -> tuple[str, 
     _check_kwargs(kwargs, known, source, target)
     num_heads = int(kwargs.get("num_heads", cfg["n_head"]))
     if int(kwargs.get("num_key_value_heads", num_heads)) != num_heads:
-        raise ArSliceError(f"{source}: {target} with num_key_value_heads != num_heads is not implemented")
+        raise ArSliceError(
+            f"{source}: {target} with num_key_value_heads != num_heads is not implemented"
+        )
     enc_length = kwargs.get("enc_length", cfg.get("enc_length"))
     if not isinstance(enc_length, int) or enc_length < 1:
         raise ArSliceError(f"{source}: {target} needs a positive enc_length (got {enc_length!r})")

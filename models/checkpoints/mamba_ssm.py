@@ -99,7 +99,9 @@ def read_mamba_ssm_config(raw: dict, source: str, chunk_size: int = 16):
     if not isinstance(attn_layers, list) or any(
         not isinstance(i, int) or not 0 <= i < n_layer for i in attn_layers
     ):
-        raise ArSliceError(f"{source}: attn_layer_idx {attn_layers!r} must list layers 0..{n_layer - 1}")
+        raise ArSliceError(
+            f"{source}: attn_layer_idx {attn_layers!r} must list layers 0..{n_layer - 1}"
+        )
     if layer == "Mamba1":
         ssm = _mamba1_options(ssm, source, chunk_size)
         if not attn_layers and not cfg["d_intermediate"]:

@@ -149,7 +149,7 @@ class Mamba2Options:
     d_conv: int = 4  # width of the depthwise causal convolution on xBC
     expand: int = 2  # d_inner = expand * d_model
     headdim: int = 64  # P, channels per head
-    d_ssm: int | None = None  # channels the SSM runs on; None: all of d_inner (the rest: a gated MLP)
+    d_ssm: int | None = None  # channels of the SSM; None: all d_inner (the rest: a gated MLP)
     ngroups: int = 1  # groups of heads sharing B and C (like grouped-query attention)
     D_has_hdim: bool = False  # D per channel (d_ssm,) instead of per head
     rmsnorm: bool = True  # the gated RMSNorm before out_proj; False gates y by silu(z) instead

@@ -47,7 +47,9 @@ class MambaMHA(Mixer):
                 f"num_heads {self.num_heads} is not a multiple of num_heads_kv {self.num_heads_kv}"
             )
         if opts.head_dim is None and self.d_model % self.num_heads:
-            raise ValueError(f"d_model {self.d_model} is not divisible by num_heads {opts.num_heads}")
+            raise ValueError(
+                f"d_model {self.d_model} is not divisible by num_heads {opts.num_heads}"
+            )
         self.head_dim = opts.head_dim or self.d_model // self.num_heads
         self.mlp_dim = math.ceil(opts.mlp_dim / 256) * 256
         self.causal, self.softmax_scale, self.d_conv = opts.causal, opts.softmax_scale, opts.d_conv

@@ -113,7 +113,9 @@ def encoder_lengths_of(model: nn.Module, lengths: torch.Tensor | None):
 
 def prefix_enc_length(model: nn.Module) -> int:
     """The longest encoder of the model's prefix linear attention layers (0: none)."""
-    return max((m.enc_length for m in model.modules() if isinstance(m, PrefixLinearAttention)), default=0)
+    return max(
+        (m.enc_length for m in model.modules() if isinstance(m, PrefixLinearAttention)), default=0
+    )
 
 
 def prefix_causal_hidden(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:

@@ -104,10 +104,19 @@ def edited(tmp_path, edit) -> str:
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda c: c["alt_mixer"].update(implementation="tk"), r"implementation='tk' is not implemented"),
-        (lambda c: c["alt_mixer"].update(num_key_value_heads=1), "num_key_value_heads != num_heads"),
+        (
+            lambda c: c["alt_mixer"].update(implementation="tk"),
+            r"implementation='tk' is not implemented",
+        ),
+        (
+            lambda c: c["alt_mixer"].update(num_key_value_heads=1),
+            "num_key_value_heads != num_heads",
+        ),
         (lambda c: c["alt_mixer"].update(feature_name="performer"), "feature_name='performer'"),
-        (lambda c: (c["alt_mixer"].pop("enc_length"), c.pop("enc_length")), "needs a positive enc_length"),
+        (
+            lambda c: (c["alt_mixer"].pop("enc_length"), c.pop("enc_length")),
+            "needs a positive enc_length",
+        ),
         (lambda c: c["alt_mixer"].update(chunk=4), "option 'chunk' is not one this loader knows"),
     ],
 )
@@ -120,7 +129,9 @@ def test_what_is_not_implemented_is_refused_by_name(tmp_path, edit, message):
 def test_fla_parallel_is_read_as_the_same_function(tmp_path):
     """The published JRT configs run prefix-linear-attention's FLA kernel (2024 API): the
     function of the "default" implementation the fixtures ran."""
-    loaded = load_model(edited(tmp_path, lambda c: c["alt_mixer"].update(implementation="fla_parallel")))
+    loaded = load_model(
+        edited(tmp_path, lambda c: c["alt_mixer"].update(implementation="fla_parallel"))
+    )
     want = expected("jrt")
     for seq, nll in zip(want["sequences"], want["nll"]):
         assert (nll_of(loaded, seq) - torch.tensor(nll)).abs().max() <= 1e-4

@@ -228,9 +228,13 @@ def test_options_not_implemented_are_refused_by_name(tmp_path, case, edit, named
 
 def test_bad_layer_lists_and_missing_heads_are_one_line_errors(tmp_path):
     with pytest.raises(ArSliceError, match=r"attn_layer_idx \[1, 9\] must list layers 0..3"):
-        load_model(edited(tmp_path / "a", "ssm-mamba2attn", lambda c: c.update(attn_layer_idx=[1, 9])))
+        load_model(
+            edited(tmp_path / "a", "ssm-mamba2attn", lambda c: c.update(attn_layer_idx=[1, 9]))
+        )
     with pytest.raises(ArSliceError, match="attn_cfg needs num_heads"):
-        load_model(edited(tmp_path / "b", "ssm-mamba2attn", lambda c: c["attn_cfg"].pop("num_heads")))
+        load_model(
+            edited(tmp_path / "b", "ssm-mamba2attn", lambda c: c["attn_cfg"].pop("num_heads"))
+        )
 
 
 def test_hybrids_have_no_transformers_forward():
