@@ -166,3 +166,28 @@ def test_published_jrt_configs_read_their_layers():
         with torch.device("meta"):
             mixer = PrefixLinearAttention(d, enc_length=1024, feature_dim=16, num_heads=16)
         assert mixer.head_dim == d // 16
+
+
+def test_based_360m_30b_is_refused_by_name():
+    """The suite's 360M Based (prefix-linear-attention's baselines/based-360m-30b.yaml) names a
+    `base_conv.BaseConv` taking `kernel_sizes` and a `linear_attn.LinearAttention` with an
+    input-dependent fixed decay, from a based commit never published: each refused by name."""
+    from models.checkpoints.based import model_config_from_based
+
+    raw = {
+        **json.loads((FIXTURES / "jrt" / "config.json").read_text()),
+        "fixed_decay": True, "decay_const": -3, "decay_denom": False,
+        "mixer": {"_target_": "based.models.mixers.base_conv.BaseConv", "l_max": 2048,
+                  "use_bias": True, "expand_proj": 4, "kernel_sizes": [3]},
+        "alt_mixer": {"_target_": "based.models.mixers.linear_attn.LinearAttention",
+                      "l_max": 2048, "feature_dim": 16, "feature_name": "taylor_exp",
+                      "num_heads": 16, "num_key_value_heads": 16, "use_rotary_apply": False,
+                      "use_act": False, "train_view": "quadratic", "use_decay_proj": True},
+    }  # fmt: skip
+    state = {"transformer.layers.0.mlp.fc2.weight": torch.empty(16, 32)}
+    with pytest.raises(ArSliceError, match="'kernel_sizes' is not one this loader knows"):
+        model_config_from_based(raw, state, "based-360M-30B")
+    raw["mixer"] = {**raw["mixer"], "kernel_size": 3}
+    del raw["mixer"]["kernel_sizes"]
+    with pytest.raises(ArSliceError, match=r"use_decay_proj=True is not implemented"):
+        model_config_from_based(raw, state, "based-360M-30B")
