@@ -124,21 +124,21 @@ def ssd_chunked(
         # diagonal block: (C_l . B_s) exp(cs_l - cs_s) for s <= l, times Δ_s x_s
         seg = cs[..., :, None] - cs[..., None, :]  # (b, H, q, q)
         causal = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()
-        L = torch.exp(seg.masked_fill(~causal, -math.inf)).to(dtype)  # (b, H, q, q)
+        L = torch.exp(seg.masked_fill(~causal, -math.inf).to(dtype))  # (b, H, q, q)
         CB = Cg[:, :, t0:t1] @ Bg[:, :, t0:t1].transpose(-1, -2)  # (b, G, q, q)
         M = (L.view(b, G, R, q, q) * CB[:, :, None]).view(b, H, q, q)
         yc = M @ xdt[:, :, t0:t1]  # (b, H, q, P)
-        # the entering state reaches token l decayed by exp(cs_l): (b, G, R*?, ...) per group
-        Cs = Cg[:, :, None, t0:t1] @ state.view(b, G, R, P, N).transpose(-1, -2)  # (b,G,R,q,P)
-        yc = yc + Cs.view(b, H, q, P) * torch.exp(cs).to(dtype)[..., None]
+        # the entering state reaches token l decayed by exp(cs_l), read by C_l of its group
+        Cs = Cg[:, :, None, t0:t1] @ state.reshape(b, G, R, P, N).transpose(-1, -2)  # (b,G,R,q,P)
+        yc = yc + Cs.reshape(b, H, q, P) * torch.exp(cs.to(dtype))[..., None]
         y[:, :, t0:t1] = yc
         # the state leaving the chunk: the entering one decayed over the whole chunk, plus
         # sum_s exp(cs_end - cs_s) Δ_s x_s B_s^T
-        to_end = torch.exp(cs[..., -1:] - cs).to(dtype)  # (b, H, q)
+        to_end = torch.exp((cs[..., -1:] - cs).to(dtype))  # (b, H, q)
         xs = (xdt[:, :, t0:t1] * to_end[..., None]).transpose(-1, -2)  # (b, H, P, q)
         added = xs.view(b, G, R, P, q) @ Bg[:, :, None, t0:t1]  # (b, G, R, P, N)
-        decay = torch.exp(cs[..., -1]).to(dtype)[..., None, None]  # (b, H, 1, 1)
-        state = decay * state + added.view(b, H, P, N)
+        decay = torch.exp(cs[..., -1].to(dtype))[..., None, None]  # (b, H, 1, 1)
+        state = decay * state + added.reshape(b, H, P, N)
     y = _skip_and_gate(y.transpose(1, 2), x, D, z)  # (b, T, H, P)
     return (y, state) if return_final_state else y
 
