@@ -1,7 +1,7 @@
 """JRT-RNN through `based:` against HazyResearch/prefix-linear-attention itself (golden fixtures
 made by tests/fixtures/upstream/make_jrt_fixtures.py): every token's loss given its own context
 as upstream computes it, the one-pass forward as upstream's, what the encoder would leak, the
-refusals, and the published JRT configs."""
+refusals (the published configs: test_hazy_suites.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from ar_slicing.errors import ArSliceError
 from models import load_model
-from models.mixers.prefix_linear_attention import PrefixLinearAttention, prefix_causal_hidden
+from models.mixers.prefix_linear_attention import prefix_causal_hidden
 from models.nll import per_token_nll
 from tests import UPSTREAM
 
@@ -135,37 +135,6 @@ def test_fla_parallel_is_read_as_the_same_function(tmp_path):
     want = expected("jrt")
     for seq, nll in zip(want["sequences"], want["nll"]):
         assert (nll_of(loaded, seq) - torch.tensor(nll)).abs().max() <= 1e-4
-
-
-def test_published_jrt_configs_read_their_layers():
-    """JRT-360M-30B and JRT-1B-50B as prefix-linear-attention's configs build them (the
-    train/configs/experiment/baselines/jrt-*.yaml model configs, flattened as config.json)."""
-    from models.checkpoints.based import model_config_from_based
-
-    layers = {
-        "jrt-360m-30b": (1024, 26, [1, 6, 11, 16, 21], [2, 7, 12, 17, 22]),
-        "jrt-1b-50b": (1792, 36, [1, 6, 11, 16, 21, 27, 33], [2, 7, 12, 17, 22, 28, 34]),
-    }
-    for name, (d, n, alt, alt2) in layers.items():
-        raw = {
-            **{k: v for k, v in json.loads((FIXTURES / "jrt" / "config.json").read_text()).items()},
-            "n_embd": d, "n_layer": n, "n_head": 16, "vocab_size": 50277, "enc_length": 1024,
-            "dec_length": 1024, "alt_mixer_layers": alt, "alt_mixer_2_layers": alt2,
-            "fused_dropout_add_ln": True,
-        }  # fmt: skip
-        raw["alt_mixer"] = {**raw["alt_mixer"], "feature_dim": 16, "num_heads": 16,
-                            "num_key_value_heads": 16, "enc_length": 1024, "dec_length": 1024,
-                            "implementation": "fla_parallel"}  # fmt: skip
-        raw["alt_mixer_2"] = {**raw["alt_mixer_2"], "window_size": 256, "num_heads": 16}
-        state = {"transformer.layers.0.mlp.fc2.weight": torch.empty(d, 2 * d)}
-        config, _ = model_config_from_based(raw, state, name)
-        names = [config.mixer_of_layer(i)[0] for i in range(n)]
-        assert [i for i, m in enumerate(names) if m == "prefix_linear_attention"] == alt, name
-        assert [i for i, m in enumerate(names) if m == "sliding_attention"] == alt2, name
-        assert config.mixer_of_layer(alt[0])[1]["enc_length"] == 1024
-        with torch.device("meta"):
-            mixer = PrefixLinearAttention(d, enc_length=1024, feature_dim=16, num_heads=16)
-        assert mixer.head_dim == d // 16
 
 
 def test_based_360m_30b_is_refused_by_name():
