@@ -43,6 +43,7 @@ SEQUENCE_MIXERS: dict[str, tuple[str, str]] = {
     "long_conv": ("models.mixers.long_conv", "LongConv"),
     "implicit_long_conv": ("models.mixers.long_conv", "ImplicitLongConv"),
     "retnet": ("models.mixers.retnet", "MultiScaleRetention"),
+    "prefix_linear_attention": ("models.mixers.prefix_linear_attention", "PrefixLinearAttention"),
 }
 # "rwkv" as a state mixer is RWKV-4's channel mixing; "base_conv" is a second BaseConv, as the
 # Zoology of 2023-10-28 .. 2023-11-20 built every block's state mixer from the sequence mixer's config

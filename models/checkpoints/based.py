@@ -13,6 +13,8 @@ and for Based the Hydra specs `mixer` (every layer), `alt_mixer` (layers `alt_mi
     based/models/mixers/linear_attn.py    LinearAttention   ditto
     based/models/mixers/slide_attention.py SlidingAttention -> models/mixers/sliding_attention.py
     based/models/mixers/slide_fa2.py      SlidingsMHA       ditto
+    based/models/mixers/prefix_linear_attention.py PrefixLinearAttention (JRT-RNN,
+        HazyResearch/prefix-linear-attention) -> models/mixers/prefix_linear_attention.py
 
 Upstream keys `transformer.{embeddings,layers.N.{mixer,mlp,norm1,norm2},ln_f}` become
 `backbone.{embeddings,layers.N.{sequence_mixer,state_mixer,norm1,norm2},ln_f}`. As upstream's
@@ -47,6 +49,8 @@ WEIGHT_NAMES = ("pytorch_model.bin", "model.safetensors")
 CONV_TARGETS = ("convolution.BaseConv", "base_conv.BaseConv", "base_conv.BaseConvWithSiLU4")
 LINEAR_TARGETS = ("linear_attention.LinearAttention", "linear_attn.LinearAttention")
 SLIDING_TARGETS = ("slide_attention.SlidingAttention", "slide_fa2.SlidingsMHA")
+# JRT-RNN (HazyResearch/prefix-linear-attention): the same GPT with an encoder-decoder mixer
+PREFIX_TARGETS = ("prefix_linear_attention.PrefixLinearAttention",)
 
 # GPT2Config defaults (transformers) for the keys a published config may omit
 GPT2_DEFAULTS = {
@@ -252,6 +256,8 @@ def sliding_mixer(spec: dict, target: str, cfg: dict, source: str) -> tuple[str,
     )  # fmt: skip
     known |= {"window_size": None, "causal": (True,), "cross_attn": (False,)}
     known |= {"return_residual": (False,), "dwconv": (False,)}
+    # prefix-linear-attention's copy: masks keys only when a padding mask is passed, never here
+    known |= {"use_mask": None}
     _check_kwargs(kwargs, known, source, target)
     window_size = kwargs.get("window_size", 128)
     if window_size is None:
@@ -262,6 +268,38 @@ def sliding_mixer(spec: dict, target: str, cfg: dict, source: str) -> tuple[str,
         {**attention_kwargs(cfg, source), "window": int(window_size) // 2},
         False,
     )
+
+
+def prefix_mixer(spec: dict, target: str, cfg: dict, source: str) -> tuple[str, dict, bool]:
+    """(mixer name, kwargs, False) for JRT's PrefixLinearAttention. Its "default" and
+    "fla_parallel" implementations compute the same function (fla_parallel's `parallel_based(q, k,
+    v, use_scale=True, ...)` exists in the 2024 API only, whose scale is TaylorExp's); `use_mask`
+    acts only on a padding mask, which scoring never passes; `dec_length` is not read."""
+    kwargs = {k: v for k, v in spec.items() if k != "_target_"}
+    known = {
+        "l_max": None, "feature_dim": None, "num_heads": None, "num_key_value_heads": None,
+        "feature_name": ("taylor_exp",), "eps": None, "scale_dim": None, "enc_length": None,
+        "dec_length": None, "implementation": ("default", "fla_parallel"), "use_mask": None,
+    }  # fmt: skip
+    _check_kwargs(kwargs, known, source, target)
+    num_heads = int(kwargs.get("num_heads", cfg["n_head"]))
+    if int(kwargs.get("num_key_value_heads", num_heads)) != num_heads:
+        raise ArSliceError(
+            f"{source}: {target} with num_key_value_heads != num_heads is not implemented"
+        )
+    enc_length = kwargs.get("enc_length", cfg.get("enc_length"))
+    if not isinstance(enc_length, int) or enc_length < 1:
+        raise ArSliceError(f"{source}: {target} needs a positive enc_length (got {enc_length!r})")
+    scale_dim = kwargs.get("scale_dim")
+    return (
+        "prefix_linear_attention",
+        {
+            "enc_length": enc_length, "feature_dim": int(kwargs.get("feature_dim", 16)),
+            "num_heads": num_heads, "eps": float(kwargs.get("eps", 1e-12)),
+            "scale_dim": None if scale_dim is None else int(scale_dim),
+        },
+        False,
+    )  # fmt: skip
 
 
 def mixer_for(spec, cfg: dict, source: str, where: str) -> tuple[str, dict, bool]:
@@ -275,9 +313,12 @@ def mixer_for(spec, cfg: dict, source: str, where: str) -> tuple[str, dict, bool
         return linear_mixer(spec, target, cfg, source)
     if target in SLIDING_TARGETS:
         return sliding_mixer(spec, target, cfg, source)
+    if target in PREFIX_TARGETS:
+        return prefix_mixer(spec, target, cfg, source)
+    implemented = CONV_TARGETS + LINEAR_TARGETS + SLIDING_TARGETS + PREFIX_TARGETS
     raise ArSliceError(
         f"{source}: {where} {spec['_target_']!r} is not implemented; implemented: "
-        f"{', '.join(CONV_TARGETS + LINEAR_TARGETS + SLIDING_TARGETS)} (and no spec: attention)"
+        f"{', '.join(implemented)} (and no spec: attention)"
     )
 
 
@@ -519,7 +560,10 @@ def describe(config) -> str:
 
 
 def architecture_of(config: Any) -> str:
-    """The architecture a based: model records: "attention" for Transformer++, else "based"."""
+    """The architecture a based: model records: "attention" for Transformer++, "jrt" for JRT-RNN
+    (prefix linear attention), else "based"."""
+    if any(m["name"] == "prefix_linear_attention" for m in config.layer_mixers):
+        return "jrt"
     return "attention" if describe(config) == "attention" else "based"
 
 

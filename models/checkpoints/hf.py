@@ -1,13 +1,14 @@
 """`hf:<hub id or directory>`: transformers `AutoModelForCausalLM` checkpoints (Pythia/GPT-NeoX,
-GPT-2, GPT-Neo, Llama family, RWKV, Mamba, Mamba-2), and Mamba-1 in mamba_ssm's own layout
-(`state-spaces/mamba-*`, `hazyresearch/mamba-1.3b`: a config.json with `d_model` and `n_layer`),
-recognised by its config (models/checkpoints/mamba_ssm.py).
+GPT-2, GPT-Neo, Llama family, RWKV, Mamba, Mamba-2), and mamba_ssm's own layout
+(`state-spaces/mamba-*`, `mamba2-*`, `mamba2attn-2.7b`, `transformerpp-2.7b`,
+`hazyresearch/mamba-1.3b`: a config.json with `d_model` and `n_layer`), recognised by its config
+(models/checkpoints/mamba_ssm.py).
 
-RWKV-4 and Mamba-1 run through this project's chunked forwards unless `fast_path=False`: RWKV-4
-as models/mixers/rwkv.py's `FastRwkv` (filled by hf_rwkv.py; its exact fp32 WKV computes what
-transformers' own CPU loop computes), Mamba-1 as models/mixers/mamba.py's `MambaLM` (filled by
-mamba_ssm.py). A hub id may be bare (`hf:gpt2`) and takes a revision
-(`hf:EleutherAI/pythia-160m@step3000`).
+RWKV-4, Mamba-1 and Mamba-2 run through this project's chunked forwards unless `fast_path=False`:
+RWKV-4 as models/mixers/rwkv.py's `FastRwkv` (filled by hf_rwkv.py; its exact fp32 WKV computes
+what transformers' own CPU loop computes), Mamba-1 as models/mixers/mamba.py's `MambaLM` and
+Mamba-2 as models/mixer_model.py's `MixerLM` (both filled by mamba_ssm.py). A hub id may be bare
+(`hf:gpt2`) and takes a revision (`hf:EleutherAI/pythia-160m@step3000`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ def _fast_forward(model, architecture: str):
         from models.checkpoints.mamba_ssm import mamba_from_transformers
 
         return mamba_from_transformers(model)
+    if architecture == "mamba2":
+        from models.checkpoints.mamba_ssm import mamba2_from_transformers
+
+        return mamba2_from_transformers(model)
     return model
 
 
@@ -47,7 +52,13 @@ def _fast_forward(model, architecture: str):
 def load_spec(request: LoadRequest) -> LoadedModel:
     """The model of a local directory, or of a hub id read at the commit load_model resolved."""
     from models.checkpoints.based import is_based_config
-    from models.checkpoints.mamba_ssm import is_mamba_ssm_config, load_mamba_ssm, read_config_json
+    from models.checkpoints.mamba_ssm import (
+        architecture_of,
+        is_mamba_ssm_config,
+        load_mamba_ssm,
+        read_config_json,
+        read_mamba_ssm_config,
+    )
 
     spec, target, commit, dtype = request.spec, request.target, request.commit, request.dtype
     path = Path(target).expanduser()
@@ -67,7 +78,7 @@ def load_spec(request: LoadRequest) -> LoadedModel:
         model = load_mamba_ssm(
             target, raw, spec, looks_local, as_transformers=not request.fast_path, revision=commit
         )
-        architecture = "mamba"
+        architecture = architecture_of(read_mamba_ssm_config(raw, spec))
         if dtype is not None:
             model = model.to(dtype=dtype)
     elif is_based_config(raw):

@@ -47,6 +47,24 @@ _SSM_READ = {"d_state": 16, "d_conv": 4, "expand": 2, "dt_rank": "auto", "conv_b
              "bias": False}  # fmt: skip
 # ...and those that only initialise weights or choose a kernel: the same function either way
 _SSM_NO_EFFECT = {"dt_min", "dt_max", "dt_init", "dt_scale", "dt_init_floor", "use_fast_path"}
+# `Mamba2(...)` keyword arguments (mamba_ssm/modules/mamba2.py) that we read, with its defaults
+_MAMBA2_READ = {
+    "d_state": 128, "d_conv": 4, "expand": 2, "headdim": 64, "d_ssm": None, "ngroups": 1,
+    "D_has_hdim": False, "rmsnorm": True, "norm_before_gate": False,
+    "dt_limit": (0.0, float("inf")), "bias": False, "conv_bias": True, "chunk_size": 256,
+}  # fmt: skip
+# ...initialisation ranges, the fused-kernel switch and tensor-parallel settings: no effect here
+_MAMBA2_NO_EFFECT = {
+    "conv_init", "A_init_range", "dt_min", "dt_max", "dt_init_floor", "use_mem_eff_path",
+    "sequence_parallel",
+}  # fmt: skip
+# `MHA(...)` keyword arguments (mamba_ssm/modules/mha.py) that we read, with its defaults
+_MHA_READ = {
+    "num_heads": None, "num_heads_kv": None, "head_dim": None, "mlp_dim": 0,
+    "qkv_proj_bias": True, "out_proj_bias": True, "softmax_scale": None, "causal": False,
+    "d_conv": 0, "rotary_emb_dim": 0, "rotary_emb_base": 10000.0, "rotary_emb_interleaved": False,
+}  # fmt: skip
+_MHA_NO_EFFECT: set[str] = set()
 # torchmetrics states a Lightning checkpoint keeps next to the model (HazyResearch's training code)
 _METRIC_KEYS = re.compile(r"^(train|val|test)_metrics\.")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -58,11 +76,9 @@ def is_mamba_ssm_config(raw) -> bool:
 
 
 def read_mamba_ssm_config(raw: dict, source: str, chunk_size: int = 16):
-    """mamba_ssm's config dict -> `MambaLMConfig`; refuses what `MambaLM` does not implement."""
+    """mamba_ssm's config dict -> `MambaLMConfig` (Mamba-1 alone) or `MixerModelConfig` (Mamba-2,
+    attention layers, a gated MLP); refuses what neither implements, by name."""
     from models.mixers.mamba import MambaLMConfig
-
-    def refuse(what: str) -> ArSliceError:
-        return ArSliceError(f"{source}: {what} is not implemented by this project's Mamba")
 
     unknown = sorted(
         k for k in raw
@@ -70,34 +86,112 @@ def read_mamba_ssm_config(raw: dict, source: str, chunk_size: int = 16):
         and not k.startswith("_")
     )  # fmt: skip
     if unknown:
-        raise refuse(f"config key(s) {', '.join(unknown)}")
+        raise _refuse(source, f"config key(s) {', '.join(unknown)}")
     cfg = {**_MAMBA_SSM_DEFAULTS, **raw}
-    if cfg["d_intermediate"]:
-        raise refuse(f"d_intermediate = {cfg['d_intermediate']} (a GatedMLP after every mixer)")
-    if cfg["attn_layer_idx"]:
-        raise refuse(f"attn_layer_idx = {cfg['attn_layer_idx']} (attention layers)")
     ssm = dict(cfg["ssm_cfg"] or {})
     layer = ssm.pop("layer", "Mamba1")
-    if layer != "Mamba1":
-        raise refuse(
-            f"ssm_cfg.layer = {layer!r} (only Mamba1 reads from this layout; a Mamba-2 saved by "
-            "transformers as Mamba2ForCausalLM loads with hf:)"
-        )
-    unknown = sorted(k for k in ssm if k not in _SSM_READ and k not in _SSM_NO_EFFECT)
-    if unknown:
-        raise refuse(f"ssm_cfg key(s) {', '.join(unknown)}")
-    ssm = {**_SSM_READ, **ssm}
+    if layer not in ("Mamba1", "Mamba2"):
+        raise _refuse(source, f"ssm_cfg.layer = {layer!r} (only Mamba1 and Mamba2 are read)")
     vocab, multiple = int(cfg["vocab_size"]), int(cfg["pad_vocab_size_multiple"])
     if vocab % multiple:  # mamba_ssm's MambaLMHeadModel pads the embedding to a multiple
         vocab += multiple - vocab % multiple
-    return MambaLMConfig(
-        d_model=int(cfg["d_model"]), n_layer=int(cfg["n_layer"]), vocab_size=vocab,
-        d_state=int(ssm["d_state"]), d_conv=int(ssm["d_conv"]), expand=int(ssm["expand"]),
-        dt_rank=None if ssm["dt_rank"] == "auto" else int(ssm["dt_rank"]),
-        conv_bias=bool(ssm["conv_bias"]), bias=bool(ssm["bias"]), rms_norm=bool(cfg["rms_norm"]),
+    n_layer, attn_layers = int(cfg["n_layer"]), cfg["attn_layer_idx"] or []
+    if not isinstance(attn_layers, list) or any(
+        not isinstance(i, int) or not 0 <= i < n_layer for i in attn_layers
+    ):
+        raise ArSliceError(
+            f"{source}: attn_layer_idx {attn_layers!r} must list layers 0..{n_layer - 1}"
+        )
+    if layer == "Mamba1":
+        ssm = _mamba1_options(ssm, source, chunk_size)
+        if not attn_layers and not cfg["d_intermediate"]:
+            return MambaLMConfig(
+                d_model=int(cfg["d_model"]), n_layer=n_layer, vocab_size=vocab,
+                d_state=ssm["d_state"], d_conv=ssm["d_conv"], expand=ssm["expand"],
+                dt_rank=ssm["dt_rank"], conv_bias=ssm["conv_bias"], bias=ssm["bias"],
+                rms_norm=bool(cfg["rms_norm"]), residual_in_fp32=bool(cfg["residual_in_fp32"]),
+                tie_embeddings=bool(cfg["tie_embeddings"]), chunk_size=chunk_size,
+            )  # fmt: skip
+    else:
+        ssm = _mamba2_options(ssm, source)
+    from models.mixer_model import MixerModelConfig
+
+    return MixerModelConfig(
+        d_model=int(cfg["d_model"]), n_layer=n_layer, vocab_size=vocab, ssm_layer=layer,
+        ssm_cfg=ssm, attn_layer_idx=sorted(set(attn_layers)),
+        attn_cfg=_attention_options(cfg["attn_cfg"] or {}, source) if attn_layers else {},
+        d_intermediate=int(cfg["d_intermediate"]), rms_norm=bool(cfg["rms_norm"]),
         residual_in_fp32=bool(cfg["residual_in_fp32"]),
-        tie_embeddings=bool(cfg["tie_embeddings"]), chunk_size=chunk_size,
+        tie_embeddings=bool(cfg["tie_embeddings"]),
     )  # fmt: skip
+
+
+def _refuse(source: str, what: str) -> ArSliceError:
+    return ArSliceError(f"{source}: {what} is not implemented by this project's mamba_ssm reader")
+
+
+def _known_keys(options: dict, read: dict, no_effect: set, source: str, where: str) -> dict:
+    """`read`'s defaults updated by `options`; keys outside `read` and `no_effect` refused."""
+    unknown = sorted(k for k in options if k not in read and k not in no_effect)
+    if unknown:
+        raise _refuse(source, f"{where} key(s) {', '.join(unknown)}")
+    return {**read, **{k: v for k, v in options.items() if k in read}}
+
+
+def _mamba1_options(ssm: dict, source: str, chunk_size: int) -> dict:
+    """ssm_cfg of a Mamba1 layer -> models/mixers/mamba.py's MambaMixerOptions."""
+    ssm = _known_keys(ssm, _SSM_READ, _SSM_NO_EFFECT, source, "ssm_cfg")
+    return {
+        "d_state": int(ssm["d_state"]), "d_conv": int(ssm["d_conv"]),
+        "expand": int(ssm["expand"]),
+        "dt_rank": None if ssm["dt_rank"] == "auto" else int(ssm["dt_rank"]),
+        "conv_bias": bool(ssm["conv_bias"]), "bias": bool(ssm["bias"]), "chunk_size": chunk_size,
+    }  # fmt: skip
+
+
+def _mamba2_options(ssm: dict, source: str) -> dict:
+    """ssm_cfg of a Mamba2 layer -> models/mixers/mamba2.py's Mamba2Options."""
+    from models.mixers.mamba2 import LOADED_CHUNK_SIZE
+
+    ssm = _known_keys(ssm, _MAMBA2_READ, _MAMBA2_NO_EFFECT, source, "ssm_cfg (Mamba2)")
+    limit = ssm["dt_limit"]
+    if not isinstance(limit, (list, tuple)) or len(limit) != 2:
+        raise ArSliceError(f"{source}: ssm_cfg.dt_limit {limit!r} must be [low, high]")
+    return {
+        "d_state": int(ssm["d_state"]), "d_conv": int(ssm["d_conv"]),
+        "expand": int(ssm["expand"]), "headdim": int(ssm["headdim"]),
+        "d_ssm": None if ssm["d_ssm"] is None else int(ssm["d_ssm"]),
+        "ngroups": int(ssm["ngroups"]), "D_has_hdim": bool(ssm["D_has_hdim"]),
+        "rmsnorm": bool(ssm["rmsnorm"]), "norm_before_gate": bool(ssm["norm_before_gate"]),
+        "dt_limit": (float(limit[0]), float(limit[1])), "bias": bool(ssm["bias"]),
+        # the scan's chunk changes nothing but rounding (models/mixers/mamba2.py)
+        "conv_bias": bool(ssm["conv_bias"]), "chunk_size": LOADED_CHUNK_SIZE,
+    }  # fmt: skip
+
+
+def _attention_options(attn: dict, source: str) -> dict:
+    """attn_cfg -> models/mixers/mamba_mha.py's MambaMHAOptions. Upstream's MHA is bidirectional
+    unless `causal` is set: such a layer reads the tokens it is asked to predict, so it is
+    refused rather than scored."""
+    attn = _known_keys(attn, _MHA_READ, _MHA_NO_EFFECT, source, "attn_cfg")
+    if "num_heads" not in attn or attn["num_heads"] is None:
+        raise ArSliceError(f"{source}: attn_cfg needs num_heads (mamba_ssm's MHA requires it)")
+    if not attn["causal"]:
+        raise _refuse(
+            source, "attn_cfg.causal = false (bidirectional attention sees the tokens it predicts)"
+        )
+    return {
+        "num_heads": int(attn["num_heads"]),
+        "num_heads_kv": None if attn["num_heads_kv"] is None else int(attn["num_heads_kv"]),
+        "head_dim": None if attn["head_dim"] is None else int(attn["head_dim"]),
+        "mlp_dim": int(attn["mlp_dim"]), "qkv_proj_bias": bool(attn["qkv_proj_bias"]),
+        "out_proj_bias": bool(attn["out_proj_bias"]),
+        "softmax_scale": None if attn["softmax_scale"] is None else float(attn["softmax_scale"]),
+        "causal": True, "d_conv": int(attn["d_conv"]),
+        "rotary_emb_dim": int(attn["rotary_emb_dim"]),
+        "rotary_emb_base": float(attn["rotary_emb_base"]),
+        "rotary_emb_interleaved": bool(attn["rotary_emb_interleaved"]),
+    }  # fmt: skip
 
 
 def mamba_ssm_state_dict(state: dict) -> dict:
@@ -140,9 +234,11 @@ def load_mamba_ssm(
 ):
     """The checkpoint of a mamba_ssm directory or hub repo (config dict `raw` already read).
 
-    Returns `MambaLM` in eval mode, or with `as_transformers` the same weights in transformers'
-    `MambaForCausalLM` (its own forward: `--no-fast-path`)."""
+    Returns `MambaLM` (Mamba-1) or `MixerLM` (Mamba-2, attention, gated MLP) in eval mode, or
+    with `as_transformers` the same weights in transformers' `MambaForCausalLM` /
+    `Mamba2ForCausalLM` (their own forward: `--no-fast-path`)."""
     from models.checkpoints.io import load_state_dict_checked, read_weights
+    from models.mixer_model import MixerLM, MixerModelConfig
     from models.mixers.mamba import MambaLM
 
     cfg = read_mamba_ssm_config(raw, spec)
@@ -151,11 +247,28 @@ def load_mamba_ssm(
         raise ArSliceError(f"{spec}: no {' or '.join(WEIGHT_FILES)} beside the mamba_ssm config")
     state = mamba_ssm_state_dict(read_weights(path))
     tied = ("lm_head.weight",) if cfg.tie_embeddings else ()
+    source = f"{spec} ({Path(path).name})"
+    if as_transformers and isinstance(cfg, MixerModelConfig):
+        chunk = int((raw.get("ssm_cfg") or {}).get("chunk_size", _MAMBA2_READ["chunk_size"]))
+        return _transformers_mamba2(cfg, state, source, tied, chunk)
     if as_transformers:
-        return _transformers_mamba(cfg, state, f"{spec} ({Path(path).name})", tied)
-    model = MambaLM(cfg)
-    load_state_dict_checked(model, state, source=f"{spec} ({Path(path).name})", tied=tied)
+        return _transformers_mamba(cfg, state, source, tied)
+    model = MixerLM(cfg) if isinstance(cfg, MixerModelConfig) else MambaLM(cfg)
+    load_state_dict_checked(model, state, source=source, tied=tied)
     return model.eval()
+
+
+def architecture_of(cfg) -> str:
+    """What a mamba_ssm model records as its architecture: "mamba" (Mamba-1), "mamba2",
+    "attention" (every layer attention: Transformer++), or "<ssm layer>-hybrid"."""
+    from models.mixer_model import MixerModelConfig
+
+    if not isinstance(cfg, MixerModelConfig):
+        return "mamba"
+    if len(cfg.attn_layer_idx) == cfg.n_layer:
+        return "attention"
+    name = "mamba" if cfg.ssm_layer == "Mamba1" else "mamba2"
+    return f"{name}-hybrid" if cfg.attn_layer_idx else name
 
 
 def _transformers_mamba(cfg, state: dict, source: str, tied):
@@ -185,6 +298,87 @@ def _transformers_mamba(cfg, state: dict, source: str, tied):
     if cfg.tie_embeddings:
         model.lm_head.weight = model.backbone.embeddings.weight
     return model.eval()
+
+
+def _transformers_mamba2(cfg, state: dict, source: str, tied, chunk_size: int):
+    """transformers' `Mamba2ForCausalLM` holding a mamba_ssm Mamba-2 checkpoint: only the
+    settings transformers' Mamba-2 has (no attention, no MLP, RMSNorm, the gated norm after
+    the gate, D per head, d_ssm = d_inner)."""
+    import transformers
+
+    from models.checkpoints.io import load_state_dict_checked
+
+    ssm = cfg.ssm_cfg
+    others = {
+        "attn_layer_idx": cfg.attn_layer_idx, "d_intermediate": cfg.d_intermediate,
+        "rms_norm": not cfg.rms_norm, "ssm_cfg.layer": cfg.ssm_layer != "Mamba2",
+        "ssm_cfg.d_ssm": ssm.get("d_ssm") not in (None, cfg.d_model * ssm.get("expand", 2)),
+        "ssm_cfg.D_has_hdim": ssm.get("D_has_hdim"), "ssm_cfg.rmsnorm": not ssm.get("rmsnorm"),
+        "ssm_cfg.norm_before_gate": ssm.get("norm_before_gate"),
+    }  # fmt: skip
+    differs = [k for k, v in others.items() if v]
+    if differs:
+        raise ArSliceError(
+            f"{source}: transformers' Mamba2ForCausalLM has no {', '.join(differs)} of this "
+            "checkpoint; evaluate it with the fast path"
+        )
+    d_inner = ssm["expand"] * cfg.d_model
+    hf_cfg = transformers.Mamba2Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layer,
+        state_size=ssm["d_state"], num_heads=d_inner // ssm["headdim"], head_dim=ssm["headdim"],
+        n_groups=ssm["ngroups"], expand=ssm["expand"], conv_kernel=ssm["d_conv"],
+        use_bias=ssm["bias"], use_conv_bias=ssm["conv_bias"], chunk_size=chunk_size,
+        time_step_limit=tuple(ssm["dt_limit"]), layer_norm_epsilon=cfg.norm_epsilon,
+        residual_in_fp32=cfg.residual_in_fp32, tie_word_embeddings=cfg.tie_embeddings,
+    )  # fmt: skip
+    model = transformers.Mamba2ForCausalLM(hf_cfg)
+    renamed = {
+        re.sub(r"^backbone\.embedding\.", "backbone.embeddings.", k): v for k, v in state.items()
+    }
+    load_state_dict_checked(model, renamed, source=source, tied=tied)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.backbone.embeddings.weight
+    return model.eval()
+
+
+def mamba2_from_transformers(hf_model, chunk_size: int | None = None):
+    """`MixerLM` of Mamba-2 layers with the weights of a loaded transformers `Mamba2ForCausalLM`
+    (its gated norm's epsilon is its layer_norm_epsilon, normalised after the gate)."""
+    from models.checkpoints.io import load_state_dict_checked
+    from models.mixer_model import MixerLM, MixerModelConfig
+    from models.mixers.mamba2 import LOADED_CHUNK_SIZE
+
+    config = hf_model.config
+    source = f"transformers {type(hf_model).__name__}"
+    if config.hidden_act not in ("silu", "swish"):
+        raise ArSliceError(
+            f"{source}: hidden_act = {config.hidden_act!r} is not implemented by this project's "
+            "Mamba-2 (mamba_ssm's is silu); pass --no-fast-path to run transformers' own forward"
+        )
+    head = hf_model.get_output_embeddings().weight
+    tied = head is hf_model.get_input_embeddings().weight
+    ssm = {
+        "d_state": config.state_size, "d_conv": config.conv_kernel, "expand": config.expand,
+        "headdim": config.head_dim, "ngroups": config.n_groups, "bias": config.use_bias,
+        "conv_bias": config.use_conv_bias, "chunk_size": chunk_size or LOADED_CHUNK_SIZE,
+        "dt_limit": tuple(float(v) for v in config.time_step_limit),
+        "norm_eps": config.layer_norm_epsilon, "norm_before_gate": False,
+    }  # fmt: skip
+    cfg = MixerModelConfig(
+        d_model=config.hidden_size, n_layer=config.num_hidden_layers,
+        vocab_size=int(head.shape[0]), ssm_layer="Mamba2", ssm_cfg=ssm,
+        norm_epsilon=config.layer_norm_epsilon, residual_in_fp32=config.residual_in_fp32,
+        tie_embeddings=tied,
+    )  # fmt: skip
+    if config.num_heads * config.head_dim != config.expand * config.hidden_size:
+        raise ArSliceError(f"{source}: num_heads * head_dim is not expand * hidden_size")
+    state = {
+        re.sub(r"^backbone\.embeddings\.", "backbone.embedding.", k): v
+        for k, v in hf_model.state_dict().items()
+    }
+    fast = MixerLM(cfg)
+    load_state_dict_checked(fast, state, source=source, tied=("lm_head.weight",) if tied else ())
+    return fast.to(dtype=head.dtype).eval()
 
 
 def mamba_from_transformers(hf_model, chunk_size: int = 16):

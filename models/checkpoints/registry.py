@@ -308,7 +308,11 @@ def max_positions_of(config) -> int | None:
 def wrap_language_model(
     model, spec: str, tokenizer_fingerprint: str | None, architecture: str | None = None
 ) -> LoadedModel:
+    from models.mixers.prefix_linear_attention import prefix_scoring
+
     config = model.config
+    # JRT's encoder reads ahead inside its prefix: such models score each position apart
+    hidden_and_head, settings = prefix_scoring(model, spec) or (model.hidden_and_head, {})
     return LoadedModel(
         model=model,
         spec=spec,
@@ -317,7 +321,8 @@ def wrap_language_model(
         vocab_size=config.padded_vocab_size,
         max_positions=max_positions_of(config),
         tokenizer_fingerprint=tokenizer_fingerprint,
-        _hidden_and_head=model.hidden_and_head,
+        settings=settings,
+        _hidden_and_head=hidden_and_head,
     )
 
 
@@ -341,7 +346,8 @@ def loaded_language_model(
         tokenizer_fingerprint=fingerprint_near(tokenizer_dir),
         architecture=architecture,
     )
-    loaded.settings, loaded.tokenizer_source = settings or {}, str(tokenizer_dir)
+    loaded.settings = {**loaded.settings, **(settings or {})}
+    loaded.tokenizer_source = str(tokenizer_dir)
     loaded.hub_commit = request.commit
     return loaded
 

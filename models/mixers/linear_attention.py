@@ -40,12 +40,18 @@ def causal_taylor_attention(
     scale_dim: int,
     eps: float,
     chunk_size: int = 64,
+    state: torch.Tensor | None = None,
+    k_sum: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q, k (B, H, T, d), v (B, H, T, Dv), all fp32 -> (B, H, T, Dv): `y_t` above."""
+    """q, k (B, H, T, d), v (B, H, T, Dv), all fp32 -> (B, H, T, Dv): `y_t` above, with the sums
+    over s starting from `state` (B, H, F, Dv) and `k_sum` (B, H, F) when given (keys every
+    position sees, as JRT's encoder: models/mixers/prefix_linear_attention.py)."""
     B, H, T, d = q.shape
     n_features = 1 + d + d * d
-    state = q.new_zeros(B, H, n_features, v.shape[-1])  # sum of phi(k_s)^T v_s so far
-    k_sum = q.new_zeros(B, H, n_features)  # sum of phi(k_s) so far
+    if state is None:  # sum of phi(k_s)^T v_s so far
+        state = q.new_zeros(B, H, n_features, v.shape[-1])
+    if k_sum is None:  # sum of phi(k_s) so far
+        k_sum = q.new_zeros(B, H, n_features)
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
     out = torch.empty_like(v)
     rd = math.sqrt(scale_dim)

@@ -153,7 +153,24 @@ def test_mamba_lm_chunked_equals_sequential():
 
 FIXTURE_CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "expected.json").is_file())
 # the architecture hf: reports, where it is not "mamba"
-ARCHITECTURE = {"hf-mamba2": "mamba2"}
+ARCHITECTURE = {
+    "hf-mamba2": "mamba2", "hf-mamba2-groups": "mamba2", "ssm-mamba2": "mamba2",
+    "ssm-mamba2-options": "mamba2", "ssm-mamba2-nonorm": "mamba2",
+    "ssm-mamba2attn": "mamba2-hybrid", "ssm-mamba2attn-mlp": "mamba2-hybrid",
+    "ssm-transformerpp": "attention", "ssm-mamba-attn-mlp": "mamba-hybrid",
+}  # fmt: skip
+# checkpoints transformers has no class for (attention layers, an MLP, LayerNorm, Mamba-2 options
+# beyond its own): refused with --no-fast-path, tested in test_mamba2.py
+NO_TRANSFORMERS_CLASS = {
+    "ssm-mamba-layernorm", "ssm-mamba2-options", "ssm-mamba2-nonorm", "ssm-mamba2attn",
+    "ssm-mamba2attn-mlp", "ssm-transformerpp", "ssm-mamba-attn-mlp",
+}  # fmt: skip
+
+
+def tolerance(expected: dict) -> float:
+    """1e-4 nats, or twice upstream's own fp32 distance from its fp64 run where that is larger
+    (recorded by make_mamba2_fixtures.py)."""
+    return max(NLL_ATOL, 2 * (expected.get("upstream_fp64_distance") or 0.0))
 
 
 def max_nll_error(loaded, expected: dict) -> float:
@@ -169,8 +186,10 @@ def max_nll_error(loaded, expected: dict) -> float:
 
 def test_every_fixture_case_is_present():
     assert set(FIXTURE_CASES) == {
-        "hf-mamba", "hf-mamba-variant", "hf-mamba2",
-        "ssm-mamba", "ssm-mamba-layernorm", "ssm-mamba-hazy",
+        "hf-mamba", "hf-mamba-variant", "hf-mamba2", "hf-mamba2-groups",
+        "ssm-mamba", "ssm-mamba-layernorm", "ssm-mamba-hazy", "ssm-mamba2", "ssm-mamba2-options",
+        "ssm-mamba2-nonorm", "ssm-mamba2attn", "ssm-mamba2attn-mlp", "ssm-transformerpp",
+        "ssm-mamba-attn-mlp",
     }  # fmt: skip
 
 
@@ -181,10 +200,10 @@ def test_fast_path_gives_upstream_nll_for_every_token(case):
     assert loaded.architecture == ARCHITECTURE.get(case, "mamba")
     assert isinstance(loaded.model, MambaLM) == (loaded.architecture == "mamba")
     assert loaded.max_positions is None
-    assert max_nll_error(loaded, expected) <= NLL_ATOL
+    assert max_nll_error(loaded, expected) <= tolerance(expected)
 
 
-@pytest.mark.parametrize("case", [c for c in FIXTURE_CASES if c != "ssm-mamba-layernorm"])
+@pytest.mark.parametrize("case", [c for c in FIXTURE_CASES if c not in NO_TRANSFORMERS_CLASS])
 def test_transformers_forward_gives_upstream_nll_for_every_token(case):
     """`--no-fast-path`: transformers' own forward, for mamba_ssm checkpoints too (converted)."""
     import transformers
@@ -192,7 +211,7 @@ def test_transformers_forward_gives_upstream_nll_for_every_token(case):
     expected = json.loads((FIXTURES / case / "expected.json").read_text())
     loaded = load_model(f"hf:{FIXTURES / case}", fast_path=False)
     assert isinstance(loaded.model, transformers.PreTrainedModel)
-    assert max_nll_error(loaded, expected) <= NLL_ATOL
+    assert max_nll_error(loaded, expected) <= tolerance(expected)
 
 
 def test_based_spec_reads_the_suites_mamba_as_hf_does():
@@ -257,9 +276,7 @@ def edited_ssm_fixture(tmp_path, changes: dict, case: str = "ssm-mamba") -> Path
 @pytest.mark.parametrize(
     "changes, named",
     [
-        ({"d_intermediate": 64}, "d_intermediate = 64"),
-        ({"attn_layer_idx": [1]}, "attn_layer_idx = [1]"),
-        ({"ssm_cfg.layer": "Mamba2"}, "ssm_cfg.layer = 'Mamba2'"),
+        ({"ssm_cfg.layer": "Mamba3"}, "ssm_cfg.layer = 'Mamba3'"),
         ({"ssm_cfg.d_ssm": 32}, "ssm_cfg key(s) d_ssm"),
         ({"norm_epsilon": 1e-3}, "config key(s) norm_epsilon"),
     ],

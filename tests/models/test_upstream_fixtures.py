@@ -53,7 +53,9 @@ def test_every_family_and_layout_has_a_fixture():
     for case in ("zoology-h3", "zoology-longconv", "zoology-implicit-longconv", "zoology-hybrid"):
         assert case in CASES
     total = sum(f.stat().st_size for f in UPSTREAM.rglob("*") if f.is_file())
-    assert total < 4 * 2**20
+    # small enough to ship: tiny widths; the largest are the windows of 2048 predictions
+    # (Mamba-2), upstream GatedMlp's 256-wide MLPs (Based, JRT) and the H3 and RetNet hybrids
+    assert total < 6 * 2**20
 
 
 @pytest.mark.parametrize("case", CASES)

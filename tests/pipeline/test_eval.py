@@ -113,23 +113,42 @@ def make_mamba(path: Path, tokenizer_path) -> Path:
     return _save_hf(model, path, tokenizer_path)
 
 
+def make_mamba2(path: Path, tokenizer_path) -> Path:
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    torch.manual_seed(5)
+    config = Mamba2Config(
+        vocab_size=VOCAB, hidden_size=32, num_heads=8, head_dim=8, state_size=8, n_groups=2,
+        num_hidden_layers=2, chunk_size=8,
+    )  # fmt: skip
+    model = Mamba2ForCausalLM(config).eval()
+    with torch.no_grad():  # decays from slow to fast, and wide logits
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias")):
+                p.copy_(torch.randn_like(p) * 2)
+        model.backbone.embeddings.weight.normal_(0, 0.5)
+    return _save_hf(model, path, tokenizer_path)
+
+
 def make_native(path: Path, tokenizer_path) -> Path:
     return save_native_lm(
         path, VOCAB, tokenizer=tokenizer_path, d_model=64, num_heads=4, l_max=64, seed=2, spread=0.5
     )
 
 
-def make_based(path: Path, tokenizer_path) -> Path:
-    """HazyResearch/based's published layout: the upstream-made Based fixture (model. prefix,
-    metric entries and all), its vocabulary widened to the store's with new random rows."""
-    shutil.copytree(UPSTREAM / "based" / "based-main", path)
+def make_based(
+    path: Path, tokenizer_path, case: str = "based-main", prefix: str = "model."
+) -> Path:
+    """HazyResearch/based's published layout: an upstream-made fixture (based-main: model. prefix,
+    metric entries and all; jrt: prefix-linear-attention's JRT-RNN), its vocabulary widened to
+    the store's with new random rows."""
+    shutil.copytree(UPSTREAM / "based" / case, path)
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "vocab_size": VOCAB}))
     state = torch.load(path / "pytorch_model.bin", weights_only=True)
     emb = 0.5 * torch.randn(VOCAB, config["n_embd"], generator=torch.Generator().manual_seed(4))
-    state["model.transformer.embeddings.word_embeddings.weight"] = state["model.lm_head.weight"] = (
-        emb
-    )
+    state[f"{prefix}transformer.embeddings.word_embeddings.weight"] = emb
+    state[f"{prefix}lm_head.weight"] = emb
     torch.save(state, path / "pytorch_model.bin")
     shutil.copy(tokenizer_path, path / "tokenizer.json")
     return path
@@ -142,7 +161,9 @@ def models_dir(tmp_path_factory, bpe_tokenizer_path):
         "neox": f"hf:{make_neox(root / 'neox', bpe_tokenizer_path)}",
         "rwkv": f"hf:{make_rwkv(root / 'rwkv', bpe_tokenizer_path)}",
         "mamba": f"hf:{make_mamba(root / 'mamba', bpe_tokenizer_path)}",
+        "mamba2": f"hf:{make_mamba2(root / 'mamba2', bpe_tokenizer_path)}",
         "native": f"native:{make_native(root / 'native', bpe_tokenizer_path)}",
+        "jrt": f"based:{make_based(root / 'jrt', bpe_tokenizer_path, 'jrt', prefix='')}",
     }
 
 
@@ -179,8 +200,15 @@ def plain_logits_fn(spec: str):
         return lambda ids: model(input_ids=torch.tensor([ids])).logits[0]
     if kind == "based":
         from models.checkpoints.based import load_based
+        from models.mixers.prefix_linear_attention import prefix_enc_length
 
         model = load_based(path, spec)[0]
+        enc = prefix_enc_length(model)
+        if enc:  # JRT: a context shorter than the encoder is read alone (upstream's prefill)
+            return lambda ids: torch.stack(
+                [model(torch.tensor([ids[: t + 1]]))[0, -1] for t in range(min(enc - 1, len(ids)))]
+                + list(model(torch.tensor([ids]))[0, enc - 1 :])
+            )
     else:
         from models.checkpoints.native import load_native
 
@@ -298,8 +326,11 @@ def test_rolling_windows_equal_lm_eval_pairs(n, max_len):
 
 @pytest.mark.parametrize(
     "kind, fast_path",
-    [("neox", True), ("rwkv", True), ("mamba", True), ("mamba", False), ("native", True)],
-)
+    [
+        ("neox", True), ("rwkv", True), ("mamba", True), ("mamba", False), ("mamba2", True),
+        ("mamba2", False), ("native", True), ("jrt", True),
+    ],
+)  # fmt: skip
 def test_losses_equal_plain_forward(kind, fast_path, corpus, models_dir, tmp_path):
     spec = models_dir[kind]
     out = tmp_path / kind
@@ -316,10 +347,15 @@ def test_losses_equal_plain_forward(kind, fast_path, corpus, models_dir, tmp_pat
     meta = read_json(out / "meta.json")
     assert meta["tokens"] == losses.num_rows == summary["tokens"]
     assert meta["spec"] == spec and meta["windowing"] == "fixed" and meta["partial"] is False
-    architectures = {"neox": "gpt_neox", "rwkv": "rwkv", "mamba": "mamba", "native": "attention"}
+    architectures = {
+        "neox": "gpt_neox", "rwkv": "rwkv", "mamba": "mamba", "mamba2": "mamba2",
+        "native": "attention", "jrt": "jrt",
+    }  # fmt: skip
     assert meta["architecture"] == architectures[kind]
     assert meta["n_params"] > 0 and meta["dtype"] == "fp32" and meta["device"] == "cpu"
     assert meta["fingerprint"] == corpus["store"].fingerprint and meta["tokens_per_s"] > 0
+    # JRT scores each prefix position from its own context, and says so
+    assert ("prefix_scoring" in meta["loader_settings"]) == (kind == "jrt")
 
 
 @pytest.mark.parametrize(

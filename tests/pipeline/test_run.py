@@ -277,8 +277,10 @@ def test_the_sweep_trains_each_demo_model_at_three_rates_and_nothing_else_differ
     [
         ("pile-gpt2.toml", "gpt-neo-125m"),
         ("pile-neox.toml", "pythia-160m"),
-        ("pile-hazy.toml", "transformer-pp-1.3b"),
+        ("pile-hazy.toml", "attn-1b"),
         ("pile-pythia-emergence.toml", "pythia-160m"),
+        ("pile-mamba2.toml", "transformerpp-2.7b"),
+        ("pile-jrt.toml", "attn-1b-50b"),
     ],
 )
 def test_pile_configs_build_every_stage(name, reference):
@@ -305,12 +307,55 @@ def test_gpt2_config_evaluates_the_papers_h3_row_beside_attention_and_hyena():
 
 
 def test_hazy_config_evaluates_the_whole_suite():
+    """The based README's ids today: attention, Based and Mamba at both scales."""
     p = shipped("pile-hazy.toml")
     assert p.table("tokenizer")["pretrained"] == "gpt2"
     assert {n: c.model for n, c in p.configs("eval").items()} == {
-        n: f"based:hazyresearch/{n}"
-        for n in ("transformer-pp-1.3b", "based-1.3b", "mamba-1.3b", "based-360m")
+        f"{arch}-{size}": f"based:hazyresearch/{arch}-{size}"
+        for arch in ("attn", "based", "mamba")
+        for size in ("360m", "1b")
     }
+
+
+def test_jrt_config_evaluates_the_jrt_suite_on_the_same_windows():
+    p = shipped("pile-jrt.toml")
+    assert p.table("tokenizer")["pretrained"] == "gpt2"
+    models = {n: c.model.removeprefix("based:hazyresearch/") for n, c in p.configs("eval").items()}
+    assert models == {
+        "attn-1b-50b": "attn-1b-50bn", "JRT-1B-50B": "JRT-1B-50B", "based-1b-50b": "based-1b-50b",
+        "mamba-1b-50b": "mamba-1b-50b", "attn-360M-30B": "attn-360M-30B",
+        "JRT-360M-30B": "JRT-360M-30B", "mamba-360M-30B": "mamba-360M-30B",
+    }  # fmt: skip
+    # JRT's prefix costs ~500x a window: every model scores the same first windows
+    assert {c.max_windows for c in p.configs("eval").values()} == {1000}
+    # the same data as pile-hazy.toml
+    hazy = shipped("pile-hazy.toml")
+    for stage in ("tokenize", "count", "tag"):
+        assert p.configs(stage).keys() == hazy.configs(stage).keys()
+
+
+def test_mamba2_config_compares_the_same_data_suite_with_pythia_and_mamba():
+    p = shipped("pile-mamba2.toml")
+    assert {n: c.model for n, c in p.configs("eval").items()} == {
+        "transformerpp-2.7b": "hf:state-spaces/transformerpp-2.7b",
+        "mamba2-2.7b": "hf:state-spaces/mamba2-2.7b",
+        "mamba2attn-2.7b": "hf:state-spaces/mamba2attn-2.7b",
+        "pythia-2.8b": "hf:EleutherAI/pythia-2.8b",
+        "mamba-2.8b": "hf:state-spaces/mamba-2.8b-hf",
+    }
+    # Pythia's data and NeoX tokenizer, as pile-neox.toml reads them
+    neox = shipped("pile-neox.toml")
+    assert p.table("tokenizer") == neox.table("tokenizer")
+    for stage in ("tokenize", "count", "tag"):
+        mine, theirs = p.configs(stage), neox.configs(stage)
+        for name, cfg in mine.items():
+            keep = {"out", "tokens", "counts", "tokenizer", "only_bigrams_of"}
+            differ = {
+                f.name
+                for f in dataclasses.fields(cfg)
+                if getattr(cfg, f.name) != getattr(theirs[name], f.name) and f.name not in keep
+            }
+            assert not differ, (stage, name, differ)
 
 
 def test_pythia_emergence_config_evaluates_ten_revisions_of_each_model():
