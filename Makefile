@@ -27,7 +27,7 @@ install:
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[dev,ray]"
+	$(PY) -m pip install --quiet -e ".[dev,ray,kernels]"
 
 # Debian's chromium, for the test that opens report.html in a headless browser (skipped without it).
 install-browser:
