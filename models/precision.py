@@ -113,6 +113,42 @@ def autocast(device: str, dtype: str):
     )
 
 
+def weights_dtype(device: str, dtype: str) -> str:
+    """The dtype evaluation holds the linear layers' weights in: bf16 on CUDA when the forward
+    runs in bf16 (autocast would cast them to it on every forward), else fp32, so a CPU keeps
+    its weights as loaded."""
+    return "bf16" if device.startswith("cuda") and dtype == "bf16" else "fp32"
+
+
+def hold_linear_weights(model, dtype: str) -> int:
+    """Cast, in place, the weights and biases of `model`'s `nn.Linear` layers to `dtype` (fp32:
+    leave them); returns how many tensors changed.
+
+    Under autocast in that dtype the losses stay the same: `F.linear` reads its operands rounded
+    to the autocast dtype either way, now once instead of on every forward. Everything else keeps
+    its dtype (norms, embeddings, convolutions, recurrences' decays), and so does a linear weight
+    shared with another kind of module (a head tied to the embedding, which reads it unrounded).
+    """
+    from torch import nn
+
+    if canonical_dtype(dtype) == "fp32":
+        return 0
+    target = torch_dtype(dtype)
+    linear, other = {}, set()
+    for module in model.modules():
+        own = module.parameters(recurse=False)
+        if isinstance(module, nn.Linear):
+            linear.update((id(p), p) for p in own)
+        else:
+            other.update(id(p) for p in own)
+    held = 0
+    for key, p in linear.items():
+        if key not in other and p.is_floating_point() and p.dtype != target:
+            p.data = p.data.to(target)
+            held += 1
+    return held
+
+
 def resolve_on_cluster(executor, dtype: str, device: str) -> str:
     """`resolve_dtype` where the work runs: on one of a Ray cluster's GPUs for a CUDA evaluation
     (the driver may have no GPU, or another kind), else here as a local run would."""
