@@ -121,13 +121,14 @@ def weights_dtype(device: str, dtype: str) -> str:
 
 
 def hold_linear_weights(model, dtype: str) -> int:
-    """Cast, in place, the weights and biases of `model`'s `nn.Linear` layers to `dtype` (fp32:
-    leave them); returns how many tensors changed.
+    """Cast, in place, the weight matrices of `model`'s `nn.Linear` layers to `dtype` (fp32:
+    leave them); returns how many changed.
 
-    Under autocast in that dtype the losses stay the same: `F.linear` reads its operands rounded
-    to the autocast dtype either way, now once instead of on every forward. Everything else keeps
-    its dtype (norms, embeddings, convolutions, recurrences' decays), and so does a linear weight
-    shared with another kind of module (a head tied to the embedding, which reads it unrounded).
+    Under autocast in that dtype the losses stay the same: `F.linear` reads its weight rounded to
+    the autocast dtype either way, now once instead of on every forward. Everything else keeps
+    its dtype: biases (a layer may add its own in fp32, as Mamba's dt_proj does in the scan),
+    norms, embeddings, convolutions, decays, and a weight shared with another kind of module (a
+    head tied to the embedding, which reads it unrounded).
     """
     from torch import nn
 
@@ -136,15 +137,17 @@ def hold_linear_weights(model, dtype: str) -> int:
     target = torch_dtype(dtype)
     linear, other = {}, set()
     for module in model.modules():
-        own = module.parameters(recurse=False)
         if isinstance(module, nn.Linear):
-            linear.update((id(p), p) for p in own)
+            linear[id(module.weight)] = module.weight
+            other.update(
+                id(p) for name, p in module.named_parameters(recurse=False) if name != "weight"
+            )
         else:
-            other.update(id(p) for p in own)
+            other.update(id(p) for p in module.parameters(recurse=False))
     held = 0
-    for key, p in linear.items():
-        if key not in other and p.is_floating_point() and p.dtype != target:
-            p.data = p.data.to(target)
+    for key, weight in linear.items():
+        if key not in other and weight.is_floating_point() and weight.dtype != target:
+            weight.data = weight.data.to(target)
             held += 1
     return held
 

@@ -164,6 +164,14 @@ def choose(op: str, on_cuda: bool, needs_grad: bool, preference: str = "auto") -
     return preference
 
 
+def implementation(op: str, path: str):
+    """The function of `op`'s `path` ("pytorch", "triton" or "field"), imported now."""
+    found = _resolve(getattr(OPS[op], path))
+    if isinstance(found, Exception):
+        raise ArSliceError(f"the {path} {op} kernel does not import: {found}")
+    return found
+
+
 def run_op(op: str, *args, **kwargs):
     """`op` computed by the path the policy in force picks for these arguments; the path taken is
     recorded in that policy (`use_kernels`)."""
@@ -176,4 +184,4 @@ def run_op(op: str, *args, **kwargs):
     path = choose(op, tensors[0].is_cuda, needs_grad, preference)
     if policy is not None:
         policy.taken.setdefault(op, set()).add(path)
-    return _resolve(getattr(OPS[op], path))(*args, **kwargs)
+    return implementation(op, path)(*args, **kwargs)

@@ -5,14 +5,15 @@ For channel e and state n, with Δ_t = softplus(dt_t + dt_bias) and A = -exp(A_l
 
     h_t = exp(Δ_t A) h_{t-1} + Δ_t B_t u_t,        y_t = (C_t . h_t + D u_t) silu(z_t)
 
-`selective_scan_triton` computes it for a block of channels per program, BLOCK_T tokens at a time:
-the chunk's decays exp(Δ A) and inputs Δ B u are made as one (BLOCK_T, BLOCK_E, N) tile in
-registers, `tl.associative_scan` runs the recurrence over the chunk's tokens in log2(BLOCK_T)
-steps with the combine (a1, b1) . (a2, b2) = (a1 a2, a2 b1 + b2), the state entering the chunk is
-added decayed by the scan's running product, and the readout with C, the D skip and the gate are
-applied before the chunk leaves registers. The softplus of dt + bias is fused in (as mamba_ssm's
-`delta_bias`/`delta_softplus`), so no (B, T, E) fp32 Δ is ever written. Every factor is at most
-1, so nothing overflows at any decay, as in models/mixers/mamba.py's chunked form.
+`selective_scan_triton` gives each program one sequence and a block of channels, whose (BLOCK_E, N)
+state stays in registers while the program steps through the tokens: per token it loads u, dt,
+z (BLOCK_E) and B, C (N), forms the decay exp(Δ A) and input Δ B u, updates the state, and writes
+the readout with C, the D skip and the gate applied. The softplus of dt + bias is fused in (as
+mamba_ssm's `delta_bias`/`delta_softplus`), so no (B, T, E) fp32 Δ, decay or input is ever
+written: the kernel reads each input once and writes y once. Every factor is at most 1, so
+nothing overflows at any decay, as in models/mixers/mamba.py's chunked form. The eval's batches
+(128 windows) give thousands of programs, enough to fill a GPU without splitting the time axis
+(a scan inside chunks of tokens, as mamba_ssm's kernel does, would pay off at small batches).
 
 The convolution is a kernel of its own (`causal_conv1d_silu_triton`), not fused into the scan:
 x_proj reads the convolved u of every channel to make dt, B and C, so u must reach memory before
@@ -28,12 +29,11 @@ import triton
 import triton.language as tl
 
 # Block sizes (untuned: chosen by register arithmetic, to be measured with `make bench-gpu`).
-# The scan holds about four (BLOCK_T, BLOCK_E, N) fp32 tiles at once; 16 x 16 x 16 = 4096 values
-# is 32 registers a thread at 4 warps per tile, which fits the 255-register budget without
-# spilling, and 16 tokens a chunk take 4 scan steps. Channels are the grid's second axis:
-# (batch, E / 16) programs, 12 288 for a batch of 128 at Mamba-130M's E = 1536.
-SCAN_BLOCK_T = 16
-SCAN_BLOCK_E = 16
+# A program holds the (BLOCK_E, N) state of 64 channels: with N = 16, 1024 fp32 values, 8
+# registers a thread at 4 warps, and a token's loads of u, dt and z are 128-byte rows. The grid is
+# (batch, E / 64): 3072 programs for a batch of 128 at Mamba-130M's E = 1536, a few per SM, which
+# is what hides each token's load latency behind the other programs' arithmetic.
+SCAN_BLOCK_E = 64
 SCAN_WARPS = 4
 # The convolution is elementwise work: (64 tokens, 64 channels) tiles, 32 values a thread.
 CONV_BLOCK_T = 64
@@ -45,7 +45,7 @@ def reference(x, conv_weight, conv_bias, dt, dt_bias, A, B, C, D, z):
     u = silu(causal depthwise conv(x)), then y = (C . h + D u) silu(z) with the recurrence above.
 
     x, dt, z (B, T, E); conv_weight (E, 1, W); conv_bias, dt_bias, D (E,); A (E, N);
-    B, C (B, T, N). Returns (u, y), (B, T, E) fp64 each.
+    B, C (B, T, N); conv_bias, dt_bias, D and z may be None. Returns (u, y), (B, T, E) fp64 each.
     """
     import torch.nn.functional as F
 
@@ -53,13 +53,18 @@ def reference(x, conv_weight, conv_bias, dt, dt_bias, A, B, C, D, z):
 
     f64 = torch.float64
     T, W = x.shape[1], conv_weight.shape[-1]
+
+    def f64_or_none(t):
+        return None if t is None else t.to(f64)
+
     conv = F.conv1d(
-        x.to(f64).transpose(1, 2), conv_weight.to(f64), conv_bias.to(f64), padding=W - 1,
+        x.to(f64).transpose(1, 2), conv_weight.to(f64), f64_or_none(conv_bias), padding=W - 1,
         groups=x.shape[-1],
     )[..., :T]  # fmt: skip
     u = F.silu(conv).transpose(1, 2)  # (B, T, E)
-    delta = F.softplus(dt.to(f64) + dt_bias.to(f64))
-    return u, selective_scan_sequential(u, delta, A.to(f64), B.to(f64), C.to(f64), D.to(f64), z)
+    delta = F.softplus(dt.to(f64) if dt_bias is None else dt.to(f64) + dt_bias.to(f64))
+    y = selective_scan_sequential(u, delta, A.to(f64), B.to(f64), C.to(f64), f64_or_none(D), z)
+    return u, y
 
 
 @triton.jit
