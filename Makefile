@@ -43,8 +43,12 @@ test-slow:
 test-demo:
 	$(PY) -m pytest -m slow tests/pipeline/test_demo_e2e.py -q
 
+# Only the files holding CUDA cases are collected, so a GPU machine's own Python (PY=python3)
+# needs torch, transformers, tokenizers, pyarrow, numpy, numba, triton and pytest, not the data
+# side's duckdb or polars (tests/test_gpu_environment.py checks it).
+GPU_TESTS = $(shell grep -rl --include='test_*.py' 'pytest.mark.gpu' tests)
 test-gpu:
-	$(PY) -m pytest -m gpu -q
+	$(PY) -m pytest -m gpu -q $(GPU_TESTS)
 
 lint:
 	$(VENV)/bin/ruff check .
