@@ -28,13 +28,14 @@ import torch
 import triton
 import triton.language as tl
 
-# Block sizes (untuned: chosen by register arithmetic, to be measured with `make bench-gpu`).
-# A program holds the (BLOCK_E, N) state of 64 channels: with N = 16, 1024 fp32 values, 8
-# registers a thread at 4 warps, and a token's loads of u, dt and z are 128-byte rows. The grid is
-# (batch, E / 64): 3072 programs for a batch of 128 at Mamba-130M's E = 1536, a few per SM, which
-# is what hides each token's load latency behind the other programs' arithmetic.
+# Block sizes (untuned on a GPU: chosen by register arithmetic and ptxas's count, to be measured
+# with `make bench-gpu`). A program holds the (BLOCK_E, N) state of 64 channels (N = 16: 1024
+# fp32 values) across 2 warps, 16 a thread; ptxas for sm_90 gives 94 registers a thread and no
+# spills (4 warps took 144, so fewer programs fit an SM). A token's loads of u, dt and z are
+# 128-byte rows. The grid is (batch, E / 64): 3072 programs for a batch of 128 at Mamba-130M's
+# E = 1536, about ten resident per SM, whose arithmetic hides each other's load latency.
 SCAN_BLOCK_E = 64
-SCAN_WARPS = 4
+SCAN_WARPS = 2
 # The convolution is elementwise work: (64 tokens, 64 channels) tiles, 32 values a thread.
 CONV_BLOCK_T = 64
 CONV_BLOCK_E = 64
@@ -90,7 +91,7 @@ def _selective_scan_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # (64-bit: b times a batch stride passes 2^31 at scale)
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)  # (BLOCK_E,)
     n = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     e_ok = e < E
@@ -108,15 +109,18 @@ def _selective_scan_kernel(
     c_p = C_ptr + b * sc_b + n * sc_n
     z_p = z_ptr + b * sz_b + e * sz_e
     o_p = out_ptr + b * so_b + e
-    strides = (su_t, sdt_t, sb_t, sc_t, sz_t)
     h = tl.zeros((BLOCK_E, BLOCK_N), dtype=tl.float32)  # (BLOCK_E, BLOCK_N): the state
-    nxt = _scan_inputs(u_p, dt_p, b_p, c_p, z_p, 0, *strides, e_ok, n_ok, HAS_Z)
+    u_n, dt_n, B_n, C_n, z_n = _scan_inputs(
+        u_p, dt_p, b_p, c_p, z_p, 0, su_t, sdt_t, sb_t, sc_t, sz_t, e_ok, n_ok, HAS_Z
+    )
     for t in range(T):
-        u, dt, Bt, Ct, z = nxt
+        u, dt, Bt, Ct, z = u_n, dt_n, B_n, C_n, z_n
         # the next token's loads are issued before this token's arithmetic, which hides their
         # latency (after the last token they read it again, unused)
         t_next = tl.minimum(t + 1, T - 1)
-        nxt = _scan_inputs(u_p, dt_p, b_p, c_p, z_p, t_next, *strides, e_ok, n_ok, HAS_Z)
+        u_n, dt_n, B_n, C_n, z_n = _scan_inputs(
+            u_p, dt_p, b_p, c_p, z_p, t_next, su_t, sdt_t, sb_t, sc_t, sz_t, e_ok, n_ok, HAS_Z
+        )
         dt = dt + bias
         dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(tl.minimum(dt, 20.0))))  # softplus
         h = tl.exp(dt[:, None] * A) * h + (dt * u)[:, None] * Bt[None, :]
@@ -156,7 +160,7 @@ def _causal_conv1d_silu_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, T, E, sx_b, sx_t, so_b, so_t,
     W: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)  # (BLOCK_T,)
     e = tl.program_id(2) * BLOCK_E + tl.arange(0, BLOCK_E)  # (BLOCK_E,)
     e_ok = e < E

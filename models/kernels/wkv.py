@@ -63,7 +63,7 @@ def _wkv_kernel(
     sk_b, sk_t, sv_b, sv_t, sr_b, sr_t, so_b, so_t,
     HAS_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # (64-bit: b times a batch stride passes 2^31 at scale)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # (BLOCK_D,)
     d_ok = d < D
     w = -tl.exp(tl.load(decay_ptr + d, mask=d_ok, other=0.0).to(tl.float32))  # log decay, < 0
@@ -73,12 +73,13 @@ def _wkv_kernel(
     num = tl.zeros((BLOCK_D,), dtype=tl.float32)  # the state: (num, den) e^p
     den = tl.zeros((BLOCK_D,), dtype=tl.float32)
     p = tl.full((BLOCK_D,), -1e38, dtype=tl.float32)  # "log of zero" that stays finite
-    nxt = _wkv_inputs(k_p, v_p, r_p, 0, sk_t, sv_t, sr_t, d_ok, HAS_R)
+    k_n, v_n, r_n = _wkv_inputs(k_p, v_p, r_p, 0, sk_t, sv_t, sr_t, d_ok, HAS_R)
     for t in range(T):
-        k, v, r = nxt
+        k, v, r = k_n, v_n, r_n
         # the next token's loads go out before this token's arithmetic (after the last token they
         # read it again, unused)
-        nxt = _wkv_inputs(k_p, v_p, r_p, tl.minimum(t + 1, T - 1), sk_t, sv_t, sr_t, d_ok, HAS_R)
+        t_next = tl.minimum(t + 1, T - 1)
+        k_n, v_n, r_n = _wkv_inputs(k_p, v_p, r_p, t_next, sk_t, sv_t, sr_t, d_ok, HAS_R)
         q = tl.maximum(p, u + k)
         a, e = tl.exp(p - q), tl.exp(u + k - q)
         y = (a * num + e * v) / (a * den + e)

@@ -131,3 +131,42 @@ def test_field_kernel_equals_fp64_reference_on_cuda(case):
 def test_tiny_model_losses_with_kernels_equal_the_pytorch_path_on_cuda(arch):
     result = model_error(arch, "cuda")
     assert result["mean_nll"] > 1.0 and result["error"] <= TOLERANCE, result
+
+
+def test_kernels_compile_for_a_hopper_gpu_without_one():
+    """Triton's compiler runs on a CPU: every kernel, with the block sizes the dispatch launches,
+    goes through the compiled frontend (not the interpreter) to an sm_90 cubin, so an error that
+    only compiled Triton would raise shows here too."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from models.kernels import selective_scan as ss
+    from models.kernels import wkv
+
+    def signature(kernel, bf16: set[str], constexprs: dict) -> dict:
+        return {
+            n: ("*bf16" if n in bf16 else "*fp32") if n.endswith("_ptr")
+            else "constexpr" if n in constexprs
+            else "i32"
+            for n in kernel.arg_names
+        }  # fmt: skip
+
+    cases = [
+        (ss._selective_scan_kernel, {"u_ptr", "dt_ptr", "B_ptr", "C_ptr", "z_ptr", "out_ptr"},
+         dict(HAS_D=True, HAS_Z=True, HAS_BIAS=True, BLOCK_E=ss.SCAN_BLOCK_E, BLOCK_N=16),
+         ss.SCAN_WARPS),
+        (ss._causal_conv1d_silu_kernel, {"x_ptr", "out_ptr"},
+         dict(W=4, HAS_BIAS=True, BLOCK_T=ss.CONV_BLOCK_T, BLOCK_E=ss.CONV_BLOCK_E), 4),
+        (wkv._wkv_kernel, {"k_ptr", "v_ptr", "r_ptr", "out_ptr"},
+         dict(HAS_R=True, BLOCK_D=wkv.WKV_BLOCK_D), wkv.WKV_WARPS),
+    ]  # fmt: skip
+    for kernel, bf16, constexprs, warps in cases:
+        compiled = triton.compile(
+            ASTSource(
+                fn=kernel, signature=signature(kernel, bf16, constexprs), constexprs=constexprs
+            ),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": warps},
+        )
+        assert compiled.asm["cubin"] and ".entry" in compiled.asm["ptx"], kernel
