@@ -170,3 +170,27 @@ def test_stage_with_triton_kernels_on_the_interpreter_equals_the_pytorch_path(
     meta = read_json(out / "meta.json")
     ops = ["causal_conv1d", "selective_scan"] if kind == "mamba" else ["wkv"]
     assert meta["kernels"] == dict.fromkeys(ops, "triton") and meta["kernels_requested"] == "triton"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["mamba", "rwkv"])
+def test_cuda_stage_with_fused_kernels_equals_the_cpu_pytorch_path(
+    kind,
+    corpus,  # noqa: F811
+    models_dir,  # noqa: F811
+    tmp_path,
+):
+    from dataclasses import replace
+
+    spec = models_dir[kind]
+    run_eval(config(corpus, spec, tmp_path / "cpu"))
+    run_eval(replace(config(corpus, spec, tmp_path / "fp32"), device="cuda"))
+    run_eval(replace(config(corpus, spec, tmp_path / "bf16"), device="cuda", dtype="bf16"))
+    cpu = read_losses(tmp_path / "cpu").column("nll").to_numpy()
+    fp32 = read_losses(tmp_path / "fp32").column("nll").to_numpy()
+    bf16 = read_losses(tmp_path / "bf16").column("nll").to_numpy()
+    np.testing.assert_allclose(fp32, cpu, rtol=0, atol=1e-4)
+    assert np.abs(bf16 - cpu).mean() < 0.05 and np.abs(bf16 - cpu).max() < 0.5
+    meta = read_json(tmp_path / "bf16" / "meta.json")
+    assert set(meta["kernels"].values()) <= {"triton", "field"} and meta["kernels"]
+    assert meta["weights_dtype"] == "bf16" and meta["warmup_s"] > 0
