@@ -27,7 +27,7 @@ install:
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[dev,ray]"
+	$(PY) -m pip install --quiet -e ".[dev,ray,kernels]"
 
 # Debian's chromium, for the test that opens report.html in a headless browser (skipped without it).
 install-browser:
@@ -43,8 +43,12 @@ test-slow:
 test-demo:
 	$(PY) -m pytest -m slow tests/pipeline/test_demo_e2e.py -q
 
+# Only the files holding CUDA cases are collected, so a GPU machine's own Python (PY=python3)
+# needs torch, transformers, tokenizers, pyarrow, numpy, numba, triton and pytest, not the data
+# side's duckdb or polars (tests/test_gpu_environment.py checks it).
+GPU_TESTS = $(shell grep -rl --include='test_*.py' 'pytest.mark.gpu' tests)
 test-gpu:
-	$(PY) -m pytest -m gpu -q
+	$(PY) -m pytest -m gpu -q $(GPU_TESTS)
 
 lint:
 	$(VENV)/bin/ruff check .

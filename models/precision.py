@@ -113,6 +113,45 @@ def autocast(device: str, dtype: str):
     )
 
 
+def weights_dtype(device: str, dtype: str) -> str:
+    """The dtype evaluation holds the linear layers' weights in: bf16 on CUDA when the forward
+    runs in bf16 (autocast would cast them to it on every forward), else fp32, so a CPU keeps
+    its weights as loaded."""
+    return "bf16" if device.startswith("cuda") and dtype == "bf16" else "fp32"
+
+
+def hold_linear_weights(model, dtype: str) -> int:
+    """Cast, in place, the weight matrices of `model`'s `nn.Linear` layers to `dtype` (fp32:
+    leave them); returns how many changed.
+
+    Under autocast in that dtype the losses stay the same: `F.linear` reads its weight rounded to
+    the autocast dtype either way, now once instead of on every forward. Everything else keeps
+    its dtype: biases (a layer may add its own in fp32, as Mamba's dt_proj does in the scan),
+    norms, embeddings, convolutions, decays, and a weight shared with another kind of module (a
+    head tied to the embedding, which reads it unrounded).
+    """
+    from torch import nn
+
+    if canonical_dtype(dtype) == "fp32":
+        return 0
+    target = torch_dtype(dtype)
+    linear, other = {}, set()
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            linear[id(module.weight)] = module.weight
+            other.update(
+                id(p) for name, p in module.named_parameters(recurse=False) if name != "weight"
+            )
+        else:
+            other.update(id(p) for p in module.parameters(recurse=False))
+    held = 0
+    for key, weight in linear.items():
+        if key not in other and weight.is_floating_point() and weight.dtype != target:
+            weight.data = weight.data.to(target)
+            held += 1
+    return held
+
+
 def resolve_on_cluster(executor, dtype: str, device: str) -> str:
     """`resolve_dtype` where the work runs: on one of a Ray cluster's GPUs for a CUDA evaluation
     (the driver may have no GPU, or another kind), else here as a local run would."""

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.kernels import run_op
 from models.mixers.base import Mixer
 
 _LOG2E = 1.4426950408889634
@@ -137,6 +138,24 @@ def _scan_in_chunks(u, delta, A, B, C, D, z, chunk_size, block_elements):
     return out
 
 
+def causal_conv1d_silu(x, weight, bias=None):
+    """silu(depthwise causal conv1d(x)), the PyTorch path of models/kernels' "causal_conv1d":
+    x (B, T, E), weight (E, 1, W), bias (E,). One conv1d padded on both sides with the tail
+    dropped. Returns (B, T, E) contiguous."""
+    T, W = x.shape[1], weight.shape[-1]
+    y = F.conv1d(x.transpose(1, 2), weight, bias, padding=W - 1, groups=x.shape[-1])[..., :T]
+    return F.silu(y).transpose(1, 2).contiguous()  # (B, T, E)
+
+
+def selective_scan_gated(u, dt, A, B, C, D=None, z=None, dt_bias=None, chunk_size: int = 16):
+    """The selective scan with Δ = softplus(dt + dt_bias) made here, the PyTorch path of
+    models/kernels' "selective_scan" (`selective_scan_chunked`). dt (B, T, E) before its bias and
+    softplus, the rest as `selective_scan_sequential`. Returns (B, T, E) in u's dtype."""
+    delta = dt.float() if dt_bias is None else dt.float() + dt_bias.float()
+    y = selective_scan_chunked(u, F.softplus(delta), A, B, C, D, z, chunk_size)
+    return y.to(u.dtype)
+
+
 @dataclass
 class MambaMixerOptions:
     d_state: int = 16  # N, the state size per channel (every published Mamba-1)
@@ -177,19 +196,20 @@ class MambaMixer(Mixer):
         self.out_proj = nn.Linear(E, d_model, bias=opts.bias)
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        T = x.shape[1]
         xz = self.in_proj(x)  # (B, T, 2E)
-        xs, z = xz.chunk(2, dim=-1)  # (B, T, E) each
-        # the causal depthwise convolution as one conv1d: padded both sides, the tail dropped
-        xs = self.conv1d(xs.transpose(1, 2))[..., :T]  # (B, E, T)
-        u = F.silu(xs).transpose(1, 2).contiguous()  # (B, T, E)
+        xs, z = xz.chunk(2, dim=-1)  # (B, T, E) views
+        conv = self.conv1d
+        u = run_op("causal_conv1d", xs, conv.weight, conv.bias)  # (B, T, E): silu(conv(xs))
         dt, Bm, Cm = self.x_proj(u).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
-        delta = F.softplus(self.dt_proj(dt).float())  # (B, T, E)
         A = -torch.exp(self.A_log.float())  # (E, N)
         if self.mode == "sequential":
+            delta = F.softplus(self.dt_proj(dt).float())  # (B, T, E)
             y = selective_scan_sequential(u, delta, A, Bm, Cm, self.D, z)
-        else:
-            y = selective_scan_chunked(u, delta, A, Bm, Cm, self.D, z, self.chunk_size)
+        else:  # dt_proj's bias and the softplus go into the scan, as in mamba_ssm's kernel
+            dt = F.linear(dt, self.dt_proj.weight)  # (B, T, E)
+            y = run_op(
+                "selective_scan", u, dt, A, Bm, Cm, self.D, z, self.dt_proj.bias, self.chunk_size
+            )
         return self.out_proj(y.to(xz.dtype))
 
 

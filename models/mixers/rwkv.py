@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.kernels import run_op
 from models.mixers.base import Mixer, StateMixer
 
 log = logging.getLogger(__name__)
@@ -458,6 +459,13 @@ def wkv_chunked(time_decay, time_first, k, v, chunk_size: int = 16):
     return out
 
 
+def wkv_gated(time_decay, time_first, k, v, r=None, chunk_size: int = 16):
+    """sigmoid(r) * `wkv_chunked(...)`, the PyTorch path of models/kernels' "wkv": r (B, T, D)
+    the receptance before its sigmoid, or None. Returns (B, T, D) in r's dtype (fp32 without r)."""
+    wkv = wkv_chunked(time_decay, time_first, k, v, chunk_size)
+    return wkv if r is None else (torch.sigmoid(r) * wkv).to(r.dtype)
+
+
 def _time_shift(x: torch.Tensor) -> torch.Tensor:
     """x shifted one step later in time, zeros at t = 0: (B, T, D) -> (B, T, D)."""
     return F.pad(x, (0, 0, 1, -1))
@@ -517,12 +525,12 @@ class RWKVTimeMixer(Mixer):
         xx = _time_shift(x)  # (B, T, D)
         k = self.key(x * self.time_mix_k + xx * (1 - self.time_mix_k))  # (B, T, A)
         v = self.value(x * self.time_mix_v + xx * (1 - self.time_mix_v))
-        r = torch.sigmoid(self.receptance(x * self.time_mix_r + xx * (1 - self.time_mix_r)))
+        r = self.receptance(x * self.time_mix_r + xx * (1 - self.time_mix_r))
         if self.mode == "sequential":
             wkv = wkv_sequential(self.time_decay, self.time_first, k, v)
-        else:
-            wkv = wkv_chunked(self.time_decay, self.time_first, k, v, self.chunk_size)
-        return self.output((r * wkv).to(r.dtype))
+            return self.output((torch.sigmoid(r) * wkv).to(r.dtype))
+        gated = run_op("wkv", self.time_decay, self.time_first, k, v, r, self.chunk_size)
+        return self.output(gated)  # sigmoid(r) * wkv, in r's dtype
 
 
 @dataclass

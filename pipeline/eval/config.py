@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from models.kernels import KERNEL_CHOICES
 from pipeline.config import executor_option, ray_address_option
 
 # On CPU a few windows per batch amortise per-op overhead; more only grows memory.
@@ -134,6 +135,16 @@ class EvalConfig:
             "help": "run RWKV and Mamba-1 through this project's chunked forwards (the same "
             "losses, many times faster than transformers' per-token loops on a CPU); "
             "--no-fast-path keeps transformers' own forward"
+        },
+    )
+    kernels: str = field(
+        default="auto",
+        metadata={
+            "help": "the recurrences' fused kernels (models/kernels): auto = on CUDA the field's "
+            "(mamba_ssm, causal-conv1d, flash-linear-attention) when they import, else this "
+            "project's Triton kernels, and the PyTorch forms on a CPU; field, triton or pytorch "
+            "to insist on one. meta.json records the path each op took",
+            "choices": list(KERNEL_CHOICES),
         },
     )
     chunk_windows: int = field(

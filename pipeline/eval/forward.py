@@ -28,14 +28,27 @@ def resolve_batch_size(batch_size: str | int, device: str, window: int) -> int:
     return value
 
 
-def make_forward(loaded, device: str, dtype: str) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
-    """`forward(inputs (B,T) int64, targets (B,T) int64) -> nll (B,T) float32` on the device."""
+def make_forward(
+    loaded, device: str, dtype: str, kernels: str = "auto", kernels_taken: dict | None = None
+) -> Callable[[np.ndarray, np.ndarray], np.ndarray | PendingNll]:
+    """`forward(inputs (B,T) int64, targets (B,T) int64)` -> the NLL (B,T) float32 of a batch: an
+    array on a CPU; on CUDA a `PendingNll`, whose copy back to the host runs while the caller
+    queues the next batch.
+
+    On CUDA in bf16 the model's linear weights are held in bf16 first (`hold_linear_weights`:
+    the same losses, without autocast casting them on every forward). `kernels` is the
+    models/kernels preference the forward runs under; the path each fused op took is added to
+    `kernels_taken` ({op: set of paths}).
+    """
     import torch
 
+    from models.kernels import use_kernels
     from models.nll import per_token_nll
-    from models.precision import autocast
+    from models.precision import autocast, hold_linear_weights, weights_dtype
 
     on_cuda = device.startswith("cuda")
+    hold_linear_weights(loaded.model, weights_dtype(device, dtype))
+    taken = {} if kernels_taken is None else kernels_taken
 
     def to_device(a: np.ndarray):
         t = torch.from_numpy(a)
@@ -45,12 +58,34 @@ def make_forward(loaded, device: str, dtype: str) -> Callable[[np.ndarray, np.nd
             return t.pin_memory().to(device, non_blocking=True)
         return t
 
-    def forward(inputs: np.ndarray, targets: np.ndarray) -> np.ndarray:
-        with torch.inference_mode(), autocast(device, dtype):
+    def forward(inputs: np.ndarray, targets: np.ndarray):
+        with torch.inference_mode(), autocast(device, dtype), use_kernels(kernels) as paths:
             nll = per_token_nll(loaded, to_device(inputs), to_device(targets))
-        return nll.float().cpu().numpy()
+            for op, ways in paths.items():
+                taken.setdefault(op, set()).update(ways)
+            if on_cuda:
+                return PendingNll(nll)
+        return nll.float().numpy()
 
     return forward
+
+
+class PendingNll:
+    """A batch's NLL on its way back from the GPU: a copy into pinned host memory that the host
+    does not wait for, and the event recorded after it on the stream."""
+
+    def __init__(self, nll):
+        import torch
+
+        self.host = torch.empty(nll.shape, dtype=torch.float32, pin_memory=True)
+        self.host.copy_(nll, non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+
+    def result(self) -> np.ndarray:
+        """(B, T) float32, once the copy has landed."""
+        self.copied.synchronize()
+        return self.host.numpy()
 
 
 def _is_out_of_memory(err: BaseException) -> bool:
@@ -73,10 +108,15 @@ class BatchRunner:
 
     def run(self, seqs: list[Sequence], nll_out: np.ndarray, progress=None) -> int:
         """Fill `nll_out[row0 + j]` for every scored output of every sequence. Returns the number
-        of input tokens read (padding excluded)."""
+        of input tokens read (padding excluded).
+
+        One batch is kept in flight: batch i+1 is queued on the device before batch i's NLL is
+        taken back and scattered, so on CUDA the GPU computes while the host pads, copies and
+        scatters (a forward that returns an array has simply finished already)."""
         order = sorted(range(len(seqs)), key=lambda i: (-len(seqs[i].inputs), i))
         i = 0
         read = 0
+        in_flight = None  # (batch, its NLL: an array, or a PendingNll still on its way)
         while i < len(order):
             batch = [seqs[j] for j in order[i : i + self.batch_size]]
             nll = None
@@ -98,15 +138,27 @@ class BatchRunner:
                 log.warning("out of memory; retrying with batch size %d", self.batch_size)
                 self.on_oom()
                 continue
-            n_scored = 0
-            for row, s in enumerate(batch):
-                scored = nll[row, s.score_from : len(s.inputs)]
-                nll_out[s.row0 : s.row0 + len(scored)] = scored
-                n_scored += len(scored)
-                read += len(s.inputs)
-            if progress is not None:
-                progress(n_scored)
+            if in_flight is not None:
+                read += self._scatter(*in_flight, nll_out, progress)
+            in_flight = (batch, nll)
             i += len(batch)
+        if in_flight is not None:
+            read += self._scatter(*in_flight, nll_out, progress)
+        return read
+
+    @staticmethod
+    def _scatter(batch: list[Sequence], nll, nll_out: np.ndarray, progress) -> int:
+        """Write a finished batch's scored outputs into `nll_out`; returns its input tokens."""
+        if isinstance(nll, PendingNll):
+            nll = nll.result()
+        n_scored = read = 0
+        for row, s in enumerate(batch):
+            scored = nll[row, s.score_from : len(s.inputs)]
+            nll_out[s.row0 : s.row0 + len(scored)] = scored
+            n_scored += len(scored)
+            read += len(s.inputs)
+        if progress is not None:
+            progress(n_scored)
         return read
 
     def _pad(self, batch: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:

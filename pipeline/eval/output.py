@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +48,9 @@ def chunk_keys(tags: TagsInput, w0: int, w1: int) -> tuple[np.ndarray, np.ndarra
 
 
 def write_chunk(path: Path, window_id, pos, nll: np.ndarray) -> None:
+    """The loss part `path`, written whole or not at all: refused (ArSliceError) when a loss is
+    not finite; any other failure of the write is raised as an ArSliceError naming the file, its
+    temporary removed."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -62,16 +66,38 @@ def write_chunk(path: Path, window_id, pos, nll: np.ndarray) -> None:
         {"window_id": pa.array(window_id), "pos": pa.array(pos), "nll": pa.array(nll)},
         schema=losses_schema(),
     )
-    with atomic_path(path) as tmp:
-        pq.write_table(table, tmp)
+    try:
+        with atomic_path(path) as tmp:
+            pq.write_table(table, tmp)
+    except OSError as err:
+        raise ArSliceError(
+            f"could not write the loss part {path} ({type(err).__name__}: {err}); nothing of it "
+            "was kept, and a rerun resumes at it"
+        ) from err
+
+
+@dataclasses.dataclass
+class ComputedChunk:
+    """A chunk's losses, computed and not yet written."""
+
+    path: Path
+    window_id: np.ndarray
+    pos: np.ndarray
+    nll: np.ndarray
+    stats: dict  # what the stage records of it ("rows", "read", "seconds", ...)
+
+    def write(self) -> dict:
+        write_chunk(self.path, self.window_id, self.pos, self.nll)
+        return self.stats
 
 
 class ChunkEvaluator:
     """Computes and writes loss chunks `(c, runs)` with one model held for many chunks: in the
-    driver of a local run, or in each Ray actor of `--executor ray` (which loads its own model
-    and tags from the paths in `cfg`). A chunk's windows are the runs of consecutive windows
-    `runs` ((w0, w1), ...): one run for an evaluation of every window, several for a window
-    subset; their sequences are batched together and their rows follow one another."""
+    driver of a local run (`run_all`: each chunk written while the next one computes), or in each
+    Ray actor of `--executor ray` (a call per chunk, which loads its own model and tags from the
+    paths in `cfg`). A chunk's windows are the runs of consecutive windows `runs`
+    ((w0, w1), ...): one run for an evaluation of every window, several for a window subset;
+    their sequences are batched together and their rows follow one another."""
 
     def __init__(
         self,
@@ -94,14 +120,29 @@ class ChunkEvaluator:
                 cfg.model, device=device, fast_path=cfg.fast_path, model_config=cfg.model_config
             )
         self.out = Path(cfg.out)
-        forward = make_forward(loaded, device, dtype)
+        self.kernels_taken: dict = {}  # {fused op: the paths it took} (models/kernels)
+        forward = make_forward(loaded, device, dtype, cfg.kernels, self.kernels_taken)
         self.runner = BatchRunner(forward, batch_size, on_oom=torch.cuda.empty_cache)
         if cfg.windowing == "rolling":
             self.make_sequences = functools.partial(rolling_sequences, prefix=prefix, lead=lead)
         else:
             self.make_sequences = fixed_sequences
+        self.warmup_s = self._warm_up(device, loaded) if device.startswith("cuda") else 0.0
 
-    def __call__(self, task: tuple[int, tuple[tuple[int, int], ...]], progress=None) -> dict:
+    def _warm_up(self, device: str, loaded) -> float:
+        """One forward of a single window before the first chunk, so that the device's one-time
+        costs (kernel loading, Triton compiles, library handles) are paid here, once, and not
+        counted in the first chunk's rate. Returns its seconds."""
+        t = time.time()
+        width = max(1, min(self.tags.window, loaded.max_positions or self.tags.window))
+        ids = np.zeros((1, width), dtype=np.int64)
+        nll = self.runner.forward(ids, ids)
+        if not isinstance(nll, np.ndarray):
+            nll.result()
+        return time.time() - t
+
+    def compute(self, task: tuple[int, tuple[tuple[int, int], ...]], progress=None):
+        """The losses of chunk `task` = (c, runs), not yet written: a ComputedChunk."""
         c, runs = task
         t = time.time()
         sequences, keys, rows = [], [], 0
@@ -115,11 +156,40 @@ class ChunkEvaluator:
         nll = np.full(rows, np.nan, dtype=np.float32)
         read = self.runner.run(sequences, nll, progress)
         window_id, pos = (np.concatenate(k) for k in zip(*keys))
-        write_chunk(chunk_path(self.out, c), window_id, pos, nll)
-        return {
+        stats = {
             "rows": rows,
             "read": read,
             "seconds": time.time() - t,
             "batch_size": self.runner.batch_size,
             "backoffs": self.runner.backoffs,
+            "kernels": {op: sorted(paths) for op, paths in self.kernels_taken.items()},
         }
+        return ComputedChunk(chunk_path(self.out, c), window_id, pos, nll, stats)
+
+    def __call__(self, task: tuple[int, tuple[tuple[int, int], ...]], progress=None) -> dict:
+        """Compute chunk `task` and write its file; returns what the stage records of it."""
+        return self.compute(task, progress).write()
+
+    def run_all(self, tasks, progress=None) -> Iterator[tuple]:
+        """(task, what the stage records of it) for each of `tasks`, in order, each yielded once
+        its file is in place. A chunk is written by a background thread while the next one
+        computes: at most one write in flight, so at most two chunks' losses are held. A write
+        that fails raises its ArSliceError here, after every chunk written before it was
+        yielded, and leaves no part of its file; a chunk that fails to compute first lets the
+        write before it finish (and yields it when it succeeded)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="loss-parts") as writer:
+            pending = None  # (task, the future of its write)
+            for task in tasks:
+                try:
+                    chunk = self.compute(task, progress)
+                except BaseException:
+                    if pending is not None and pending[1].exception() is None:
+                        yield pending[0], pending[1].result()
+                    raise
+                if pending is not None:
+                    yield pending[0], pending[1].result()
+                pending = (task, writer.submit(chunk.write))
+            if pending is not None:
+                yield pending[0], pending[1].result()

@@ -16,7 +16,8 @@ from typing import Any
 
 from ar_slicing.errors import ArSliceError
 from ar_slicing.io import build_meta
-from models.precision import resolve_device, resolve_dtype, resolve_on_cluster
+from models.kernels import paths_taken
+from models.precision import resolve_device, resolve_dtype, resolve_on_cluster, weights_dtype
 from pipeline.config import Command, say
 from pipeline.eval.checkpoints import CHECKPOINT_KEYS
 from pipeline.eval.checks import check_model_fits
@@ -142,6 +143,8 @@ def eval_settings(cfg: EvalConfig, device: str | None = None, dtype: str | None 
         settings["model_config"] = model_config_identity(cfg.model_config)
     if cfg.windowing == "rolling":  # None: the harness's rule over the model's tokenizer
         settings["prefix_token"] = cfg.prefix_token
+    if cfg.kernels != "auto":  # (likewise: recorded only when a path is insisted on)
+        settings["kernels"] = cfg.kernels
     if cfg.harness_bos:  # recorded only when set, so earlier rolling plans stay the same
         settings["harness_bos"] = True
     if cfg.checkpoint_of is not None:  # (likewise: a model's plan stays as it was)
@@ -416,12 +419,14 @@ def _run_chunks(stage, run: EvalRun, tasks, parts, chunks, rows: int, windows_do
     from tqdm import tqdm
 
     scored = read = backoffs = 0
-    batch_size, t_compute = run.batch_size, 0.0
+    batch_size, t_compute, warmup_s = run.batch_size, 0.0, 0.0
+    kernels: dict = {}  # {fused op: the paths it took}, over every evaluator
     bar = tqdm(total=rows, unit="tok", unit_scale=True, desc=f"eval {run.name}", dynamic_ncols=True)
     t_loop = time.time()
     if run.executor is None:
         evaluator = run.evaluator()
-        results = ((task, evaluator(task, bar.update)) for task in tasks)
+        warmup_s = evaluator.warmup_s
+        results = evaluator.run_all(tasks, bar.update)
     else:
         results = run.executor.map_actors(
             run.actor_evaluator(),
@@ -439,6 +444,8 @@ def _run_chunks(stage, run: EvalRun, tasks, parts, chunks, rows: int, windows_do
             batch_size = min(batch_size, result["batch_size"])
             backoffs = max(backoffs, result["backoffs"])  # each evaluator counts its own
             scored += result["rows"]
+            for op, paths in result["kernels"].items():
+                kernels.setdefault(op, set()).update(paths)
             windows_done += chunks[c][1] - chunks[c][0]
             bar.set_postfix_str(f"windows {windows_done}/{run.n_windows}")
     finally:
@@ -450,6 +457,8 @@ def _run_chunks(stage, run: EvalRun, tasks, parts, chunks, rows: int, windows_do
         "backoffs": backoffs,
         "batch_size": batch_size,
         "tokens_per_s": scored / t_compute if t_compute > 0 else 0.0,
+        "kernels": kernels,
+        "warmup_s": warmup_s,
     }
 
 
@@ -506,6 +515,12 @@ def _eval_meta(stage, run: EvalRun, chunks, todo, totals: dict) -> dict:
         model_tokenizer_fingerprint=getattr(loaded, "tokenizer_fingerprint", None),
         model_config=stage.plan["settings"].get("model_config"),
         loader_settings=loaded.settings,
+        # the path each fused op of the recurrences took (models/kernels), and the dtype the
+        # linear layers' weights were held in (models.precision.weights_dtype)
+        kernels=paths_taken(totals["kernels"]),
+        kernels_requested=cfg.kernels,
+        weights_dtype=weights_dtype(run.device, run.dtype),
+        warmup_s=totals["warmup_s"],
         skip_tokenizer_check=cfg.skip_tokenizer_check,
         windowing=cfg.windowing,
         prefix_token=run.prefix,
