@@ -1,4 +1,5 @@
-"""The forward pass: batch sizes, the per-token NLL of a batch, and batching with out-of-memory back-off."""
+"""The forward pass: batch sizes, the per-token NLL (and argmax) of a batch, and batching with
+out-of-memory back-off, for the eval stage's windows and for the probes' token rows."""
 
 from __future__ import annotations
 
@@ -28,8 +29,11 @@ def resolve_batch_size(batch_size: str | int, device: str, window: int) -> int:
     return value
 
 
-def make_forward(loaded, device: str, dtype: str) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
-    """`forward(inputs (B,T) int64, targets (B,T) int64) -> nll (B,T) float32` on the device."""
+def make_forward(
+    loaded, device: str, dtype: str, with_argmax: bool = False
+) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+    """`forward(inputs (B,T) int64, targets (B,T) int64) -> nll (B,T) float32` on the device;
+    with `with_argmax`, `-> (nll, argmax (B,T) int64)`, the id the head ranks first."""
     import torch
 
     from models.nll import per_token_nll
@@ -45,10 +49,15 @@ def make_forward(loaded, device: str, dtype: str) -> Callable[[np.ndarray, np.nd
             return t.pin_memory().to(device, non_blocking=True)
         return t
 
-    def forward(inputs: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    def forward(inputs: np.ndarray, targets: np.ndarray):
         with torch.inference_mode(), autocast(device, dtype):
-            nll = per_token_nll(loaded, to_device(inputs), to_device(targets))
-        return nll.float().cpu().numpy()
+            out = per_token_nll(
+                loaded, to_device(inputs), to_device(targets), with_argmax=with_argmax
+            )
+        if with_argmax:
+            nll, top = out
+            return nll.float().cpu().numpy(), top.cpu().numpy()
+        return out.float().cpu().numpy()
 
     return forward
 
@@ -71,21 +80,22 @@ class BatchRunner:
         self.on_oom = on_oom or (lambda: None)
         self.backoffs = 0
 
-    def run(self, seqs: list[Sequence], nll_out: np.ndarray, progress=None) -> int:
-        """Fill `nll_out[row0 + j]` for every scored output of every sequence. Returns the number
-        of input tokens read (padding excluded)."""
+    def run(self, seqs: list[Sequence], nll_out: np.ndarray, progress=None, argmax_out=None) -> int:
+        """Fill `nll_out[row0 + j]` for every scored output of every sequence (and `argmax_out`
+        likewise, when given: `forward` then returns `(nll, argmax)`). Returns the number of
+        input tokens read (padding excluded)."""
         order = sorted(range(len(seqs)), key=lambda i: (-len(seqs[i].inputs), i))
         i = 0
         read = 0
         while i < len(order):
             batch = [seqs[j] for j in order[i : i + self.batch_size]]
-            nll = None
+            out = None
             try:
-                nll = self.forward(*self._pad(batch))
+                out = self.forward(*self._pad(batch))
             except Exception as err:  # torch raises OutOfMemoryError (RuntimeError before 2.1)
                 if not _is_out_of_memory(err):
                     raise
-            if nll is None:
+            if out is None:
                 # Handled outside the except block: the traceback it holds keeps the failed
                 # batch's activations alive, and freeing them first is what makes the retry fit.
                 if self.batch_size == 1:
@@ -98,10 +108,15 @@ class BatchRunner:
                 log.warning("out of memory; retrying with batch size %d", self.batch_size)
                 self.on_oom()
                 continue
+            nll, top = out if argmax_out is not None else (out, None)
             n_scored = 0
             for row, s in enumerate(batch):
                 scored = nll[row, s.score_from : len(s.inputs)]
                 nll_out[s.row0 : s.row0 + len(scored)] = scored
+                if top is not None:
+                    argmax_out[s.row0 : s.row0 + len(scored)] = top[
+                        row, s.score_from : len(s.inputs)
+                    ]
                 n_scored += len(scored)
                 read += len(s.inputs)
             if progress is not None:
@@ -118,3 +133,25 @@ class BatchRunner:
             inputs[row, : len(s.inputs)] = s.inputs
             targets[row, : len(s.targets)] = s.targets
         return inputs, targets
+
+
+def score_rows(
+    loaded, rows: np.ndarray, device: str, dtype: str, batch_size: str | int = "auto"
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-position NLL and argmax of token rows (N, T) of one length (the probes' sequences):
+    `nll[i, j] = -log p(rows[i, j+1] | rows[i, :j+1])` and `argmax[i, j]` the id the model ranks
+    first there, both (N, T-1), float32 and int64; through the eval stage's forward and batching
+    (`batch_size` rows at a time; auto: as many as the eval stage's token budget holds)."""
+    import torch
+
+    rows = np.asarray(rows, dtype=np.int64)
+    n, width = rows.shape
+    seqs = [Sequence(r[:-1], r[1:], 0, i * (width - 1)) for i, r in enumerate(rows)]
+    nll = np.full(n * (width - 1), np.nan, dtype=np.float32)
+    top = np.full(n * (width - 1), -1, dtype=np.int64)
+    forward = make_forward(loaded, device, dtype, with_argmax=True)
+    runner = BatchRunner(
+        forward, resolve_batch_size(batch_size, device, width - 1), on_oom=torch.cuda.empty_cache
+    )
+    runner.run(seqs, nll, argmax_out=top)
+    return nll.reshape(n, width - 1), top.reshape(n, width - 1)
