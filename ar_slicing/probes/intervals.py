@@ -1,5 +1,6 @@
-"""Bootstrap intervals of the probes' statistics: resampling sequences (induction, recall) or
-windows (in-context learning score) with replacement, as Table 1 resamples windows."""
+"""How the probes' statistics read their tables (`frame`) and their bootstrap intervals:
+resampling sequences (induction, recall) or windows (in-context learning score) with
+replacement, as Table 1 resamples windows."""
 
 from __future__ import annotations
 
