@@ -78,6 +78,13 @@ def test_a_model_that_copies_scores_the_maximum(handset):
 
 def test_a_model_that_ignores_its_input_scores_zero(handset):
     tables = probe(handset["unigram"])
+    # another model of the same vocabulary reads exactly the same sequences
+    copier = probe(handset["copying"])
+    assert tables.sequences_digest == copier.sequences_digest
+    for ours, theirs in ((tables.induction, copier.induction), (tables.recall, copier.recall)):
+        assert ours.select(["seq_id", "pos", "token"]).equals(
+            theirs.select(["seq_id", "pos", "token"])
+        )
     got = induction_score(tables.induction, n_bootstrap=100)
     assert got["first_nll"] > 3.0  # a real, non-uniform distribution: ln 32 = 3.47
     assert abs(got["score"]) < 1e-5
