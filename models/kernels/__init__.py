@@ -4,11 +4,13 @@ Each operation in `OPS` has up to three implementations with one signature:
 
   * `pytorch`: the mixer's own chunked PyTorch form (models/mixers/), the CPU path, the only one
     with autograd, and the reference the others are tested against;
-  * `triton`: this project's Triton kernel (one file each here: selective_scan.py, wkv.py), on
-    CUDA, or on a CPU under Triton's interpreter (`TRITON_INTERPRET=1`, what the tests do);
-  * `field`: the field's CUDA kernel when its package imports (mamba_ssm's `selective_scan_fn`,
-    causal-conv1d's `causal_conv1d_fn`, flash-linear-attention's RWKV-4 kernel; field.py holds
-    the adapters). Those packages compile CUDA at install, so none is a dependency.
+  * `triton`: this project's Triton kernel (one file each here: selective_scan.py, wkv.py,
+    ssd.py), on CUDA, or on a CPU under Triton's interpreter (`TRITON_INTERPRET=1`, what the
+    tests do);
+  * `field`: the field's CUDA kernel when its package imports (mamba_ssm's `selective_scan_fn`
+    and `mamba_chunk_scan_combined`, causal-conv1d's `causal_conv1d_fn`, flash-linear-attention's
+    RWKV-4 kernel; field.py holds the adapters). Those packages compile CUDA at install, so none
+    is a dependency.
 
 `run_op(name, *args)` picks one by the preference in force (`use_kernels`), the tensors' device
 and what imports, and records the path it took, which the eval stage writes to meta.json
@@ -20,8 +22,7 @@ and what imports, and records the path it took, which the eval stage writes to m
   * `pytorch`: the PyTorch path everywhere.
 
 Autograd always takes the PyTorch path (the kernels compute forward passes only). A new kernel is
-one entry of `OPS`; Mamba-2's SSD scan joins as `"ssd": Op(pytorch="models.mixers.mamba2:...",
-triton="models.kernels.ssd:...", field="models.kernels.field:ssd", field_needs=(...))`.
+one entry of `OPS`.
 """
 
 from __future__ import annotations
@@ -73,6 +74,13 @@ OPS = {
         triton="models.kernels.wkv:wkv_triton",
         field="models.kernels.field:wkv",
         field_needs=("fla.ops.rwkv4.fused_recurrent",),
+    ),
+    # Mamba-2's SSD scan with dt + bias, softplus and its limit, the D skip and the SiLU(z) gate
+    "ssd": Op(
+        pytorch="models.mixers.mamba2:ssd_chunked",
+        triton="models.kernels.ssd:ssd_triton",
+        field="models.kernels.field:ssd",
+        field_needs=("mamba_ssm.ops.triton.ssd_combined",),
     ),
 }
 
@@ -177,7 +185,7 @@ def run_op(op: str, *args, **kwargs):
     recorded in that policy (`use_kernels`)."""
     import torch
 
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     policy = _POLICY.get()
     preference = policy.preference if policy is not None else "auto"
