@@ -17,7 +17,8 @@ and what imports, and records the path it took, which the eval stage writes to m
 (`kernels`):
 
   * `auto` (the default): on CUDA the field's kernel, else this project's Triton kernel, else
-    PyTorch; on a CPU, PyTorch;
+    PyTorch; on a CPU, PyTorch. On fp32 tensors it passes over a field kernel whose fp32 matmuls
+    run in TF32 (mamba_ssm's SSD: Triton's default precision), as fp32 promises exact losses;
   * `field`, `triton`: that path or a clear error saying why it cannot run;
   * `pytorch`: the PyTorch path everywhere.
 
@@ -51,6 +52,7 @@ class Op:
     triton: str | None = None
     field: str | None = None
     field_needs: tuple[str, ...] = ()  # modules the field's kernel imports from
+    field_tf32: bool = False  # the field's kernel takes fp32 matmul operands as TF32
 
 
 OPS = {
@@ -81,6 +83,7 @@ OPS = {
         triton="models.kernels.ssd:ssd_triton",
         field="models.kernels.field:ssd",
         field_needs=("mamba_ssm.ops.triton.ssd_combined",),
+        field_tf32=True,
     ),
 }
 
@@ -153,12 +156,16 @@ def _triton_missing(op: str, on_cuda: bool) -> str | None:
     return None
 
 
-def choose(op: str, on_cuda: bool, needs_grad: bool, preference: str = "auto") -> str:
-    """The path `op` takes: "pytorch", "triton" or "field" (see the module docstring)."""
+def choose(
+    op: str, on_cuda: bool, needs_grad: bool, preference: str = "auto", fp32: bool = False
+) -> str:
+    """The path `op` takes: "pytorch", "triton" or "field" (see the module docstring); `fp32`:
+    its tensors are fp32."""
     if needs_grad or preference == "pytorch":
         return "pytorch"
     if preference == "auto":
-        if on_cuda and _field_missing(op) is None:
+        exact = not (fp32 and OPS[op].field_tf32)
+        if on_cuda and exact and _field_missing(op) is None:
             return "field"
         if on_cuda and _triton_missing(op, on_cuda) is None:
             return "triton"
@@ -189,7 +196,8 @@ def run_op(op: str, *args, **kwargs):
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     policy = _POLICY.get()
     preference = policy.preference if policy is not None else "auto"
-    path = choose(op, tensors[0].is_cuda, needs_grad, preference)
+    fp32 = tensors[0].dtype == torch.float32
+    path = choose(op, tensors[0].is_cuda, needs_grad, preference, fp32)
     if policy is not None:
         policy.taken.setdefault(op, set()).add(path)
     return implementation(op, path)(*args, **kwargs)

@@ -110,6 +110,11 @@ def test_dispatch_order_and_refusals(monkeypatch):
             ArSliceError, match="--kernels field: the wkv kernel .* does not import"
         ):
             choose("wkv", on_cuda=True, needs_grad=False, preference="field")
+    # ... but not for fp32 tensors where the field's kernel would round its matmuls to TF32
+    ssd_imports = importlib.util.find_spec("mamba_ssm") is not None
+    assert choose("ssd", on_cuda=True, needs_grad=False) == ("field" if ssd_imports else "triton")
+    assert choose("ssd", on_cuda=True, needs_grad=False, fp32=True) == "triton"
+    assert choose("wkv", on_cuda=True, needs_grad=False, fp32=True) == want  # (exact in fp32)
     with pytest.raises(ArSliceError, match="--kernels 'fast': choose one of auto, field"):
         with use_kernels("fast"):
             pass
@@ -198,6 +203,9 @@ def test_kernels_compile_for_a_hopper_gpu_without_one():
          dict(ssd_flags, DOT_PRECISION="tf32", CHUNK=ssd.SSD_CHUNK), ssd_options),
         (ssd._ssd_kernel, set(),
          dict(ssd_flags, DOT_PRECISION="ieee", CHUNK=ssd.SSD_CHUNK_FP32), ssd_options),
+        (ssd._ssd_kernel, ssd_bf16,  # and none of them
+         dict(dict.fromkeys(ssd_flags, False), BLOCK_P=16, BLOCK_N=16, DOT_PRECISION="tf32",
+              CHUNK=ssd.SSD_CHUNK), ssd_options),
     ]  # fmt: skip
     for kernel, bf16, constexprs, options in cases:
         compile_for_hopper(kernel, bf16, constexprs, options)
