@@ -11,17 +11,19 @@ autocast and the automatic batch size (128 windows):
                               project's forward with the fused kernels (models/kernels/)
     rwkv-169m                 RwkvForCausalLM (RWKV/rwkv-4-169m-pile, context 2048), `hf:`, the
                               same
+    mamba2-130m               Mamba2ForCausalLM at state-spaces/mamba2-130m's shape (d_model 768,
+                              24 layers, 24 heads of 64, d_state 128, one group, expand 2, tied
+                              head), `hf:`, the same (its convolution and SSD scan)
     hyena-864x18              this project's Hyena LM, d_model 864 x 18 layers (safari's
                               Hyena-153M), `native:`
     base_conv-768x12          this project's BaseConv LM, 768 x 12, `native:`
-
-(Mamba-2-130M joins CASES as one entry once its mixer, models/mixers/mamba2.py, lands.)
 
 For each: the stage twice in this process, "cold" first (its rate counts the warm-up forward
 that pays the device's one-time costs) and "warm" second; the plain loop a user writes instead,
 in the same run: the same checkpoint loaded by transformers (or `load_native`) with bf16 weights,
 `model(ids).logits` -> fp32 cross-entropy, 32 windows a batch (for transformers' own Mamba and
-RWKV forwards, which step through the tokens in Python, 4 windows); MFU of the warm stage; peak
+RWKV forwards, which step through the tokens in Python, 4 windows; for its Mamba-2, whose PyTorch
+SSD holds (chunk x chunk x heads) fp32 blocks of ~50 MB a window, 8); MFU of the warm stage; peak
 GPU memory of the stage; the mean NLL of the stage and of the plain loop (the same losses, up
 to bf16 rounding); the path each fused op took (meta.json's `kernels`).
 
@@ -29,7 +31,8 @@ MFU = tokens/s x forward FLOPs per token / the device's dense bf16 peak. Forward
 as in PaLM (Chowdhery et al. 2022, appendix B): `2 N + 4 n_layers d_model T` for attention, N
 the parameters that do matmul work (blocks and head, not the input embedding) and T = 2048
 (attention without the causal halving, as PaLM counts it); for Mamba `2 N` plus the scan's ~9
-FLOPs per (channel, state) and token; for RWKV, Hyena and BaseConv `2 N` (their recurrences and
+FLOPs per (channel, state) and token, for Mamba-2 `2 N` plus the recurrence's 5 (the model's
+FLOPs, not the chunked form's); for RWKV, Hyena and BaseConv `2 N` (their recurrences and
 FFT convolutions uncounted: "matmuls only"). The peak is looked up from the device name (H100/H200
 989, A100 312 TFLOP/s, ...) or given with --peak-tflops.
 
@@ -62,6 +65,9 @@ WINDOW = 2048
 # FLOPs of the selective scan per (channel, state) and token: exp of Δ A, Δ u B, the
 # multiply-add of the update, the readout's multiply-add
 SCAN_FLOPS = 9
+# ... of Mamba-2's SSD recurrence: Δ x B, the update's multiply-add, the readout's (its decay
+# exp(Δ A) is one per head)
+SSD_FLOPS = 5
 # Dense bf16 peak in TFLOP/s (vendor data sheets, SXM parts; no sparsity).
 PEAK_BF16_TFLOPS = {
     "H200": 989.0,
@@ -122,7 +128,12 @@ CASES = {
              pad_vocab_size_multiple=8),
         tiny=dict(vocab_size=4096, d_model=64, n_layers=2),
     ),
-    # Mamba-2-130M (state-spaces/mamba2-130m): one entry here once models/mixers/mamba2.py lands
+    "mamba2-130m": Case(
+        "Mamba-2-130M (`hf:`, fused kernels)", "mamba2",
+        dict(vocab_size=50288, hidden_size=768, num_hidden_layers=24, num_heads=24, head_dim=64,
+             state_size=128, n_groups=1, expand=2, chunk_size=256, tie_word_embeddings=True),
+        plain_windows=8, tiny=dict(_TINY_HF, num_heads=8, head_dim=16, state_size=16),
+    ),
 }  # fmt: skip
 
 
@@ -157,6 +168,7 @@ def build_model(case: Case, shape: dict, out: Path, tokenizer: Path, device: str
             "neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
             "mamba": ("MambaConfig", "MambaForCausalLM"),
             "rwkv": ("RwkvConfig", "RwkvForCausalLM"),
+            "mamba2": ("Mamba2Config", "Mamba2ForCausalLM"),
         }[case.kind]
         config = getattr(transformers, config_class)(**shape)
         with torch.device(device):
@@ -183,6 +195,9 @@ def forward_flops_per_token(case: Case, model) -> float:
     if case.kind == "mamba":
         scan = SCAN_FLOPS * config.intermediate_size * config.state_size
         flops += scan * config.num_hidden_layers
+    if case.kind == "mamba2":
+        d_ssm = config.num_heads * config.head_dim
+        flops += SSD_FLOPS * d_ssm * config.state_size * config.num_hidden_layers
     return float(flops)
 
 

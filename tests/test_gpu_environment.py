@@ -30,7 +30,7 @@ def run_without(absent: list[str], code: str, timeout: int = 600) -> subprocess.
 
 def test_the_gpu_benchmark_runs_without_the_data_sides_packages(tmp_path):
     table = tmp_path / "gpu-eval.md"
-    argv = ["--tiny", "--case", "mamba-130m", "rwkv-169m", "--out", str(table)]
+    argv = ["--tiny", "--case", "mamba-130m", "rwkv-169m", "mamba2-130m", "--out", str(table)]
     done = run_without(
         [*ABSENT_ON_A_GPU_MACHINE, "pytest", "hypothesis"],
         f"import runpy; sys.argv = ['gpu_eval.py', *{argv!r}]; "
@@ -40,6 +40,9 @@ def test_the_gpu_benchmark_runs_without_the_data_sides_packages(tmp_path):
     rows = [line for line in table.read_text().splitlines() if line.startswith("| Mamba-130M")]
     assert rows and "selective_scan: pytorch" in rows[0]  # the CPU path, recorded
     assert re.search(r"\| RWKV-169M .* \| wkv: pytorch \|", table.read_text())
+    assert re.search(
+        r"\| Mamba-2-130M .* \| causal_conv1d: pytorch, ssd: pytorch \|", table.read_text()
+    )
 
 
 def test_the_gpu_tests_collect_without_the_data_sides_packages():

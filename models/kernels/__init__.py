@@ -4,24 +4,26 @@ Each operation in `OPS` has up to three implementations with one signature:
 
   * `pytorch`: the mixer's own chunked PyTorch form (models/mixers/), the CPU path, the only one
     with autograd, and the reference the others are tested against;
-  * `triton`: this project's Triton kernel (one file each here: selective_scan.py, wkv.py), on
-    CUDA, or on a CPU under Triton's interpreter (`TRITON_INTERPRET=1`, what the tests do);
-  * `field`: the field's CUDA kernel when its package imports (mamba_ssm's `selective_scan_fn`,
-    causal-conv1d's `causal_conv1d_fn`, flash-linear-attention's RWKV-4 kernel; field.py holds
-    the adapters). Those packages compile CUDA at install, so none is a dependency.
+  * `triton`: this project's Triton kernel (one file each here: selective_scan.py, wkv.py,
+    ssd.py), on CUDA, or on a CPU under Triton's interpreter (`TRITON_INTERPRET=1`, what the
+    tests do);
+  * `field`: the field's CUDA kernel when its package imports (mamba_ssm's `selective_scan_fn`
+    and `mamba_chunk_scan_combined`, causal-conv1d's `causal_conv1d_fn`, flash-linear-attention's
+    RWKV-4 kernel; field.py holds the adapters). Those packages compile CUDA at install, so none
+    is a dependency.
 
 `run_op(name, *args)` picks one by the preference in force (`use_kernels`), the tensors' device
 and what imports, and records the path it took, which the eval stage writes to meta.json
 (`kernels`):
 
   * `auto` (the default): on CUDA the field's kernel, else this project's Triton kernel, else
-    PyTorch; on a CPU, PyTorch;
+    PyTorch; on a CPU, PyTorch. On fp32 tensors it passes over a field kernel whose fp32 matmuls
+    run in TF32 (mamba_ssm's SSD: Triton's default precision), as fp32 promises exact losses;
   * `field`, `triton`: that path or a clear error saying why it cannot run;
   * `pytorch`: the PyTorch path everywhere.
 
 Autograd always takes the PyTorch path (the kernels compute forward passes only). A new kernel is
-one entry of `OPS`; Mamba-2's SSD scan joins as `"ssd": Op(pytorch="models.mixers.mamba2:...",
-triton="models.kernels.ssd:...", field="models.kernels.field:ssd", field_needs=(...))`.
+one entry of `OPS`.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class Op:
     triton: str | None = None
     field: str | None = None
     field_needs: tuple[str, ...] = ()  # modules the field's kernel imports from
+    field_tf32: bool = False  # the field's kernel takes fp32 matmul operands as TF32
 
 
 OPS = {
@@ -73,6 +76,14 @@ OPS = {
         triton="models.kernels.wkv:wkv_triton",
         field="models.kernels.field:wkv",
         field_needs=("fla.ops.rwkv4.fused_recurrent",),
+    ),
+    # Mamba-2's SSD scan with dt + bias, softplus and its limit, the D skip and the SiLU(z) gate
+    "ssd": Op(
+        pytorch="models.mixers.mamba2:ssd_chunked",
+        triton="models.kernels.ssd:ssd_triton",
+        field="models.kernels.field:ssd",
+        field_needs=("mamba_ssm.ops.triton.ssd_combined",),
+        field_tf32=True,
     ),
 }
 
@@ -145,12 +156,16 @@ def _triton_missing(op: str, on_cuda: bool) -> str | None:
     return None
 
 
-def choose(op: str, on_cuda: bool, needs_grad: bool, preference: str = "auto") -> str:
-    """The path `op` takes: "pytorch", "triton" or "field" (see the module docstring)."""
+def choose(
+    op: str, on_cuda: bool, needs_grad: bool, preference: str = "auto", fp32: bool = False
+) -> str:
+    """The path `op` takes: "pytorch", "triton" or "field" (see the module docstring); `fp32`:
+    its tensors are fp32."""
     if needs_grad or preference == "pytorch":
         return "pytorch"
     if preference == "auto":
-        if on_cuda and _field_missing(op) is None:
+        exact = not (fp32 and OPS[op].field_tf32)
+        if on_cuda and exact and _field_missing(op) is None:
             return "field"
         if on_cuda and _triton_missing(op, on_cuda) is None:
             return "triton"
@@ -177,11 +192,12 @@ def run_op(op: str, *args, **kwargs):
     recorded in that policy (`use_kernels`)."""
     import torch
 
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     policy = _POLICY.get()
     preference = policy.preference if policy is not None else "auto"
-    path = choose(op, tensors[0].is_cuda, needs_grad, preference)
+    fp32 = tensors[0].dtype == torch.float32
+    path = choose(op, tensors[0].is_cuda, needs_grad, preference, fp32)
     if policy is not None:
         policy.taken.setdefault(op, set()).add(path)
     return implementation(op, path)(*args, **kwargs)

@@ -1,6 +1,7 @@
 """Adapters to the field's CUDA kernels, with the signatures of models/kernels' dispatch:
 mamba_ssm's `selective_scan_fn` and causal-conv1d's `causal_conv1d_fn` (as transformers' Mamba
-CUDA path calls them) and flash-linear-attention's RWKV-4 `fused_recurrent_rwkv4`.
+CUDA path calls them), mamba_ssm's `mamba_chunk_scan_combined` (Mamba-2's SSD scan, as its
+`Mamba2` calls it) and flash-linear-attention's RWKV-4 `fused_recurrent_rwkv4`.
 
 Each package is imported inside its adapter (they compile CUDA at install, so none is a
 dependency; the dispatch offers them only when they import). The field's kernels read
@@ -12,6 +13,12 @@ dispatch's selective scan does.
 from __future__ import annotations
 
 import torch
+
+from models.mixers.mamba2 import NO_DT_LIMIT
+
+# mamba_ssm's Mamba2 default, which its Triton kernels' autotuned block sizes were chosen for (a
+# chunk changes nothing but rounding, models/mixers/mamba2.py)
+FIELD_SSD_CHUNK = 256
 
 
 def causal_conv1d_silu(x, weight, bias=None):
@@ -56,3 +63,21 @@ def wkv(time_decay, time_first, k, v, r=None, chunk_size: int = 16):
     )  # fmt: skip
     out = out.float()
     return out if r is None else (torch.sigmoid(r) * out).to(r.dtype)
+
+
+def ssd(
+    x, dt, A, B, C, chunk_size, D=None, z=None, initial_state=None, *, dt_bias=None,
+    dt_softplus=False, dt_limit=NO_DT_LIMIT, return_final_state=False,
+):  # fmt: skip
+    """Mamba-2's SSD scan by mamba_ssm's `mamba_chunk_scan_combined`, in chunks of
+    FIELD_SSD_CHUNK (arguments and result as models.kernels.ssd.ssd_triton's; `chunk_size` is
+    the PyTorch path's). Returns y (b, l, h, p) in x's dtype (and the final state in fp32)."""
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+    limit = {} if tuple(dt_limit) == NO_DT_LIMIT else {"dt_limit": tuple(dt_limit)}
+    out = mamba_chunk_scan_combined(
+        x, dt, A.float(), B, C, FIELD_SSD_CHUNK, D=D, z=z, dt_bias=dt_bias,
+        initial_states=initial_state, dt_softplus=dt_softplus,
+        return_final_states=return_final_state, **limit,
+    )  # fmt: skip
+    return (out[0], out[1].float()) if return_final_state else out

@@ -25,6 +25,10 @@ matter most, and an fp64 cumsum keeps them to fp32 precision for any length.
 
 Shapes are mamba_ssm's (`mamba_chunk_scan_combined`): x (b, l, h, p), dt (b, l, h), A (h,),
 B and C (b, l, g, n), D (h,) or (h, p), z (b, l, h, p), initial_state (b, h, p, n).
+
+The mixer's convolution and chunked scan go through models/kernels' dispatch (ops
+"causal_conv1d" and "ssd"): `ssd_chunked` is the scan's PyTorch path, and on CUDA a fused kernel
+(models/kernels/ssd.py, or mamba_ssm's) takes its place with the same arguments.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.kernels import run_op
 from models.mixers.base import Mixer
 
 NO_DT_LIMIT = (0.0, math.inf)  # mamba_ssm's default: Δ unclamped
@@ -234,19 +239,20 @@ class Mamba2Mixer(Mixer):
         z0, x0, z, xBC, dt = zxbcdt.split(
             [self.d_mlp, self.d_mlp, self.d_ssm, self.d_ssm + 2 * G * N, self.nheads], dim=-1
         )
-        # the causal depthwise convolution: padded both sides, the tail dropped
-        xBC = F.silu(self.conv1d(xBC.transpose(1, 2))[..., :T].transpose(1, 2))  # (b, T, conv_dim)
+        # silu(causal depthwise convolution), Mamba-1's fused op (models/kernels)
+        xBC = run_op("causal_conv1d", xBC, self.conv1d.weight, self.conv1d.bias)  # (b, T, conv_dim)
         x, B, C = xBC.split([self.d_ssm, G * N, G * N], dim=-1)
         A = -torch.exp(self.A_log.float())  # (H,)
         D = self.D.view(self.nheads, P) if self.D.numel() == self.d_ssm else self.D
-        scan = ssd_sequential if self.mode == "sequential" else ssd_chunked
-        extra = {} if self.mode == "sequential" else {"chunk_size": self.chunk_size}
-        y = scan(
-            x.unflatten(-1, (self.nheads, P)), dt, A, B.unflatten(-1, (G, N)),
-            C.unflatten(-1, (G, N)), D=D,
-            z=None if self.norm is not None else z.unflatten(-1, (self.nheads, P)),
-            dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit, **extra,
-        ).flatten(-2)  # (b, T, d_ssm) fp32  # fmt: skip
+        heads = (self.nheads, P)
+        x, B, C = x.unflatten(-1, heads), B.unflatten(-1, (G, N)), C.unflatten(-1, (G, N))
+        gate = None if self.norm is not None else z.unflatten(-1, heads)  # (else gated in the norm)
+        discretization = dict(dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit)
+        if self.mode == "sequential":
+            y = ssd_sequential(x, dt, A, B, C, D, gate, **discretization)
+        else:  # the chunked scan, or a fused kernel of it (models/kernels' "ssd")
+            y = run_op("ssd", x, dt, A, B, C, self.chunk_size, D, gate, **discretization)
+        y = y.flatten(-2)  # (b, T, d_ssm): fp32 from PyTorch, x's dtype from a kernel
         y = self.norm(y, z) if self.norm is not None else y
         y = y.to(u.dtype)
         if self.d_mlp:

@@ -6,10 +6,11 @@ interpreter, which must be switched on before triton is imported, so in a proces
     TRITON_INTERPRET=1 python -m tests.models.kernel_cases eval SPEC TAGS OUT KERNELS
 
 Shapes are small (the interpreter runs a program's every statement in numpy) and chosen for the
-edges: lengths that are not a multiple of the convolution's 64-token block, channel counts that
-are not a multiple of the 64- and 128-channel blocks, state sizes that are not a power of two,
-batch 1 and more, inputs read through strided views as the mixers pass them, decays from very
-slow to very fast and keys spread over tens of nats.
+edges: lengths that are not a multiple of the convolution's 64-token block or the SSD scan's
+chunk, channel counts that are not a multiple of the 64- and 128-channel blocks, head and state
+sizes that are not a power of two, batch 1 and more, groups of heads sharing B and C, inputs read
+through strided views as the mixers pass them, decays from very slow to very fast and keys
+spread over tens of nats.
 """
 
 from __future__ import annotations
@@ -25,8 +26,20 @@ KERNEL_CASES = {
     "wkv B1 T37 D20": dict(kernel="wkv", B=1, T=37, D=20),
     "wkv B3 T130 D150, extreme decays": dict(kernel="wkv", B=3, T=130, D=150, extreme=True),
     "wkv B2 T9 D129, no gate": dict(kernel="wkv", B=2, T=9, D=129, bare=True),
+    # Mamba-2's SSD: in fp32 the kernel's chunk is 32 tokens (ssd.SSD_CHUNK_FP32); the last case
+    # runs the 64-token chunk of its bf16 launch, in fp32
+    "ssd B1 T37 H4 P20 G2 N12": dict(kernel="ssd", B=1, T=37, H=4, P=20, G=2, N=12),
+    "ssd B3 T150 H4 P16 G1 N16, D per channel, z gate, dt limit": dict(
+        kernel="ssd", B=3, T=150, H=4, P=16, G=1, N=16, gated=True
+    ),
+    "ssd B2 T129 H6 P70 G3 N5, states in and out, no bias/D/softplus": dict(
+        kernel="ssd", B=2, T=129, H=6, P=70, G=3, N=5, bare=True
+    ),
+    "ssd B2 T150 H4 P24 G2 N24, chunks of 64": dict(
+        kernel="ssd", B=2, T=150, H=4, P=24, G=2, N=24, chunk=64
+    ),
 }
-MODEL_CASES = ("mamba", "rwkv")  # a tiny model's NLL, kernels against the PyTorch path
+MODEL_CASES = ("mamba", "rwkv", "mamba2")  # a tiny model's NLL, kernels against the PyTorch path
 TOLERANCE = 1e-4  # fp32 against fp64
 
 
@@ -72,6 +85,44 @@ def wkv_inputs(B, T, D, extreme=False, bare=False, device="cpu", seed=0):
     )  # fmt: skip
 
 
+def ssd_inputs(B, T, H, P, G, N, gated=False, bare=False, device="cpu", seed=0):
+    """Mamba-2 SSD inputs laid out as the mixer passes them: z, x, B, C and dt views of one
+    in_proj output (x, B and C through the convolution's (B, T, H P + 2 G N) output); one head
+    decaying by e^{-0.01 Δ} a token, the last by e^{-30 Δ}. `gated`: D per channel, the silu(z)
+    gate and a limit on Δ; `bare`: no dt bias, D or softplus (Δ = dt > 0), and an initial state;
+    every case returns the final state."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device)
+
+    # B and C of a third: outputs of a few units, of which fp32 keeps ~1e-6
+    scale = torch.ones(2 * H * P + 2 * G * N + H)
+    scale[2 * H * P : 2 * H * P + 2 * G * N] = 1 / 3
+    zxbcdt = randn(B, T, scale.numel()) * scale.to(device)
+    z, xBC, dt = zxbcdt.split([H * P, H * P + 2 * G * N, H], dim=-1)
+    x, Bm, Cm = xBC.split([H * P, G * N, G * N], dim=-1)
+    inputs = dict(
+        x=x.unflatten(-1, (H, P)), dt=dt, A=-torch.logspace(-2, 1.5, H).to(device),
+        B=Bm.unflatten(-1, (G, N)), C=Cm.unflatten(-1, (G, N)), chunk_size=16,
+        D=randn(H, P) if gated else randn(H), z=z.unflatten(-1, (H, P)) if gated else None,
+        initial_state=None, dt_bias=randn(H) - 1.0, dt_softplus=True,
+        dt_limit=(0.05, 1.5) if gated else (0.0, float("inf")), return_final_state=True,
+    )  # fmt: skip
+    if bare:
+        inputs.update(D=None, dt_bias=None, dt_softplus=False, dt=torch.rand_like(dt) + 0.01,
+                      initial_state=randn(B, H, P, N, scale=0.5))  # fmt: skip
+    return inputs
+
+
+def _fp64_cpu(value):
+    import torch
+
+    return value.double().cpu() if isinstance(value, torch.Tensor) else value
+
+
 def kernel_error(name: str, device: str, path: str = "triton") -> dict:
     """Case `name` on `device` by the kernels of `path` ("triton": this project's, "field": the
     field's adapters): {"error": max |kernel - fp64 reference| over its outputs, "scale": the
@@ -81,7 +132,15 @@ def kernel_error(name: str, device: str, path: str = "triton") -> dict:
 
     case = dict(KERNEL_CASES[name])
     kind = case.pop("kernel")
-    if kind == "wkv":
+    if kind == "ssd":
+        from models.mixers.mamba2 import ssd_sequential
+
+        chunk = case.pop("chunk", None)
+        a = ssd_inputs(**case, device=device)
+        want = ssd_sequential(**{k: _fp64_cpu(v) for k, v in a.items() if k != "chunk_size"})
+        launch = {"kernel_chunk": chunk} if chunk and path == "triton" else {}
+        got = list(zip(implementation("ssd", path)(**a, **launch), want))  # (y, final state)
+    elif kind == "wkv":
         a = wkv_inputs(**case, device=device)
         want = wkv.reference(**{k: v if v is None else v.cpu() for k, v in a.items()})
         got = [(implementation("wkv", path)(**a), want)]
@@ -100,12 +159,31 @@ def kernel_error(name: str, device: str, path: str = "triton") -> dict:
 
 
 def tiny_model(arch: str):
-    """A tiny transformers Mamba or RWKV (random weights, decays from slow to fast) in this
-    project's forward (models/mixers/), as `hf:` loads it."""
+    """A tiny transformers Mamba, Mamba-2 (two groups of heads, head and state sizes not powers of
+    two) or RWKV (random weights, decays from slow to fast) in this project's forward
+    (models/mixers/), as `hf:` loads it."""
     import torch
     from transformers import MambaConfig, MambaForCausalLM, RwkvConfig, RwkvForCausalLM
 
     torch.manual_seed(5)
+    if arch == "mamba2":
+        from transformers import Mamba2Config, Mamba2ForCausalLM
+
+        from models.checkpoints.mamba_ssm import mamba2_from_transformers
+
+        hf = Mamba2ForCausalLM(
+            Mamba2Config(
+                vocab_size=96, hidden_size=40, num_heads=4, head_dim=20, state_size=12,
+                n_groups=2, num_hidden_layers=2, time_step_limit=(0.0, 3.0),
+            )
+        )  # fmt: skip
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if name.endswith("A_log"):
+                    p.copy_(torch.randn_like(p) * 2)
+            hf.backbone.embeddings.weight.normal_(0, 0.5)
+        # the PyTorch path in chunks of 16; the kernel's chunk (32 in fp32) is its own
+        return mamba2_from_transformers(hf.eval(), chunk_size=16).eval()
     if arch == "mamba":
         from models.checkpoints.mamba_ssm import mamba_from_transformers
 

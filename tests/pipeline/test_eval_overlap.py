@@ -21,7 +21,7 @@ from pipeline.eval import (
     run_eval,
 )
 from pipeline.eval.output import ChunkEvaluator
-from tests.models.test_kernels import interpreted
+from tests.models.test_kernels import MODEL_OPS, interpreted
 from tests.pipeline.test_eval import config, corpus, models_dir, read_losses  # noqa: F401
 
 torch = pytest.importorskip("torch")
@@ -146,6 +146,9 @@ def test_meta_records_the_kernel_paths_and_the_weights_dtype(
     meta = read_json(tmp_path / "auto" / "meta.json")
     assert meta["kernels"] == {"causal_conv1d": "pytorch", "selective_scan": "pytorch"}
     assert meta["kernels_requested"] == "auto" and meta["weights_dtype"] == "fp32"
+    run_eval(config(corpus, models_dir["mamba2"], tmp_path / "mamba2"))
+    meta = read_json(tmp_path / "mamba2" / "meta.json")
+    assert meta["kernels"] == {"causal_conv1d": "pytorch", "ssd": "pytorch"}
     run_eval(config(corpus, models_dir["neox"], tmp_path / "neox"))
     assert read_json(tmp_path / "neox" / "meta.json")["kernels"] == {}  # no fused op in it
     with pytest.raises(ArSliceError, match="--kernels field: the causal_conv1d kernel cannot run"):
@@ -153,7 +156,7 @@ def test_meta_records_the_kernel_paths_and_the_weights_dtype(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["mamba", "rwkv"])
+@pytest.mark.parametrize("kind", ["mamba", "rwkv", "mamba2"])
 def test_stage_with_triton_kernels_on_the_interpreter_equals_the_pytorch_path(
     kind,
     corpus,  # noqa: F811
@@ -168,12 +171,12 @@ def test_stage_with_triton_kernels_on_the_interpreter_equals_the_pytorch_path(
     assert want.std() > 0.1
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
     meta = read_json(out / "meta.json")
-    ops = ["causal_conv1d", "selective_scan"] if kind == "mamba" else ["wkv"]
+    ops = MODEL_OPS[kind]
     assert meta["kernels"] == dict.fromkeys(ops, "triton") and meta["kernels_requested"] == "triton"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["mamba", "rwkv"])
+@pytest.mark.parametrize("kind", ["mamba", "rwkv", "mamba2"])
 def test_cuda_stage_with_fused_kernels_equals_the_cpu_pytorch_path(
     kind,
     corpus,  # noqa: F811
