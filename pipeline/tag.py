@@ -457,10 +457,11 @@ def _tag_into(
     _OPEN.update(zip(keys, (store, docs, counts)))
     try:
         windows = window_table(store.n_tokens, cfg.window)
-        write_window_table(out / WINDOWS_NAME, store.n_tokens, cfg.window)
         tasks = part_tasks(
             cfg, len(windows["window_id"]), tokens_path, counts_path, str(out.resolve())
         )
+        stage.expect([out / WINDOWS_NAME, *(t.path for t in tasks)])
+        write_window_table(out / WINDOWS_NAME, store.n_tokens, cfg.window)
         # a part is kept when the ledger records it whole, with the counts it had
         results = {t.index: stage.done(t.path.name) for t in tasks}
         results = {k: r for k, r in results.items() if r is not None}

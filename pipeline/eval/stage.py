@@ -384,6 +384,7 @@ def _evaluate(stage, run: EvalRun) -> dict:
             "resuming %s: %d of %d chunks already done", out, len(chunks) - len(todo), len(chunks)
         )
     tasks = [(c, runs[c]) for c in todo]
+    stage.expect(chunk_path(out, c) for c in todo)
     windows_done = run.n_windows - sum(chunks[c][1] - chunks[c][0] for c in todo)
     totals = _run_chunks(
         stage, run, tasks, parts, chunks, sum(chunk_rows[c] for c in todo), windows_done

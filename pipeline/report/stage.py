@@ -64,11 +64,13 @@ def report_settings(cfg: ReportConfig, reference: str | None = None) -> dict:
 
 def run_report(cfg: ReportConfig) -> dict:
     """Write results.duckdb and report/ for the run `cfg.run`; print Table 1 and the HTML path."""
-    from ar_slicing.ownership import results_lock
+    from ar_slicing.ownership import refuse_not_owned, results_lock
     from ar_slicing.results import ensure_results
 
     t0 = time.time()
     validate_report(cfg)
+    # every check of report/ before the first write, results.duckdb's included
+    refuse_not_owned(RunLayout(cfg.run).report, "report")
     with results_lock(cfg.run):  # one writer of results.duckdb
         # (rebuilt whenever its inputs change, so --overwrite has nothing more to redo there)
         checked, _ = ensure_results(cfg.run)
@@ -112,11 +114,27 @@ def _report_from(cfg: ReportConfig, checked, t0: float) -> dict:
         con.close()
 
 
+# Every file the report may write (the emergence only for a run with checkpoints, the MQAR
+# figure only beside a complete probe).
+REPORT_FILES = (
+    REPORT_MD_NAME,
+    REPORT_HTML_NAME,
+    FREQUENCY_CURVE_FIGURE,
+    COPY_LENGTH_FIGURE,
+    SLICE_BARS_FIGURE,
+    RECALL_GAIN_FIGURE,
+    MQAR_FIGURE,
+    EMERGENCE_FIGURE,
+    *(TABLE_CSV.format(n) for n in (*QUERY_TABLES, "table1", "copy_length", "emergence")),
+)
+
+
 def _write_report(stage, cfg, con, checked, info, reference, t0, mqar=None) -> dict:
     from ar_slicing.sql import load_query, run_named_query
     from ar_slicing.table1 import compute_table1
 
     out = stage.out
+    stage.expect(out / name for name in REPORT_FILES)
     tables: dict[str, tuple[list[str], list[tuple]]] = {}
     for name in QUERY_TABLES:
         query = load_query(name)

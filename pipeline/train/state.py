@@ -21,7 +21,13 @@ from ar_slicing.io import (
     read_json,
     write_json_atomic,
 )
-from ar_slicing.layout import META_NAME, MODEL_CONFIG_NAME, MODEL_WEIGHTS_NAME, kept_checkpoint
+from ar_slicing.layout import (
+    META_NAME,
+    MODEL_CONFIG_NAME,
+    MODEL_WEIGHTS_NAME,
+    TOKENIZER_NAME,
+    kept_checkpoint,
+)
 from pipeline.config import config_to_dict
 from pipeline.train.config import _RESUMABLE_CHANGES, STATE_DIR, TrainConfig
 from pipeline.train.model import (
@@ -198,6 +204,16 @@ def keep_checkpoint(stage, model, cfg: TrainConfig, step: int, rows_per_epoch: i
         save_native(model, tmp, saved_dtype=cfg.saved_dtype)
         write_json_atomic(tmp / META_NAME, kept_record(cfg, step, rows_per_epoch, stage))
     stage.record(part, [folder / name for name in KEPT_FILES], step=step)
+
+
+def final_files(cfg: TrainConfig, out: Path) -> list[Path]:
+    """Every file a training run (or a model taken prebuilt) may write under a final name in
+    `out`: the model, its tokenizer and each kept checkpoint's files (what the stage expects
+    before it writes any of them)."""
+    files = [out / MODEL_CONFIG_NAME, out / MODEL_WEIGHTS_NAME, out / TOKENIZER_NAME]
+    for step in kept_steps(cfg):
+        files += [kept_checkpoint(out, step) / name for name in KEPT_FILES]
+    return files
 
 
 def missing_kept(stage, cfg: TrainConfig) -> list[int]:
