@@ -158,7 +158,7 @@ def _read(path: Path) -> tuple[dict[str, dict], dict[str, None]]:
     """(the recorded parts by name, the expected files) of the ledger file `path`."""
     try:
         text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return {}, {}
     parts: dict[str, dict] = {}
     expected: dict[str, None] = {}

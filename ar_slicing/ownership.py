@@ -390,6 +390,8 @@ def refuse_not_owned(
     meta.json or its ledger, unless `owned` says), or a link among its own names. The check a
     stage makes before it writes anything; `report` makes it before it rebuilds results.duckdb,
     which comes before its plan."""
+    if not folder.is_dir():
+        return  # (nothing in it: what it is instead, the stage's own check says)
     what = f"the {stage} stage"
     owned = tuple(_stage_owns(folder, stage) if owned is None else owned)
     patterns = stage_patterns(stage) if patterns is None else patterns

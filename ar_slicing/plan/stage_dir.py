@@ -55,7 +55,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ar_slicing.io import read_json, sweep_temporaries, write_json_atomic
+from ar_slicing.io import read_json, require_writable, sweep_temporaries, write_json_atomic
 from ar_slicing.layout import LEDGER_NAME, LOCK_NAME, META_NAME, PLAN_NAME, STAGE_WORK
 from ar_slicing.ledger import Ledger
 from ar_slicing.ownership import (
@@ -116,6 +116,8 @@ class StageDir:
             self._take_lock()
         try:
             self._check_plan(overwrite, follow_inputs)
+            if not self.complete:
+                self._require_writable()
         except BaseException:
             self.release()
             raise
@@ -130,13 +132,14 @@ class StageDir:
         return STAGE_WORK.get(self.plan["stage"])
 
     def _check_kind(self) -> None:
-        if self.out.is_symlink() and not self.out.exists():
-            raise PlanMismatch(
-                f"{self.out}: a link to {os.readlink(self.out)}, which does not exist; make that "
-                "folder or remove the link"
-            )
-        if self.out.exists() and not self.out.is_dir():
-            raise PlanMismatch(f"{self.out}: a file, not a folder; choose another output")
+        problem = output_kind_problem(self.out, self.single_file)
+        if problem is not None:
+            raise PlanMismatch(problem)
+
+    def _require_writable(self) -> None:
+        """Refuse an output nothing can be written to (a read-only mount, a folder of another
+        user's) before any work, in one line; a complete output there is still skipped."""
+        require_writable(self.out, str(self.out), "choose an output on a writable disk")
 
     def _take_lock(self) -> None:
         self._lock = acquire(lock_path(self.out, self.single_file), self.out, wait=self.wait)
@@ -320,6 +323,7 @@ class StageDir:
     def _prepare(self) -> list[Path]:
         """Make the folder that holds the lock, take the lock if not yet held, and clear what
         the plan check said to; returns the folders made here."""
+        self._require_writable()  # (a complete output reopened here too)
         made = _missing_folders(self._lock_dir)
         self._lock_dir.mkdir(parents=True, exist_ok=True)
         if self._lock is None:
@@ -388,6 +392,23 @@ class StageDir:
             remove_work(self.out / work)
         self.meta = meta
         return meta
+
+
+def output_kind_problem(out: str | os.PathLike, single_file: bool = False) -> str | None:
+    """Why `out` cannot be a stage's output (a folder; a file with `single_file`), or None: a
+    file where a folder is asked for, the other way round, or a link to nothing. What a stage
+    refuses before its plan check, and `--dry-run` with it."""
+    out = Path(out)
+    if out.is_symlink() and not out.exists():
+        return (
+            f"{out}: a link to {os.readlink(out)}, which does not exist; make that "
+            f"{'file' if single_file else 'folder'} or remove the link"
+        )
+    if single_file and out.is_dir():
+        return f"{out}: a folder, not a file; choose another output"
+    if not single_file and out.exists() and not out.is_dir():
+        return f"{out}: a file, not a folder; choose another output"
+    return None
 
 
 def _missing_folders(path: Path) -> list[Path]:

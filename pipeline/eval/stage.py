@@ -117,8 +117,8 @@ def eval_inputs(cfg: EvalConfig) -> list[tuple[str, str]]:
 
     model = spec_path(cfg.model)
     return [
-        ("--tags", cfg.tags),
-        *([("--tokens", cfg.tokens)] if cfg.tokens else []),
+        ("--tags", cfg.tags, "dir"),
+        *([("--tokens", cfg.tokens, "dir")] if cfg.tokens else []),
         *([("--model", str(model))] if model is not None else []),
         *([("--model-config", cfg.model_config)] if cfg.model_config else []),
     ]

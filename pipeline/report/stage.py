@@ -51,6 +51,31 @@ def validate_report(cfg: ReportConfig) -> None:
         raise ArSliceError(f"--passages {cfg.passages}: must be 0 (none) or more")
 
 
+# the bootstrapped tables of a report (Table 1, the recall gain, the copy-length table split and
+# merged), each resampling the windows once; the emergence, when there are checkpoints, one more
+BOOTSTRAPPED_TABLES = 4
+
+
+def require_bootstrap_fits(cfg: ReportConfig, layout: RunLayout) -> None:
+    """Refuse, before anything is written, a `--bootstrap` that would run for more than a day
+    here or hold more than this machine's memory, with the estimate: the time of one chunk of
+    resamples of the run's windows, measured now, scaled to every resample of every table."""
+    from ar_slicing.io import read_json
+    from ar_slicing.layout import META_NAME
+    from ar_slicing.limits import require_memory, require_time
+    from ar_slicing.metrics import bootstrap_cost
+
+    if cfg.bootstrap == 0 or not (layout.tags / META_NAME).is_file():
+        return  # (no intervals; or no tags, which the run's own check names)
+    windows = int(read_json(layout.tags / META_NAME).get("counts", {}).get("windows") or 0)
+    models = max(1, len(layout.loss_folders().complete))
+    seconds, memory = bootstrap_cost(cfg.bootstrap, windows, 2 + 2 * models)
+    what = f"--bootstrap {cfg.bootstrap}: resampling {windows:,} windows of {models} model(s)"
+    fix = "lower --bootstrap (1000 resamples give 95% intervals to two digits)"
+    require_time(seconds * BOOTSTRAPPED_TABLES, what, fix)
+    require_memory(memory, what, fix)
+
+
 def report_settings(cfg: ReportConfig, reference: str | None = None) -> dict:
     """What decides the report besides its inputs; `reference` is the resolved one (None: the
     default, which depends on the models evaluated)."""
@@ -71,6 +96,7 @@ def run_report(cfg: ReportConfig) -> dict:
     validate_report(cfg)
     # every check of report/ before the first write, results.duckdb's included
     refuse_not_owned(RunLayout(cfg.run).report, "report")
+    require_bootstrap_fits(cfg, RunLayout(cfg.run))
     with results_lock(cfg.run):  # one writer of results.duckdb
         # (rebuilt whenever its inputs change, so --overwrite has nothing more to redo there)
         checked, _ = ensure_results(cfg.run)
@@ -315,6 +341,7 @@ COMMAND = Command(
     run_report,
     validate=validate_report,
     plan_settings=report_settings,
+    inputs=lambda cfg: [("--run", cfg.run, "dir")],
     summary="results.duckdb, Table 1, Figure 1 and the HTML report",
     description=(
         "Build RUN/results.duckdb and RUN/report/ (report.md, report.html, frequency_curve.png, "

@@ -279,6 +279,10 @@ COMMAND = Command(
     train,
     validate=validate_train,
     plan_settings=train_settings,
+    inputs=lambda cfg: [
+        ("--tokens", cfg.tokens, "dir"),
+        *([("--val-tokens", cfg.val_tokens, "dir")] if cfg.val_tokens else []),
+    ],
     summary="train a small model of one architecture on a token store",
     examples="""\
   arslice train --arch attention --tokens runs/demo/tokens/train --val-tokens runs/demo/tokens/val \\

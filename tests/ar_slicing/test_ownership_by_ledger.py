@@ -274,7 +274,8 @@ def test_the_scratch_a_kill_after_meta_json_left_is_removed_by_the_rerun(tiny_ru
     argv_of, scratch, progress = LEFT_BY_A_KILL[stage]
     out = tmp_path / "out"
     argv = argv_of(tiny_run, out)
-    killed, stderr = kill_when(argv, lambda: any(out.glob(f"**/{progress}")))
+    ledger = out / ".ledger.jsonl"
+    killed, stderr = kill_when(argv, lambda: ledger.is_file() and any(out.glob(f"**/{progress}")))
     assert killed, stderr
     left = tmp_path / "left"
     left.mkdir()
