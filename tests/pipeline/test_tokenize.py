@@ -239,7 +239,7 @@ def test_invalid_utf8_counted_in_meta(tmp_path, bpe_tokenizer_path):
     assert texts == ["caf\ufffd", "ok"]
 
 
-def test_cli_dry_run_and_help(tmp_path):
+def test_cli_dry_run_and_help(tmp_path, bpe_tokenizer_path):
     def arslice(*args, check=True):
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         cmd = [sys.executable, "-m", "pipeline.cli", *args]
@@ -249,7 +249,14 @@ def test_cli_dry_run_and_help(tmp_path):
     src.write_text('{"text": "a document"}\n')
     printed = json.loads(
         arslice(
-            "tokenize", "--source", src, "--tokenizer", "t.json", "--out", "o", "--dry-run"
+            "tokenize",
+            "--source",
+            src,
+            "--tokenizer",
+            bpe_tokenizer_path,
+            "--out",
+            "o",
+            "--dry-run",
         ).stdout
     )
     assert printed["TokenizeConfig"]["source"] == [str(src)]
