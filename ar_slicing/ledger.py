@@ -70,13 +70,14 @@ class Ledger:
         self.path = self.out / LEDGER_NAME
         self._parts: dict[str, dict] | None = None
         self._expected: dict[str, None] = {}
+        self._expects = False  # whether it says what its stage expects (an `expect` line)
 
     @property
     def parts(self) -> dict[str, dict]:
         """Every recorded part by name: {"files": {relative path: bytes}, "facts": {...}}, whether
         or not its files are still there."""
         if self._parts is None:
-            self._parts, self._expected = _read(self.path)
+            self._parts, self._expected, self._expects = _read(self.path)
         return self._parts
 
     def done(self, part: str) -> dict | None:
@@ -109,9 +110,18 @@ class Ledger:
         self.parts  # noqa: B018  (what it expects already)
         new = relative(self.out, [self.out / f for f in files])
         new = [rel for rel in dict.fromkeys(new) if rel not in self._expected]
-        if new:
+        if new or not self._expects:
             self._append([json.dumps({"expect": new})])
             self._expected.update(dict.fromkeys(new))
+            self._expects = True
+
+    @property
+    def names_expected(self) -> bool:
+        """Whether the ledger says what its stage expects to write (a stage says so, with an
+        `expect` line, when it starts; an unfinished output whose ledger never did was left by
+        an older version, which owned the names of its layout)."""
+        self.parts  # noqa: B018
+        return self._expects
 
     def _append(self, lines: Iterable[str]) -> None:
         self.parts  # noqa: B018  (read before appending: a torn last line is cut off first)
@@ -154,14 +164,16 @@ def _plain(value: Any) -> Any:
     raise TypeError(f"cannot record {value!r} in a ledger")
 
 
-def _read(path: Path) -> tuple[dict[str, dict], dict[str, None]]:
-    """(the recorded parts by name, the expected files) of the ledger file `path`."""
+def _read(path: Path) -> tuple[dict[str, dict], dict[str, None], bool]:
+    """(the recorded parts by name, the expected files, whether it has an `expect` line) of the
+    ledger file `path`."""
     try:
         text = path.read_text(encoding="utf-8")
     except (FileNotFoundError, NotADirectoryError):
-        return {}, {}
+        return {}, {}, False
     parts: dict[str, dict] = {}
     expected: dict[str, None] = {}
+    expects = False
     for line in text.splitlines(keepends=True):
         if not line.endswith("\n"):
             break  # the last line, cut short by a kill: that part was never recorded
@@ -169,11 +181,12 @@ def _read(path: Path) -> tuple[dict[str, dict], dict[str, None]]:
             entry = json.loads(line)
             if "expect" in entry:
                 expected.update(dict.fromkeys(rel for rel in entry["expect"] if _plain_path(rel)))
+                expects = True
                 continue
             parts[entry["part"]] = {"files": dict(entry["files"]), "facts": dict(entry["facts"])}
         except (ValueError, KeyError, TypeError, AttributeError):
             continue  # (a line no version of this ledger writes: not a record)
-    return parts, expected
+    return parts, expected, expects
 
 
 def _plain_path(rel: object) -> bool:

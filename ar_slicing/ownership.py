@@ -252,6 +252,15 @@ def stage_owns(
     return (*map(glob.escape, written), *scratch)
 
 
+def unfinished_owns(stage: str, folder: Path, ledger) -> tuple[str, ...]:
+    """What `stage` owns in the unfinished output `folder` by its `ledger`: the files it records
+    or expects; where a run of an older version left the folder (its plan there, its ledger
+    naming nothing expected), the names of its layout too, as that version owned them."""
+    if not ledger.names_expected and (folder / PLAN_NAME).is_file():
+        return (*stage_patterns(stage), *stage_owns(stage, None, ledger.owned()))
+    return stage_owns(stage, None, ledger.owned())
+
+
 def layout_folders(stage: str) -> list[str]:
     """The folders `stage` makes inside its output (`.work`, `.parts`, `checkpoints`, ...)."""
     return [p[:-2] for p in STAGE_FILES.get(stage, ()) if p.endswith("/*")]
@@ -447,7 +456,9 @@ def _stage_owns(folder: Path, stage: str) -> tuple[str, ...]:
     with contextlib.suppress(ArSliceError, OSError):
         if (folder / META_NAME).is_file():
             meta = read_json(folder / META_NAME)
-    return stage_owns(stage, meta, Ledger(folder).owned())
+    if meta is None:
+        return unfinished_owns(stage, folder, Ledger(folder))
+    return stage_owns(stage, meta)
 
 
 def run_outputs(layout: RunLayout) -> dict[Path, str]:

@@ -22,6 +22,7 @@ class MarkerDir(StageDir):
     keeps no work, so any other plan rewrites it. A second writer waits for the lock."""
 
     wait = True
+    keeps_ledger = False
 
     def _check_plan(self, overwrite: bool, follow_inputs: bool) -> None:
         self._refuse_foreign()

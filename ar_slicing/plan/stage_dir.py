@@ -71,6 +71,7 @@ from ar_slicing.ownership import (
     remove_work,
     stage_owns,
     stage_patterns,
+    unfinished_owns,
     written_files,
 )
 from ar_slicing.plan.stage_plan import PlanMismatch, StagePlan, differences, same_plan, without
@@ -100,6 +101,7 @@ class StageDir:
 
     single_file = False
     wait = False  # a second writer waits for the lock instead of being refused
+    keeps_ledger = True  # (a marker over other outputs has no parts)
 
     def __init__(self, out: Path, plan: StagePlan, *, overwrite: bool, follow_inputs: bool):
         self.out = out
@@ -153,7 +155,7 @@ class StageDir:
             self._patterns = stage_patterns(self.plan["stage"], meta)
             self._owns = stage_owns(self.plan["stage"], meta)
         elif not self.single_file:
-            self._owns = stage_owns(self.plan["stage"], None, self.ledger.owned())
+            self._owns = unfinished_owns(self.plan["stage"], self.out, self.ledger)
         self._refuse_foreign()
         if meta is not None:
             old = meta.get("plan")
@@ -358,6 +360,8 @@ class StageDir:
             if self._reopen is not None:
                 self.reopen()
             write_json_atomic(self.out / PLAN_NAME, self.plan)
+            if self.keeps_ledger:  # (its ledger names what it expects: `unfinished_owns`)
+                self.ledger.expect([])
             try:
                 yield self
             except BaseException:

@@ -121,6 +121,25 @@ def test_in_an_unfinished_output_the_ledger_not_the_name_says_what_is_the_stages
         assert not (out / "tags-00007.parquet").exists()
 
 
+def test_an_unfinished_output_an_older_version_left_still_owns_its_layouts_names(tmp_path):
+    """An older version's ledger never said what its stage expected, and its unfinished output
+    owned the names of its layout: such a run, left by a kill, still resumes as its own."""
+    out = tmp_path / "tags"
+    stage = open_stage(out, tag_plan())
+    with pytest.raises(KeyboardInterrupt), stage.running():
+        stage.record("part 0", [write_part(out, 0, stage=stage)], rows=4)
+        raise KeyboardInterrupt
+    ledger = out / ".ledger.jsonl"  # as the older version wrote it: its records only
+    ledger.write_text("".join(x for x in ledger.read_text().splitlines(True) if '"part"' in x))
+    (out / "windows.parquet").write_bytes(b"w")  # put in place before the kill, unrecorded
+    again = open_stage(out, tag_plan())
+    with again.running():
+        assert again.done("part 0") == {"rows": 4}
+        again.expect([out / "windows.parquet"])  # (this version's stage writes it again)
+        meta = again.finish({"stage": "tag"})
+    assert meta["written"] == {"tags-00000.parquet": 4, "windows.parquet": 1}
+
+
 def test_another_scope_reopens_a_complete_output_keeping_its_parts(tmp_path):
     out = tmp_path / "tags"
     stage = open_stage(out, tag_plan(cells=[1]))
