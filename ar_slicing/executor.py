@@ -7,12 +7,16 @@ so the order results arrive in never matters: a stage's final output is assemble
 
 from __future__ import annotations
 
+import itertools
+import logging
 import os
 import signal
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def process_pool(
@@ -25,7 +29,7 @@ def process_pool(
     the project is made here: a stage killed with SIGKILL would otherwise leave its workers
     blocked on the task queue for ever (the queue's other end stays open in each of them)."""
     return ProcessPoolExecutor(
-        workers,
+        capped_workers(workers),
         mp_context=mp_context,
         initializer=_start_worker,
         initargs=(os.getpid(), initializer, initargs),
@@ -68,13 +72,34 @@ def default_workers() -> int:
     )
 
 
+_WARNED: set[int] = set()
+
+
+def capped_workers(asked: int) -> int:
+    """`asked` worker processes, at most one per CPU of this machine (more only take turns on
+    them, each with its own memory); the first time a number is capped, a warning says so."""
+    cpus = default_workers()
+    if asked <= cpus:
+        return asked
+    if asked not in _WARNED:
+        _WARNED.add(asked)
+        log.warning(
+            "--workers %d: this machine has %d CPU(s); running %d worker processes",
+            asked,
+            cpus,
+            cpus,
+        )
+    return cpus
+
+
 class LocalExecutor:
-    """Runs `fn(task)` for each task on a local process pool, at most `workers` at a time."""
+    """Runs `fn(task)` for each task on a local process pool, at most `workers` at a time (one
+    per CPU at most, and never more processes than tasks)."""
 
     name = "local"
 
     def __init__(self, workers: int | None = None):
-        self.workers = workers or default_workers()
+        self.workers = capped_workers(workers or default_workers())
 
     def map_unordered(
         self, fn: Callable[[Any], Any], tasks: Iterable[Any]
@@ -85,8 +110,11 @@ class LocalExecutor:
             for task in tasks:
                 yield task, fn(task)
             return
-        with process_pool(self.workers) as pool:
-            pending = {}
+        first = list(itertools.islice(tasks, self.workers))
+        if not first:
+            return
+        with process_pool(len(first)) as pool:  # (never more processes than tasks)
+            pending = {pool.submit(fn, task): task for task in first}
             for task in tasks:
                 pending[pool.submit(fn, task)] = task
                 if len(pending) >= 2 * self.workers:

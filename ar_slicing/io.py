@@ -66,6 +66,33 @@ def sweep_temporaries(directory: str | os.PathLike) -> int:
     return removed
 
 
+def read_only_reason(path: str | os.PathLike) -> str | None:
+    """Why nothing can be written at `path` (a file or folder, there or to be made), or None
+    when the nearest folder that exists may be written: on a read-only file system, or not
+    writable by this user. (`os.access` asks the kernel, so a read-only mount is one for root
+    too.)"""
+    here = Path(os.path.abspath(path))
+    while not os.path.lexists(here) and here != here.parent:
+        here = here.parent
+    folder = here if here.is_dir() else here.parent
+    if os.access(folder, os.W_OK):
+        return None
+    with contextlib.suppress(OSError):
+        if os.statvfs(folder).f_flag & os.ST_RDONLY:
+            return f"{folder} is on a read-only file system"
+    return f"{folder} is not writable by this user"
+
+
+def require_writable(path: str | os.PathLike, what: str, fix: str) -> None:
+    """Refuse, before anything is written, to write `what` (naming it) at `path` where nothing
+    can be written (`read_only_reason`); `fix` says what to do instead."""
+    from ar_slicing.errors import ArSliceError
+
+    reason = read_only_reason(path)
+    if reason is not None:
+        raise ArSliceError(f"{what}: cannot be written ({reason}); {fix}")
+
+
 _FILE_MODE: int | None = None
 
 
@@ -141,6 +168,23 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
             shutil.rmtree(tmp)
 
 
+@contextlib.contextmanager
+def os_errors_of(path: str | os.PathLike) -> Iterator[None]:
+    """Around a library's write of `path`: an I/O error it reports in its own exception with
+    only the errno in the text (safetensors: "I/O error: No space left on device (os error
+    28)") is raised as the OSError it is, so a full disk reads as one wherever it happens."""
+    import re
+
+    try:
+        yield
+    except Exception as e:
+        found = re.search(r"\(os error (\d+)\)", str(e))
+        if isinstance(e, OSError) or found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from None
+
+
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
     with atomic_path(path) as tmp:
         tmp.write_bytes(data)
@@ -151,12 +195,49 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     write_bytes_atomic(path, text.encode())
 
 
+_UTF8_BOM = b"\xef\xbb\xbf"
+_OTHER_BOMS = {  # (UTF-32's before UTF-16's: one starts with the other)
+    b"\xff\xfe\x00\x00": "UTF-32",
+    b"\x00\x00\xfe\xff": "UTF-32",
+    b"\xff\xfe": "UTF-16",
+    b"\xfe\xff": "UTF-16",
+}
+
+
+def text_of(path: str | os.PathLike, what: str) -> str:
+    """The UTF-8 text of the file `path` (a `what`: "pipeline config", "JSON file"), a
+    byte-order mark dropped; refused in one line when it is a binary file, text in another
+    encoding, or not UTF-8 (naming the first bad byte's line and column). FileNotFoundError
+    is the caller's to word."""
+    from ar_slicing.errors import BadInput
+
+    path = Path(path)
+    if path.is_dir():
+        raise BadInput(f"{what} {path}: a folder, not a file")
+    data = path.read_bytes()
+    for bom, encoding in _OTHER_BOMS.items():
+        if data.startswith(bom):
+            raise BadInput(f"{what} {path}: {encoding} text; save it as UTF-8")
+    if b"\0" in data:
+        raise BadInput(f"{what} {path}: a binary file (it holds NUL bytes), not text")
+    data = data.removeprefix(_UTF8_BOM)  # (what some editors write first; it means nothing)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise BadInput(
+            f"{what} {path}: not UTF-8 text (byte 0x{data[e.start]:02x} at line {line}, column "
+            f"{column}); save it as UTF-8"
+        ) from None
+
+
 def read_json(path: str | os.PathLike) -> dict:
     from ar_slicing.errors import BadInput
 
     path = Path(path)
     try:
-        return json.loads(path.read_text())
+        return json.loads(text_of(path, "JSON file"))
     except FileNotFoundError:
         raise BadInput(
             f"{path}: not found (was the stage that writes it run to completion?)"

@@ -152,6 +152,21 @@ def resampled_totals(
     return np.concatenate(parts) if parts else np.zeros((0, c))
 
 
+def bootstrap_cost(n_replicates: int, n_windows: int, n_columns: int) -> tuple[float, int]:
+    """(seconds, bytes) that `resampled_totals` takes for `n_replicates` resamples of
+    `n_windows` windows and `n_columns` columns here: the seconds measured on one chunk of
+    draws now and scaled (the draws cost the same whatever the values), the bytes of the
+    (B, C) totals it returns and their percentiles."""
+    import time
+
+    w = max(n_windows, 1)
+    probe = max(1, min(n_replicates, CHUNK_CELLS // w))
+    t0 = time.perf_counter()
+    resample_counts(np.random.default_rng(0), w, probe) @ np.zeros((w, n_columns))
+    seconds = (time.perf_counter() - t0) * n_replicates / probe
+    return seconds, 2 * 8 * n_replicates * n_columns
+
+
 def bootstrap(
     sums: WindowSums, ref: int, n_replicates: int = 1000, seed: int = 0
 ) -> dict[str, np.ndarray]:

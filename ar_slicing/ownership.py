@@ -9,10 +9,13 @@ a second writer is refused at once, naming the holder's pid::
         ... read the plan, sweep temporaries, write ...
 
 **Ownership.** A stage owns the files its ledger says it wrote: a complete output's meta.json
-records exactly those (`written`, beside the parts of its ledger). While it is unfinished, or
-when an older version made it (no `written`), the names its layout gives it count as its own
-(`ar_slicing.layout.STAGE_FILES`, also recorded as `owns`). Its meta.json, plan, ledger, lock and
-temporaries are always its own. Any other file in its output folder is foreign: the stage
+records exactly those (`written`, beside the parts of its ledger); an unfinished one owns the
+files its ledger records or expects (`ar_slicing.ledger`), file by file, never a file only named
+like them. Only an output an older version completed (no `written`) owns the names its layout
+gives it (`ar_slicing.layout.STAGE_FILES`, also recorded as `owns`). Its meta.json, plan, ledger,
+lock, temporaries and the hidden folder of its unfinished work are always its own; a link among
+its own names, or a file where its layout keeps a folder, is refused (`misplaced`): nothing is
+written through a link. Any other file in its output folder is foreign: the stage
 refuses, naming it, and never removes it, `--overwrite` or not. Removing an output removes its owned files one by one and the
 folders they leave empty; nothing is ever removed as a tree, and a linked output folder is
 followed (its target's owned files are removed, never the link or the target itself).
@@ -234,14 +237,69 @@ def stage_owns(
     stage: str, meta: Mapping | None = None, recorded: Iterable[str] = ()
 ) -> tuple[str, ...]:
     """What `stage` may keep in and remove from its output folder (as `owns` patterns): for a
-    complete output whose `meta` records what it wrote, exactly those files (and the folder of
-    its unfinished work, which a kill after meta.json may have left); else `stage_patterns` and
-    the files its ledger `recorded`."""
+    complete output whose `meta` records what it wrote, exactly those files; for an unfinished
+    one (`meta` None), exactly the files its ledger records or expects (`recorded`), never a
+    file only named like them; for an output an older version completed (no `written`), the
+    names of its layout (`stage_patterns`). The folder of its unfinished work (`STAGE_WORK`,
+    hidden, made by the stage; a kill after meta.json may leave it) is always its own."""
+    work = STAGE_WORK.get(stage)
+    scratch = (f"{work}/*",) if work else ()
+    if meta is None:
+        return (*scratch, *map(glob.escape, recorded))
     written = written_files(meta)
     if written is None:
         return (*stage_patterns(stage, meta), *map(glob.escape, recorded))
-    work = STAGE_WORK.get(stage)
-    return (*map(glob.escape, written), *([f"{work}/*"] if work else []))
+    return (*map(glob.escape, written), *scratch)
+
+
+def unfinished_owns(stage: str, folder: Path, ledger) -> tuple[str, ...]:
+    """What `stage` owns in the unfinished output `folder` by its `ledger`: the files it records
+    or expects; where a run of an older version left the folder (its plan there, its ledger
+    naming nothing expected), the names of its layout too, as that version owned them."""
+    if not ledger.names_expected and (folder / PLAN_NAME).is_file():
+        return (*stage_patterns(stage), *stage_owns(stage, None, ledger.owned()))
+    return stage_owns(stage, None, ledger.owned())
+
+
+def layout_folders(stage: str) -> list[str]:
+    """The folders `stage` makes inside its output (`.work`, `.parts`, `checkpoints`, ...)."""
+    return [p[:-2] for p in STAGE_FILES.get(stage, ()) if p.endswith("/*")]
+
+
+def misplaced(folder: str | os.PathLike, patterns: Iterable[str], stage: str) -> list[str]:
+    """What a stage with these patterns would write through, under `folder` (relative paths,
+    sorted): a link among its own names (a scratch folder replaced by a link), and a folder of
+    its layout that is not a folder."""
+    folder, patterns = Path(folder), tuple(patterns)
+    if not folder.is_dir():
+        return []
+    found = [
+        rel
+        for rel, path, _is_dir in _entries(folder, lambda rel: owns(rel, patterns))
+        if path.is_symlink() and owns(rel, patterns)
+    ]
+    for name in layout_folders(stage):
+        path = folder / name
+        if path.exists() and not path.is_dir():
+            found.append(name)
+    return sorted(set(found))
+
+
+def refuse_misplaced(folder: Path, found: list[str], what: str) -> None:
+    """Raise ForeignFiles naming the first of `found` (`misplaced`'s answer for `folder`)."""
+    if not found:
+        return
+    path = folder / found[0]
+    if path.is_symlink():
+        kind = f"a link (to {os.readlink(path)})"
+        fix = "remove the link (its target stays as it is)"
+    else:
+        kind = "a file"
+        fix = "move it away"
+    raise ForeignFiles(
+        f"{folder}: holds {path}, {kind} where {what} keeps its own files; it writes nothing "
+        f"through it: {fix}, or choose another output. Nothing was changed"
+    )
 
 
 def owns(rel: str, patterns: Iterable[str]) -> bool:
@@ -318,12 +376,36 @@ def refuse_foreign(folder: Path, found: list[str], writes: Iterable[str], what: 
     if not found:
         return
     more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-    names = ", ".join([META_NAME, *writes])
+    writes = tuple(writes)
+    like = next((p for p in writes if fnmatch.fnmatchcase(found[0], p)), None)
+    if like is not None:  # (its ledger, not the name, says which files are the stage's)
+        why = f"named like its {like}, but not among the files its ledger records"
+    else:
+        why = f"it writes {', '.join([META_NAME, *writes])}"
     raise ForeignFiles(
-        f"{folder}: holds {folder / found[0]}{more}, which {what} did not write (it writes "
-        f"{names}); move it out of the folder or choose another output. Nothing was changed "
-        "(not even with --overwrite: a stage removes only its own files)"
+        f"{folder}: holds {folder / found[0]}{more}, which {what} did not write ({why}); move "
+        "it out of the folder or choose another output. Nothing was changed (not even with "
+        "--overwrite: a stage removes only its own files)"
     )
+
+
+def refuse_not_owned(
+    folder: Path,
+    stage: str,
+    owned: Iterable[str] | None = None,
+    patterns: Iterable[str] | None = None,
+) -> None:
+    """Refuse the output `folder` of `stage` when it holds a file the stage does not own (by its
+    meta.json or its ledger, unless `owned` says), or a link among its own names. The check a
+    stage makes before it writes anything; `report` makes it before it rebuilds results.duckdb,
+    which comes before its plan."""
+    if not folder.is_dir():
+        return  # (nothing in it: what it is instead, the stage's own check says)
+    what = f"the {stage} stage"
+    owned = tuple(_stage_owns(folder, stage) if owned is None else owned)
+    patterns = stage_patterns(stage) if patterns is None else patterns
+    refuse_foreign(folder, foreign_files(folder, owned), patterns, what)
+    refuse_misplaced(folder, misplaced(folder, owned, stage), what)
 
 
 def remove_owned(folder: str | os.PathLike, patterns: Iterable[str], keep=(LOCK_NAME,)) -> None:
@@ -374,7 +456,9 @@ def _stage_owns(folder: Path, stage: str) -> tuple[str, ...]:
     with contextlib.suppress(ArSliceError, OSError):
         if (folder / META_NAME).is_file():
             meta = read_json(folder / META_NAME)
-    return stage_owns(stage, meta, Ledger(folder).files())
+    if meta is None:
+        return unfinished_owns(stage, folder, Ledger(folder))
+    return stage_owns(stage, meta)
 
 
 def run_outputs(layout: RunLayout) -> dict[Path, str]:
@@ -424,5 +508,7 @@ def foreign_in_run(layout: RunLayout, outputs: dict[Path, str] | None = None) ->
             ]
     for folder, stage in outs.items():
         if folder.is_dir():
-            found += [folder / rel for rel in foreign_files(folder, _stage_owns(folder, stage))]
+            owned = _stage_owns(folder, stage)
+            found += [folder / rel for rel in foreign_files(folder, owned)]
+            found += [folder / rel for rel in misplaced(folder, owned, stage)]
     return sorted(set(found))

@@ -16,16 +16,20 @@ _WRITER = {TAG_PART_GLOB.split("*")[0]: "tag", LOSS_PART_GLOB.split("*")[0]: "ev
 _MAGIC = b"PAR1"  # a Parquet file starts and ends so; the footer's length comes just before the end
 
 
+def _redo(path: Path) -> str:
+    """What rewrites the part `path`: its stage's command, with --overwrite."""
+    stage = next((s for prefix, s in _WRITER.items() if path.name.startswith(prefix)), None)
+    if stage:
+        return f"rerun `arslice {stage} ... --overwrite --out {path.parent}` to rewrite the folder"
+    return "rerun the stage that wrote it with --overwrite"
+
+
 def damaged_part(path: str | os.PathLike, reason: str) -> BadInput:
     """The error for a part that is not whole: its path, `reason`, and what rewrites it."""
     path = Path(path)
-    stage = next((s for prefix, s in _WRITER.items() if path.name.startswith(prefix)), None)
-    redo = (
-        f"rerun `arslice {stage} ... --overwrite --out {path.parent}` to rewrite the folder"
-        if stage
-        else "rerun the stage that wrote it with --overwrite"
+    return BadInput(
+        f"{path}: not a whole Parquet file ({reason}), cut short or damaged; {_redo(path)}"
     )
-    return BadInput(f"{path}: not a whole Parquet file ({reason}), cut short or damaged; {redo}")
 
 
 def require_whole(paths: Iterable[str | os.PathLike]) -> None:
@@ -67,11 +71,40 @@ def part_rows(paths: Iterable[str | os.PathLike]) -> list[int]:
     return [part_footer(p).num_rows for p in paths]
 
 
-def damage(path: str | os.PathLike) -> str | None:
-    """`part_footer`'s message when `path` is not a whole part, else None (for `verify`, which
-    reports every damaged part instead of stopping at the first)."""
+def _kind(arrow_type) -> str:
+    import pyarrow as pa
+
+    for kind in ("integer", "floating", "boolean", "string"):
+        if getattr(pa.types, f"is_{kind}")(arrow_type):
+            return kind
+    if pa.types.is_dictionary(arrow_type):
+        return _kind(arrow_type.value_type)
+    return str(arrow_type)
+
+
+def schema_problem(footer, schema) -> str | None:
+    """How a part's columns (its `footer`) fall short of `schema` (the writer's pyarrow schema):
+    a column missing or of another kind (integer, floating, ...); None when none does."""
+    have = footer.schema.to_arrow_schema()
+    for field in schema:
+        if field.name not in have.names:
+            return f"no column {field.name} among {', '.join(have.names) or 'none'}"
+        found = have.field(field.name).type
+        if _kind(found) != _kind(field.type):
+            return f"column {field.name} is {found}, not {field.type}"
+    return None
+
+
+def damage(path: str | os.PathLike, schema=None) -> str | None:
+    """`part_footer`'s message when `path` is not a whole part, or the columns it lacks of
+    `schema` (the writer's), else None (for `verify`, which reports every damaged part instead
+    of stopping at the first)."""
     try:
-        part_footer(path)
+        footer = part_footer(path)
     except BadInput as e:
         return str(e)
+    problem = None if schema is None else schema_problem(footer, schema)
+    if problem is not None:
+        path = Path(path)
+        return f"{path}: not a part its stage writes ({problem}); {_redo(path)}"
     return None

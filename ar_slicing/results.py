@@ -56,7 +56,7 @@ from pathlib import Path
 from ar_slicing import __version__
 from ar_slicing.errors import BadInput
 from ar_slicing.executor import process_alive
-from ar_slicing.io import atomic_path, read_json
+from ar_slicing.io import atomic_path, read_json, require_writable
 from ar_slicing.layout import (
     BIGRAMS_NAME,
     LOSS_PART_GLOB,
@@ -631,6 +631,8 @@ def ensure_results(run_dir: str | os.PathLike, rebuild: bool = False) -> tuple[C
         log.info("%s is out of date with the run's inputs; rebuilding it", path)
         for line in differences(old, plan) if old is not None else []:
             log.info("  %s", line)
+    state = "out of date with the run's files: a moved run?" if path.is_file() else "missing"
+    require_writable(path, f"{path} ({state})", "copy the run to a writable disk and use it there")
     build_results(run, plan)
     return run, True
 

@@ -194,7 +194,8 @@ def tag_windows(
     if out is None or len(out["pos"]) < n:
         out = column_buffers(n)
     if out["pos_window"][0] != L:  # batches start at windows: one ramp serves them all
-        out["pos"][:] = np.resize(np.arange(1, L + 1, dtype=np.int32), len(out["pos"]))
+        ramp = np.arange(1, min(L, len(out["pos"])) + 1, dtype=np.int32)  # (never longer than out)
+        out["pos"][:] = np.resize(ramp, len(out["pos"]))
         out["pos_window"][0] = L
     columns = {name: out[name][:n] for name in TAG_COLUMNS if name not in ("token", "prev")}
     if not copy_lengths:
@@ -310,6 +311,13 @@ def span_train_counts(columns, span_order: int, span_counts: np.ndarray) -> np.n
         raise RuntimeError(f"{len(span_counts)} span counts for {len(long)} long copies")
     out[long] = span_counts
     return out
+
+
+def row_bytes() -> int:
+    """Bytes a worker holds per target of a batch: the column buffers (`column_buffers`), their
+    Arrow copy for the Parquet write, and the kernel's scratch and listed long copies."""
+    columns = sum(np.dtype(t).itemsize for t in _DTYPES.values())
+    return 2 * columns + np.dtype(np.int32).itemsize + np.dtype(np.int64).itemsize + 12
 
 
 def column_buffers(n: int) -> dict[str, np.ndarray]:

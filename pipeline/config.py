@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 import typing
@@ -52,7 +53,8 @@ class Command:
     run` compares with a complete output's before the first stage starts. `inputs(cfg)` lists
     the files and folders it reads, as (flag, path): `--dry-run` refuses the missing ones, all
     at once, and so does `arslice run` for those no earlier stage of the run writes.
-    `hub_names(cfg, table)` lists what it would fetch from a hub, as `ar_slicing.hub.require`
+    (An input may add its kind, (flag, path, "dir") or "file": one of the other kind is refused
+    too.) `hub_names(cfg, table)` lists what it would fetch from a hub, as `ar_slicing.hub.require`
     takes them, so `arslice run` stops before anything is written when the hub is unreachable.
     `pipeline` (`pipeline.wiring.Wiring`) is how `arslice run` runs it from a config table.
     """
@@ -65,7 +67,7 @@ class Command:
     validate: Callable[[Any], None] | None = None
     plan_settings: Callable[[Any], dict] | None = None
     dry_run: Callable[[Any], None] | None = None  # instead of printing the config (`arslice run`)
-    inputs: Callable[[Any], list[tuple[str, str]]] | None = None
+    inputs: Callable[[Any], list[tuple[str, ...]]] | None = None
     hub_names: Callable[[Any, str], list[tuple[str, str, str]]] | None = None
     pipeline: Wiring | None = None
 
@@ -73,20 +75,34 @@ class Command:
 def missing_inputs(command: Command, cfg: Any, made: Iterable[str] = ()) -> list[str]:
     """`--flag PATH: no such file or directory` for each input of `cfg` that does not exist
     and is not one of `made` (what an earlier stage of the same run writes) or inside one (a
-    checkpoint the train stage keeps in its model folder)."""
-    if command.inputs is None:
-        return []
+    checkpoint the train stage keeps in its model folder); `--flag PATH: a file, not a folder`
+    for one there of the other kind than it declares ("dir" or "file"), and the same for its
+    output (`cfg.out`), which `--dry-run` refuses as the stage itself would."""
+    from ar_slicing.plan.stage_dir import output_kind_problem
+
     made = [os.path.abspath(os.path.expanduser(p)) for p in made]
 
-    def made_by_then(path: str) -> bool:  # an output of an earlier stage, or a file inside one
-        path = os.path.abspath(os.path.expanduser(path))
-        return any(path == m or path.startswith(m + os.sep) for m in made)
+    def made_by_then(path: str) -> bool:  # an output of an earlier stage, a file inside one or
+        path = os.path.abspath(os.path.expanduser(path))  # the folder one is made in (--run)
+        return any(
+            path == m or path.startswith(m + os.sep) or m.startswith(path + os.sep) for m in made
+        )
 
-    return [
-        f"{flag} {path}: no such file or directory"
-        for flag, path in command.inputs(cfg)
-        if not os.path.exists(os.path.expanduser(path)) and not made_by_then(path)
-    ]
+    problems = []
+    for flag, path, *kind in command.inputs(cfg) if command.inputs is not None else []:
+        found = os.path.expanduser(path)
+        if not os.path.exists(found):
+            if not made_by_then(path):
+                problems.append(f"{flag} {path}: no such file or directory")
+        elif kind == ["dir"] and not os.path.isdir(found):
+            name = flag.lstrip("-").replace("-", " ")
+            problems.append(f"{flag} {path}: a file, not a folder; give the {name} folder")
+        elif kind == ["file"] and os.path.isdir(found):
+            problems.append(f"{flag} {path}: a folder, not a file")
+    out = getattr(cfg, "out", None)
+    single_file = command.pipeline is not None and command.pipeline.writes.single_file
+    problem = output_kind_problem(out, single_file) if isinstance(out, str) else None
+    return problems + ([f"--out {problem}"] if problem else [])
 
 
 # ---- the short summaries a person reads -------------------------------------------------------
@@ -203,6 +219,8 @@ def config_from_namespace(cls: type, ns: argparse.Namespace) -> Any:
     for f in dataclasses.fields(cls):
         if hasattr(ns, f.name):
             v = getattr(ns, f.name)
+            flag = "--" + f.metadata.get("flag", f.name.replace("_", "-"))
+            _refuse_non_finite(v, f"{flag} {_shown(v)}")
             if (
                 isinstance(v, list)
                 and typing.get_origin(_unwrap_optional(_field_type(cls, f))) is tuple
@@ -234,6 +252,8 @@ def config_from_mapping(cls: type, mapping: Mapping[str, Any], context: str = "c
         return cls(**values)
     except TypeError as e:
         raise ArSliceError(f"{context}: {e}") from None
+    except ArSliceError as e:  # (a config's own check of its values, named with its table)
+        raise type(e)(f"{context}: {e}") from None
 
 
 def _type_name(tp: Any) -> str:
@@ -251,6 +271,9 @@ def _checked_value(f: dataclasses.Field, tp: Any, value: Any, context: str) -> A
     checks argparse does for flags)."""
     if value is None:
         return value
+    values = f.metadata.get("values")  # (a string setting that takes a number too: "8" or 8)
+    if values is not None and isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
     origin = typing.get_origin(tp)
     items = [value] if origin not in (list, tuple) else value
     item_tp = typing.get_args(tp)[0] if origin in (list, tuple) else tp
@@ -263,7 +286,8 @@ def _checked_value(f: dataclasses.Field, tp: Any, value: Any, context: str) -> A
         elif item_tp in (int, float, str, bool) and not isinstance(v, item_tp):
             ok = False
     if not ok:
-        raise ArSliceError(f"{context}: `{f.name} = {_shown(value)}` must be {_type_name(tp)}")
+        wanted = values or _type_name(tp)
+        raise ArSliceError(f"{context}: `{f.name} = {_shown(value)}` must be {wanted}")
     choices = _choices(f)
     if choices is not None:
         for v in items:
@@ -273,7 +297,16 @@ def _checked_value(f: dataclasses.Field, tp: Any, value: Any, context: str) -> A
                 )
     if item_tp is float:
         value = [float(v) for v in value] if origin in (list, tuple) else float(value)
+        _refuse_non_finite(value, f"{context}: `{f.name} = {_shown(value)}`")
     return value
+
+
+def _refuse_non_finite(value: Any, what: str) -> None:
+    """Refuse a NaN or an infinity (a number or in a list) given for a setting: no setting of
+    the project means anything with one, and NaN passes every `<=` check."""
+    items = value if isinstance(value, (list, tuple)) else [value]
+    if any(isinstance(v, float) and not math.isfinite(v) for v in items):
+        raise ArSliceError(f"{what}: must be a finite number")
 
 
 def _choices(f: dataclasses.Field) -> list | None:
@@ -333,9 +366,13 @@ def glob_option():
 
 def normalize_glob(cfg: Any) -> None:
     """In a frozen config's `__post_init__`: one pattern given as a string becomes a list of
-    one, so `glob="*.py"` and `--glob '*.py'` make the same config (and the same stage plan)."""
+    one, so `glob="*.py"` and `--glob '*.py'` make the same config (and the same stage plan);
+    a pattern that names no file (`glob = ""`) is refused."""
+    from ar_slicing.readers.files import check_glob
+
     if isinstance(cfg.glob, str):
         object.__setattr__(cfg, "glob", [cfg.glob])
+    check_glob(cfg.glob)
 
 
 READER_FIELDS = ("text_field", "glob", "on_bad_record", "split_fraction", "split_part")

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ar_slicing.errors import BadInput
-from ar_slicing.layout import STORE_PARTS
+from ar_slicing.layout import BIGRAMS_NAME, STORE_PARTS
 from pipeline.config import (
     Command,
     config_to_dict,
@@ -239,6 +239,7 @@ def _count(
     shift = max(key_shift_for(s.dtype) for s in stores + evaluated)
     sources = [store_record(s) for s in stores]
     work = make_work_dir(out)  # partials kept by an unfinished run of the same plan, else new
+    stage.expect([out / BIGRAMS_NAME])
 
     warm_kernels()
     import pyarrow.parquet  # noqa: F401  (here, so forked reduce workers inherit it loaded)

@@ -86,6 +86,7 @@ def import_counts(
             for p in paths
         ]
         work = make_work_dir(out)
+        stage.expect([out / BIGRAMS_NAME])
         executor = executor or LocalExecutor(workers)
         tasks = plan_import_tasks(paths, work, vocab_size, shift)
         run_map(executor, tasks, import_part, progress, stage=stage)

@@ -718,6 +718,9 @@ def _run_sweep(stage, cfg: MqarConfig) -> dict:
     groups = [(a, d, t) for a in cfg.archs for d in cfg.d_models for t in cfg.seq_lens]
     groups.sort(key=lambda g: -g[1] * g[2])  # biggest first: the pool ends evenly
     kept = {g: _kept_cells(stage, cfg, *g) for g in groups}
+    runs = [cell_name(*g, lr, r) for g in groups for lr, r in cell_runs(cfg, g[1])]
+    finals = (MQAR_CSV_NAME, MQAR_MD_NAME, MQAR_FIGURE)
+    stage.expect([*(cells_dir / name for name in runs), *(out / name for name in finals)])
     reused = sum(len(k) for k in kept.values())
     bar = tqdm(total=len(groups), desc="mqar", unit="cell", disable=not cfg.progress)
 

@@ -140,6 +140,7 @@ def run_query(cfg: QueryConfig) -> dict:
 COMMAND = Command(
     QueryConfig,
     run_query,
+    inputs=lambda cfg: [("--run", cfg.run, "dir")],
     summary="run one SQL question from queries/ against a run",
     description=(
         "Run queries/NAME.sql against RUN/results.duckdb (built or refreshed first when needed) "

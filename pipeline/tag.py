@@ -149,11 +149,19 @@ def _batches(task: PartTask):
         yield w, store.slice(*stream_range(w, w_end, L, store.n_tokens))
 
 
+def batch_targets(window: int, n_tokens: int) -> int:
+    """The most targets a batch of windows of `window` tokens holds in a store of `n_tokens`
+    (`BATCH_TOKENS`, or one window): a window longer than the store holds the store, never
+    more, so no memory grows with the window itself."""
+    return max(1, min(max(1, BATCH_TOKENS // window) * window, n_tokens - 1))
+
+
 def _buffers(task: PartTask) -> dict[str, np.ndarray]:
     """Column memory reused by every batch of every part this worker tags."""
     from ar_slicing.tags import column_buffers
 
-    size = max(1, BATCH_TOKENS // task.window) * task.window
+    n_tokens = _opened("store", task.tokens).n_tokens
+    size = batch_targets(task.window, n_tokens)
     if len(_BUFFERS.get("pos", ())) < size:
         _BUFFERS.update(column_buffers(size))
     return _BUFFERS
@@ -168,7 +176,8 @@ def span_grams_of_part(task: PartTask) -> tuple[np.ndarray, list[np.ndarray]]:
     store = _opened("store", task.tokens)
     docs = _opened("docs", task.tokens)
     # room for an n-gram per four targets from the start (growing the table costs more)
-    table = NgramTable.empty(task.span_order, max(1 << 16, task.n_windows * task.window // 4))
+    targets = min(task.n_windows * task.window, store.n_tokens)
+    table = NgramTable.empty(task.span_order, max(1 << 16, targets // 4))
     rows = []
     for w, stream in _batches(task):
         ends, orders = long_spans(
@@ -340,6 +349,22 @@ def span_training_stores(
     return stores, parse_unit(str(counts_meta.get("unit") or "stream"))
 
 
+def _require_memory(cfg: TagConfig, n_tokens: int) -> None:
+    """Refuse, before any work, a window whose batches hold more than this machine's memory
+    (the counts' own table, loaded once and shared, is not counted)."""
+    from ar_slicing.executor import default_workers
+    from ar_slicing.limits import require_memory
+    from ar_slicing.tags import row_bytes
+
+    rows = batch_targets(cfg.window, n_tokens)
+    workers = cfg.workers or default_workers()
+    require_memory(
+        workers * rows * row_bytes(),
+        f"--window {cfg.window}: tagging {workers} batch(es) of {rows:,} targets at once",
+        "use a shorter --window (the paper's is 2048) or fewer --workers",
+    )
+
+
 def _run_tag(cfg: TagConfig) -> dict:
 
     from ar_slicing.counts.restricted import check_covers
@@ -355,6 +380,7 @@ def _run_tag(cfg: TagConfig) -> dict:
             f"token store {cfg.tokens}: {store.n_tokens} token(s), so nothing to tag (a target "
             "needs a token before it); tokenize a validation set with at least one document"
         )
+    _require_memory(cfg, store.n_tokens)
     out = Path(cfg.out)
     # Refuse mismatched inputs from the counts' meta.json, before building their lookup table.
     counts_meta = read_json(Path(cfg.counts) / META_NAME)
@@ -457,10 +483,11 @@ def _tag_into(
     _OPEN.update(zip(keys, (store, docs, counts)))
     try:
         windows = window_table(store.n_tokens, cfg.window)
-        write_window_table(out / WINDOWS_NAME, store.n_tokens, cfg.window)
         tasks = part_tasks(
             cfg, len(windows["window_id"]), tokens_path, counts_path, str(out.resolve())
         )
+        stage.expect([out / WINDOWS_NAME, *(t.path for t in tasks)])
+        write_window_table(out / WINDOWS_NAME, store.n_tokens, cfg.window)
         # a part is kept when the ledger records it whole, with the counts it had
         results = {t.index: stage.done(t.path.name) for t in tasks}
         results = {k: r for k, r in results.items() if r is not None}
@@ -595,7 +622,7 @@ COMMAND = Command(
     run_tag,
     validate=validate_tag,
     plan_settings=tag_settings,
-    inputs=lambda cfg: [("--tokens", cfg.tokens), ("--counts", cfg.counts)],
+    inputs=lambda cfg: [("--tokens", cfg.tokens, "dir"), ("--counts", cfg.counts, "dir")],
     summary="evaluation windows, in-context repeats and AR hits",
     examples="""\
   arslice tag --tokens runs/pile/tokens/val --counts runs/pile/counts --out runs/pile/tags

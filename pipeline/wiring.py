@@ -17,6 +17,8 @@ of what its stage writes), the config file's tables and `arslice run --stage`'s 
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,6 +101,29 @@ def model_tables(values: Mapping[str, Any]) -> tuple[dict, dict[str, dict]]:
     return common, {name: dict(v) for name, v in sub.items()}
 
 
+# A model's name is a folder of the run (models/<name>/, losses/<name>/): a plain name, never a
+# path; `@` is kept for the losses of a checkpoint (<name>@step<n>).
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def is_model_name(name: str) -> bool:
+    """Whether `name` may name a model: a plain folder name, not a path (see `_MODEL_NAME`)."""
+    return _MODEL_NAME.fullmatch(name) is not None
+
+
+def check_model_names(f: Fanned, names) -> None:
+    """Refuse a name of `[<table>.models.<name>]` that is not a plain folder name (`..`, a path,
+    an absolute name, an empty one), naming the table, before anything is written."""
+    for name in names:
+        if not is_model_name(name):
+            key = name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else json.dumps(name)
+            raise BadInput(
+                f"{f.path} [{f.table}.models.{key}]: a model's name must be a plain folder name "
+                "(it names models/<name> and losses/<name>): letters, digits, '.', '_' and '-', "
+                "starting with a letter or digit, at most 128 characters"
+            )
+
+
 def per_model(f: Fanned) -> list[Table]:
     """One config per `[train.models.<name>]` table (none without a [train] table)."""
     if not f.config.get(f.table):
@@ -106,6 +131,7 @@ def per_model(f: Fanned) -> list[Table]:
     common, models = model_tables(f.values)
     if not models:
         raise BadInput(f"{f.path} [{f.table}]: no models; add a [{f.table}.models.<name>] table")
+    check_model_names(f, models)
     return [
         Table(name, {**common, **table}, f"[{f.table}.models.{name}]")
         for name, table in models.items()

@@ -3,12 +3,13 @@ by the real stages through the CLI, and ways to compare output directories."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,26 @@ def kill_when(argv: list, ready: Callable[[], bool], *, timeout: float = 120.0) 
         proc.send_signal(signal.SIGKILL)
     proc.wait()
     return killed, proc.stderr.read().decode()
+
+
+@contextlib.contextmanager
+def tmpfs(mount: Path, size: str) -> Iterator[Callable[[str], None]]:
+    """A tmpfs of `size` ("32k") mounted at the new folder `mount`, unmounted after; yields
+    `remount(options)` ("size=64m", "ro"). Root may mount one here; elsewhere the test is
+    skipped, saying why."""
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()})")
+
+    def remount(options: str) -> None:
+        subprocess.run(["mount", "-o", f"remount,{options}", str(mount)], check=True)
+
+    try:
+        yield remount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 @pytest.fixture(scope="session")

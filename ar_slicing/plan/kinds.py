@@ -13,7 +13,7 @@ from ar_slicing.io import read_json, write_json_atomic
 from ar_slicing.layout import file_meta_path
 from ar_slicing.ownership import ForeignFiles, foreign_files, is_temporary, refuse_foreign
 from ar_slicing.plan.stage_dir import StageDir
-from ar_slicing.plan.stage_plan import PlanMismatch, StagePlan, same_plan
+from ar_slicing.plan.stage_plan import StagePlan, same_plan
 
 
 class MarkerDir(StageDir):
@@ -22,6 +22,7 @@ class MarkerDir(StageDir):
     keeps no work, so any other plan rewrites it. A second writer waits for the lock."""
 
     wait = True
+    keeps_ledger = False
 
     def _check_plan(self, overwrite: bool, follow_inputs: bool) -> None:
         self._refuse_foreign()
@@ -61,10 +62,6 @@ class StageFile(StageDir):
     @property
     def _lock_dir(self) -> Path:
         return self.out.parent
-
-    def _check_kind(self) -> None:
-        if self.out.is_dir():
-            raise PlanMismatch(f"{self.out}: a folder, not a file; choose another output")
 
     @property
     def meta_path(self) -> Path:

@@ -18,18 +18,24 @@ done when the ledger records it and its files are there whole). A plan's `scope`
 parts are asked for without changing any part's bytes (an MQAR sweep's grid): a complete output
 of the same plan but another scope is reopened, its finished parts kept.
 
-**Ownership** follows the ledger: meta.json records exactly the files the stage wrote
-(`written`), and a complete output owns those; an unfinished one, or one made before the
-ledger, owns the names of its layout (`ar_slicing.layout.STAGE_FILES`, recorded as `owns`). A
-folder holding anything else is refused, whatever the plan says, and redoing an output removes
-the owned files one by one, never a tree. From the plan check to the end of the stage, the
-output is locked against other writers (`ar_slicing.ownership`).
+**Ownership** follows the ledger, file by file: meta.json records exactly the files the stage
+wrote (`written`), and a complete output owns those; an unfinished one owns the files its
+ledger records or expects (a stage calls `expect` before it writes or hands out files under
+final names, so a file put in place but killed before its record is still its own); only one
+made before the ledger owns the names of its layout (`ar_slicing.layout.STAGE_FILES`, recorded
+as `owns`). A folder holding anything else is refused, whatever the plan says, and so is a link
+among its own names (a scratch folder replaced by a link); redoing an output removes the owned
+files one by one, never a tree. From the plan check to the end of the stage, the output is
+locked against other writers (`ar_slicing.ownership`). A rerun that finds the output complete
+removes what a kill after its meta.json left of the running stage (its plan, its ledger, its
+folder of unfinished work), and says so.
 
     plan = StagePlan("tag", settings={"window": 2048, ...}, inputs={"counts": identity(counts)})
     stage = open_stage(out, plan, overwrite=cfg.overwrite)   # locks OUT (when it exists)
     if stage.complete:
         return stage.skip()                    # skipped
     with stage.running():                      # creates OUT, writes .plan.json, sweeps temporaries
+        stage.expect(out / p.file for p in parts)   # before any of them is written
         for part in parts:
             if stage.done(part.name) is None:  # (the facts recorded with it, when it is done)
                 ... write the part's files, each atomically ...
@@ -49,7 +55,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ar_slicing.io import read_json, sweep_temporaries, write_json_atomic
+from ar_slicing.io import read_json, require_writable, sweep_temporaries, write_json_atomic
 from ar_slicing.layout import LEDGER_NAME, LOCK_NAME, META_NAME, PLAN_NAME, STAGE_WORK
 from ar_slicing.ledger import Ledger
 from ar_slicing.ownership import (
@@ -57,15 +63,16 @@ from ar_slicing.ownership import (
     OutputBusy,
     acquire,
     files_of,
-    foreign_files,
     holds_work,
     lock_path,
-    refuse_foreign,
+    refuse_not_owned,
     remove_if_empty,
     remove_owned,
     remove_work,
     stage_owns,
     stage_patterns,
+    unfinished_owns,
+    written_files,
 )
 from ar_slicing.plan.stage_plan import PlanMismatch, StagePlan, differences, same_plan, without
 
@@ -94,6 +101,7 @@ class StageDir:
 
     single_file = False
     wait = False  # a second writer waits for the lock instead of being refused
+    keeps_ledger = True  # (a marker over other outputs has no parts)
 
     def __init__(self, out: Path, plan: StagePlan, *, overwrite: bool, follow_inputs: bool):
         self.out = out
@@ -110,6 +118,8 @@ class StageDir:
             self._take_lock()
         try:
             self._check_plan(overwrite, follow_inputs)
+            if not self.complete:
+                self._require_writable()
         except BaseException:
             self.release()
             raise
@@ -124,13 +134,14 @@ class StageDir:
         return STAGE_WORK.get(self.plan["stage"])
 
     def _check_kind(self) -> None:
-        if self.out.is_symlink() and not self.out.exists():
-            raise PlanMismatch(
-                f"{self.out}: a link to {os.readlink(self.out)}, which does not exist; make that "
-                "folder or remove the link"
-            )
-        if self.out.exists() and not self.out.is_dir():
-            raise PlanMismatch(f"{self.out}: a file, not a folder; choose another output")
+        problem = output_kind_problem(self.out, self.single_file)
+        if problem is not None:
+            raise PlanMismatch(problem)
+
+    def _require_writable(self) -> None:
+        """Refuse an output nothing can be written to (a read-only mount, a folder of another
+        user's) before any work, in one line; a complete output there is still skipped."""
+        require_writable(self.out, str(self.out), "choose an output on a writable disk")
 
     def _take_lock(self) -> None:
         self._lock = acquire(lock_path(self.out, self.single_file), self.out, wait=self.wait)
@@ -144,7 +155,7 @@ class StageDir:
             self._patterns = stage_patterns(self.plan["stage"], meta)
             self._owns = stage_owns(self.plan["stage"], meta)
         elif not self.single_file:
-            self._owns = stage_owns(self.plan["stage"], None, self.ledger.files())
+            self._owns = unfinished_owns(self.plan["stage"], self.out, self.ledger)
         self._refuse_foreign()
         if meta is not None:
             old = meta.get("plan")
@@ -191,13 +202,9 @@ class StageDir:
         return holds_work(self.out)
 
     def _refuse_foreign(self) -> None:
-        """Refuse an output folder holding anything this stage does not own."""
-        refuse_foreign(
-            self.out,
-            foreign_files(self.out, self._owns),
-            self._patterns,
-            f"the {self.plan['stage']} stage",
-        )
+        """Refuse an output folder holding anything this stage does not own, or a link among
+        its own names."""
+        refuse_not_owned(self.out, self.plan["stage"], self._owns, self._patterns)
 
     def _refuse(self, old: Any, what: str) -> None:
         if isinstance(old, Mapping):
@@ -230,11 +237,42 @@ class StageDir:
 
     def skip(self) -> dict:
         """The complete output's meta.json, its mtime moved on (confirmed up to date, so make
-        sees it fresh)."""
+        sees it fresh), without what a kill after its meta.json left (`_drop_leftovers`)."""
+        self._drop_leftovers()
         with contextlib.suppress(OSError):
             os.utime(self.meta_path)
         self.release()
         return self.meta
+
+    def _drop_leftovers(self) -> None:
+        """Remove what the stage keeps only while it runs (its plan, its ledger, its folder of
+        unfinished work) from a complete output: `finish` drops them after meta.json, so a kill
+        between the two leaves them for ever otherwise. Only the stage's own files go (the
+        folder's, file by file), and the log says so; a folder that may only be read keeps
+        them."""
+        left = [p for p in (self.plan_path, self.out / LEDGER_NAME) if p is not None]
+        left = [p for p in left if p.is_file() and not p.is_symlink()]
+        work = self.out / self._work if self._work else None
+        if work is not None and work.is_dir() and not work.is_symlink():
+            left.append(work)
+        if not left:
+            return
+        names = ", ".join(p.name + ("/" if p == work else "") for p in left)
+        try:
+            for path in left:
+                if path == work:
+                    remove_work(path)
+                else:
+                    path.unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("%s: could not remove %s, left by a killed run (%s)", self.out, names, e)
+            return
+        log.info(
+            "%s: removed %s, left by a run killed after it wrote %s",
+            self.out,
+            names,
+            self.meta_path.name,
+        )
 
     # -- the parts ---------------------------------------------------------------------------
 
@@ -252,6 +290,13 @@ class StageDir:
         """Those of `parts` that are not done (`name(part)` is its name in the ledger)."""
         return [p for p in parts if self.done(name(p)) is None]
 
+    def expect(self, files: Iterable[str | os.PathLike]) -> None:
+        """Say, before writing them (or handing them to workers), which files under final names
+        the stage is about to write: from then on they are its own, whether or not a kill
+        comes before their record (`ar_slicing.ledger`). Files of the folder of unfinished work
+        need not be expected (that folder is the stage's own)."""
+        self.ledger.expect(files)
+
     def record(self, part: str, files: Iterable[str | os.PathLike], **facts: Any) -> None:
         """Record `part` done: its `files` (their paths, in place under their final names) and
         `facts` (what the stage needs back without reading the part again).
@@ -267,15 +312,20 @@ class StageDir:
         kept = meta.get("ledger")
         if isinstance(kept, Mapping):
             self.ledger.write(kept)
+        written = written_files(meta)
+        if written is None:  # (made before the ledger: its layout's names were its own)
+            written = files_of(self.out, self._patterns, leave_out=self._work)
+        self.ledger.expect(written)
         (self.out / META_NAME).unlink(missing_ok=True)
         self.meta = self._reopen = None
-        self._owns = stage_owns(self.plan["stage"], None, self.ledger.files())
+        self._owns = stage_owns(self.plan["stage"], None, self.ledger.owned())
 
     # -- running -----------------------------------------------------------------------------
 
     def _prepare(self) -> list[Path]:
         """Make the folder that holds the lock, take the lock if not yet held, and clear what
         the plan check said to; returns the folders made here."""
+        self._require_writable()  # (a complete output reopened here too)
         made = _missing_folders(self._lock_dir)
         self._lock_dir.mkdir(parents=True, exist_ok=True)
         if self._lock is None:
@@ -287,12 +337,12 @@ class StageDir:
                 )
         if self._clear:
             self._remove()
-            self._owns = self._patterns
+            self._owns = stage_owns(self.plan["stage"], None)
             self._ledger = None  # (its file is gone with the rest)
         return made
 
     def _remove(self) -> None:
-        remove_owned(self.out, self._owns)
+        remove_owned(self.out, (*self._owns, *map(glob.escape, self.ledger.owned())))
 
     def _sweep(self) -> None:
         sweep_temporaries(self.out)
@@ -310,6 +360,8 @@ class StageDir:
             if self._reopen is not None:
                 self.reopen()
             write_json_atomic(self.out / PLAN_NAME, self.plan)
+            if self.keeps_ledger:  # (its ledger names what it expects: `unfinished_owns`)
+                self.ledger.expect([])
             try:
                 yield self
             except BaseException:
@@ -331,8 +383,9 @@ class StageDir:
         if self._patterns:
             meta["owns"] = list(self._patterns)
         kept = self.ledger.finished(exclude=work)
-        recorded = (glob.escape(rel) for part in kept.values() for rel in part["files"])
-        meta["written"] = files_of(self.out, (*self._patterns, *recorded), leave_out=work)
+        recorded = [rel for part in kept.values() for rel in part["files"]]
+        mine = map(glob.escape, [*recorded, *self.ledger.expected()])
+        meta["written"] = files_of(self.out, mine, leave_out=work)
         if kept:
             meta["ledger"] = kept
         write_json_atomic(self.meta_path, meta)
@@ -343,6 +396,23 @@ class StageDir:
             remove_work(self.out / work)
         self.meta = meta
         return meta
+
+
+def output_kind_problem(out: str | os.PathLike, single_file: bool = False) -> str | None:
+    """Why `out` cannot be a stage's output (a folder; a file with `single_file`), or None: a
+    file where a folder is asked for, the other way round, or a link to nothing. What a stage
+    refuses before its plan check, and `--dry-run` with it."""
+    out = Path(out)
+    if out.is_symlink() and not out.exists():
+        return (
+            f"{out}: a link to {os.readlink(out)}, which does not exist; make that "
+            f"{'file' if single_file else 'folder'} or remove the link"
+        )
+    if single_file and out.is_dir():
+        return f"{out}: a folder, not a file; choose another output"
+    if not single_file and out.exists() and not out.is_dir():
+        return f"{out}: a file, not a folder; choose another output"
+    return None
 
 
 def _missing_folders(path: Path) -> list[Path]:
@@ -357,6 +427,7 @@ def _missing_folders(path: Path) -> list[Path]:
 def _holds_nothing_but_the_plan(out: Path) -> bool:
     for root, _dirs, files in os.walk(out):
         for name in files:
-            if not (Path(root) == out and name in (PLAN_NAME, LOCK_NAME)):
+            # (the ledger alone is no work: it records parts only once their files are there)
+            if not (Path(root) == out and name in (PLAN_NAME, LOCK_NAME, LEDGER_NAME)):
                 return False
     return True

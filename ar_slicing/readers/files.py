@@ -36,6 +36,18 @@ class TextFileReader:
         yield Document(_read_text_file(self.path, stats), str(self.path), None, self.path.name)
 
 
+def check_glob(patterns: Sequence[str]) -> None:
+    """Refuse a pattern that names no file inside a directory source: an empty one, or an
+    absolute path (pathlib refuses both with an exception of its own)."""
+    for pattern in patterns:
+        if not pattern or pattern.startswith("/"):
+            why = "empty" if not pattern else "an absolute path"
+            raise BadInput(
+                f"glob {pattern!r}: {why}, not a pattern of files inside a source folder; give "
+                "one such as '*.txt' or '**/*.jsonl.zst'"
+            )
+
+
 class DirectoryReader:
     """Every file under `root` matching `glob`, in sorted relative-path order.
 
@@ -47,6 +59,7 @@ class DirectoryReader:
         self.root, self.text_field = root, text_field
         # one pattern or several; a file any of them matches is read once
         self.patterns = [glob] if isinstance(glob, str) else list(glob)
+        check_glob(self.patterns)
 
     def files(self) -> list[tuple[str, Path]]:
         found = {}

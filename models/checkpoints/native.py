@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 from ar_slicing.errors import ArSliceError
-from ar_slicing.io import atomic_path, read_json, write_json_atomic
+from ar_slicing.io import atomic_path, os_errors_of, read_json, write_json_atomic
 from ar_slicing.layout import (
     META_NAME,
     MODEL_CONFIG_NAME,
@@ -86,7 +86,7 @@ def write_weights(state: dict, path) -> None:
     the same bytes however they came (trained here, or upcast from a prebuilt folder's bf16)."""
     from safetensors.torch import save_file
 
-    with atomic_path(Path(path)) as tmp:
+    with atomic_path(Path(path)) as tmp, os_errors_of(path):
         save_file(state, str(tmp), metadata={"format": "pt"})
 
 

@@ -53,7 +53,10 @@ class EvalConfig:
     )
     batch_size: str = field(
         default="auto",
-        metadata={"help": "sequences per forward pass, or auto (backs off on CUDA out-of-memory)"},
+        metadata={
+            "help": "sequences per forward pass, or auto (backs off on CUDA out-of-memory)",
+            "values": 'a positive integer or "auto"',  # (a config file may give 8 or "8")
+        },
     )
     max_windows: int | None = field(
         default=None,

@@ -25,7 +25,7 @@ def resolve_batch_size(batch_size: str | int, device: str, window: int) -> int:
     except ValueError:
         value = 0
     if value < 1:
-        raise ArSliceError(f"--batch-size {batch_size!r}: give a positive integer or auto")
+        raise ArSliceError(f'--batch-size {text}: must be a positive integer or "auto"')
     return value
 
 

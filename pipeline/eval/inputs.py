@@ -43,6 +43,10 @@ def open_tags(tags_dir: str | Path, tokens: str | None = None) -> TagsInput:
     from ar_slicing.store import TokenStore
 
     tags_dir = Path(tags_dir)
+    if tags_dir.is_file():
+        raise BadInput(
+            f"--tags {tags_dir}: a file, not a folder; give the tags folder ({tags_dir.parent}?)"
+        )
     if not tags_dir.is_dir():
         raise BadInput(f"tags {tags_dir}: no such directory (run `arslice tag` first)")
     if not is_complete(tags_dir):

@@ -118,8 +118,8 @@ def eval_inputs(cfg: EvalConfig) -> list[tuple[str, str]]:
 
     model = spec_path(cfg.model)
     return [
-        ("--tags", cfg.tags),
-        *([("--tokens", cfg.tokens)] if cfg.tokens else []),
+        ("--tags", cfg.tags, "dir"),
+        *([("--tokens", cfg.tokens, "dir")] if cfg.tokens else []),
         *([("--model", str(model))] if model is not None else []),
         *([("--model-config", cfg.model_config)] if cfg.model_config else []),
     ]
@@ -387,6 +387,7 @@ def _evaluate(stage, run: EvalRun) -> dict:
             "resuming %s: %d of %d chunks already done", out, len(chunks) - len(todo), len(chunks)
         )
     tasks = [(c, runs[c]) for c in todo]
+    stage.expect(chunk_path(out, c) for c in todo)
     windows_done = run.n_windows - sum(chunks[c][1] - chunks[c][0] for c in todo)
     totals = _run_chunks(
         stage, run, tasks, parts, chunks, sum(chunk_rows[c] for c in todo), windows_done

@@ -9,13 +9,15 @@ from pathlib import Path
 
 from ar_slicing.errors import BadInput
 from pipeline.eval.checkpoints import listed_checkpoints, trained_checkpoints
-from pipeline.wiring import Fanned, Run, Table, model_tables
+from pipeline.wiring import Fanned, Run, Table, check_model_names, is_model_name, model_tables
 
 
 def evaluated_models(f: Fanned) -> list[Table]:
     """Every trained model, then every `[eval.models.<name>]` table, then their checkpoints."""
     common, extra = model_tables(f.values)
+    check_model_names(f, extra)
     trained = list(model_tables(f.config["train"])[1]) if f.config.get("train") else []
+    trained = [n for n in trained if is_model_name(n)]  # (the others: refused by [train]'s check)
     overlap = sorted(set(trained) & set(extra))
     if overlap:
         raise BadInput(

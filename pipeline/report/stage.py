@@ -51,6 +51,31 @@ def validate_report(cfg: ReportConfig) -> None:
         raise ArSliceError(f"--passages {cfg.passages}: must be 0 (none) or more")
 
 
+# the bootstrapped tables of a report (Table 1, the recall gain, the copy-length table split and
+# merged), each resampling the windows once; the emergence, when there are checkpoints, one more
+BOOTSTRAPPED_TABLES = 4
+
+
+def require_bootstrap_fits(cfg: ReportConfig, layout: RunLayout) -> None:
+    """Refuse, before anything is written, a `--bootstrap` that would run for more than a day
+    here or hold more than this machine's memory, with the estimate: the time of one chunk of
+    resamples of the run's windows, measured now, scaled to every resample of every table."""
+    from ar_slicing.io import read_json
+    from ar_slicing.layout import META_NAME
+    from ar_slicing.limits import require_memory, require_time
+    from ar_slicing.metrics import bootstrap_cost
+
+    if cfg.bootstrap == 0 or not (layout.tags / META_NAME).is_file():
+        return  # (no intervals; or no tags, which the run's own check names)
+    windows = int(read_json(layout.tags / META_NAME).get("counts", {}).get("windows") or 0)
+    models = max(1, len(layout.loss_folders().complete))
+    seconds, memory = bootstrap_cost(cfg.bootstrap, windows, 2 + 2 * models)
+    what = f"--bootstrap {cfg.bootstrap}: resampling {windows:,} windows of {models} model(s)"
+    fix = "lower --bootstrap (1000 resamples give 95% intervals to two digits)"
+    require_time(seconds * BOOTSTRAPPED_TABLES, what, fix)
+    require_memory(memory, what, fix)
+
+
 def report_settings(cfg: ReportConfig, reference: str | None = None) -> dict:
     """What decides the report besides its inputs; `reference` is the resolved one (None: the
     default, which depends on the models evaluated)."""
@@ -64,11 +89,14 @@ def report_settings(cfg: ReportConfig, reference: str | None = None) -> dict:
 
 def run_report(cfg: ReportConfig) -> dict:
     """Write results.duckdb and report/ for the run `cfg.run`; print Table 1 and the HTML path."""
-    from ar_slicing.ownership import results_lock
+    from ar_slicing.ownership import refuse_not_owned, results_lock
     from ar_slicing.results import ensure_results
 
     t0 = time.time()
     validate_report(cfg)
+    # every check of report/ before the first write, results.duckdb's included
+    refuse_not_owned(RunLayout(cfg.run).report, "report")
+    require_bootstrap_fits(cfg, RunLayout(cfg.run))
     with results_lock(cfg.run):  # one writer of results.duckdb
         # (rebuilt whenever its inputs change, so --overwrite has nothing more to redo there)
         checked, _ = ensure_results(cfg.run)
@@ -112,11 +140,27 @@ def _report_from(cfg: ReportConfig, checked, t0: float) -> dict:
         con.close()
 
 
+# Every file the report may write (the emergence only for a run with checkpoints, the MQAR
+# figure only beside a complete probe).
+REPORT_FILES = (
+    REPORT_MD_NAME,
+    REPORT_HTML_NAME,
+    FREQUENCY_CURVE_FIGURE,
+    COPY_LENGTH_FIGURE,
+    SLICE_BARS_FIGURE,
+    RECALL_GAIN_FIGURE,
+    MQAR_FIGURE,
+    EMERGENCE_FIGURE,
+    *(TABLE_CSV.format(n) for n in (*QUERY_TABLES, "table1", "copy_length", "emergence")),
+)
+
+
 def _write_report(stage, cfg, con, checked, info, reference, t0, mqar=None) -> dict:
     from ar_slicing.sql import load_query, run_named_query
     from ar_slicing.table1 import compute_table1
 
     out = stage.out
+    stage.expect(out / name for name in REPORT_FILES)
     tables: dict[str, tuple[list[str], list[tuple]]] = {}
     for name in QUERY_TABLES:
         query = load_query(name)
@@ -297,6 +341,7 @@ COMMAND = Command(
     run_report,
     validate=validate_report,
     plan_settings=report_settings,
+    inputs=lambda cfg: [("--run", cfg.run, "dir")],
     summary="results.duckdb, Table 1, Figure 1 and the HTML report",
     description=(
         "Build RUN/results.duckdb and RUN/report/ (report.md, report.html, frequency_curve.png, "

@@ -9,6 +9,7 @@ import contextlib
 from ar_slicing.errors import ArSliceError, BadInput
 from ar_slicing.layout import file_meta_path
 from pipeline.config import missing_inputs
+from pipeline.runner.registry import after
 from pipeline.runner.stages_run import Pipeline, StageConfig
 
 
@@ -24,11 +25,14 @@ def check(pipeline: Pipeline, chosen) -> dict[str, list[StageConfig]]:
         with problems.noted():
             all_configs[stage] = pipeline.resolve(stage)
     made = [str(c.output) for configs in all_configs.values() for c in configs]
+    refused = [s for s in stages if s not in all_configs]
     for c in (c for configs in all_configs.values() for c in configs):
         table = f"{pipeline.config_path} {c.context}"
         with problems.noted(table):
             if c.command.validate is not None:
                 c.command.validate(c.config)
+            if set(after(pipeline.stages[c.stage], pipeline.stages)) & set(refused):
+                continue  # (what it reads comes from a stage already refused: said once, there)
             problems.add(*(f"{table}: {m}" for m in missing_inputs(c.command, c.config, made)))
     with problems.noted():
         hub.require(hub_names(all_configs))

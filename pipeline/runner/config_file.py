@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ar_slicing.errors import BadInput
+from ar_slicing.io import text_of
 from pipeline.runner.registry import stage_names
 
 # ---- reading the config -------------------------------------------------------------------------
@@ -86,7 +87,7 @@ def load_pipeline_config(path: str | Path) -> dict:
     """Parse a pipeline config and resolve its placeholders; refuses unknown top-level keys."""
     path = Path(path)
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        raw = tomllib.loads(text_of(path, "pipeline config"))
     except FileNotFoundError:
         raise BadInput(f"pipeline config {path}: no such file") from None
     except tomllib.TOMLDecodeError as e:

@@ -125,6 +125,7 @@ def prepare_pipeline(cfg: RunConfig) -> tuple[Pipeline, dict, list[str]]:
 
 def run_pipeline(cfg: RunConfig) -> dict:
     """Run `cfg.stage` of the pipeline config `cfg.config`, in pipeline order."""
+    from ar_slicing.io import require_writable
     from ar_slicing.ownership import output_lock
     from ar_slicing.plan import PlanMismatch, redoing_changed
 
@@ -137,6 +138,9 @@ def run_pipeline(cfg: RunConfig) -> dict:
                 "asks for:\n  " + "\n  ".join(lines) + "\n  pass --overwrite or --redo-changed "
                 "to redo them (make: OVERWRITE=1), or restore the settings; nothing was run"
             )
+    require_writable(
+        pipeline.run_dir, f"{cfg.config}: run_dir {pipeline.run_dir}", "point run_dir elsewhere"
+    )
     # (the run's own files; each stage locks its output itself. `make -j` runs several
     # `arslice run --stage X` at once: they wait here for each other a moment, not refuse)
     with output_lock(pipeline.run_dir, wait=True):

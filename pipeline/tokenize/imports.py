@@ -110,6 +110,7 @@ def import_store(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict
     documents = []  # per source: (stream offsets, lengths, source name) of its non-empty documents
     empty = stream_pos = 0
     progress = tqdm(total=total, desc="import", unit=" tokens", unit_scale=True, mininterval=1.0)
+    stage.expect(out / name for name in (TOKENS_NAME, DOCS_NAME, TOKENIZER_NAME))
     try:
         with atomic_path(out / TOKENS_NAME) as tmp, open(tmp, "wb") as f:
             for src, how, n in plans:

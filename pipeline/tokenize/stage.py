@@ -86,6 +86,18 @@ def run_tokenize(cfg: TokenizeConfig) -> dict:
         return encode_store(stage, cfg, tok, info, t0)
 
 
+def tokenize_inputs(cfg: TokenizeConfig) -> list[tuple[str, str]]:
+    """The tokenizer, when it is a local file or folder (its sources `validate_tokenize`
+    checks; one on the hub, `tokenize_hub_names`)."""
+    from ar_slicing import hub
+
+    return (
+        [("--tokenizer", cfg.tokenizer)]
+        if cfg.tokenizer and not hub.is_hub_name(cfg.tokenizer)
+        else []
+    )
+
+
 def tokenize_hub_names(cfg: TokenizeConfig, where: str) -> list[tuple[str, str, str]]:
     """The tokenizer and the datasets a store would fetch from the hub."""
     from ar_slicing import hub
@@ -114,6 +126,7 @@ COMMAND = Command(
     run_tokenize,
     validate=validate_tokenize,
     plan_settings=tokenize_settings,
+    inputs=tokenize_inputs,
     summary="text sources or pre-tokenized data -> token store",
     examples="""
   arslice tokenize --source val.jsonl.zst --tokenizer gpt2 --out runs/pile/tokens/val  # needs the hub

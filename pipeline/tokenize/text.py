@@ -14,7 +14,7 @@ from ar_slicing.io import (
     build_meta,
     write_bytes_atomic,
 )
-from ar_slicing.layout import STORE_WORK_DIR, TOKENIZER_NAME
+from ar_slicing.layout import DOCS_NAME, STORE_WORK_DIR, TOKENIZER_NAME, TOKENS_NAME
 from ar_slicing.readers import ReadStats
 from ar_slicing.store import dtype_for_vocab
 from pipeline.config import config_to_dict, read_documents, say
@@ -122,6 +122,7 @@ def encode_store(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict
             "check --source, --glob, --text-field and --split-part"
         )
     n_shards = totals["shards"]
+    stage.expect(out / name for name in (TOKENS_NAME, DOCS_NAME, TOKENIZER_NAME))
     n_tokens, n_docs, eos_in_text = assemble_store(out, parts_dir, n_shards, dtype)
     if eos_in_text:
         log.warning(

@@ -64,6 +64,7 @@ from pipeline.train.side_by_side import SIDE_BY_SIDE_KEY, run_models
 from pipeline.train.state import (  # noqa: F401  (re-exported)
     build_model,
     checkpoint,
+    final_files,
     keep_checkpoint,
     kept_steps,
     load_state,
@@ -105,6 +106,7 @@ def train(cfg: TrainConfig) -> dict:
         return stage.skip()
     if cfg.prebuilt is not None:  # taken from a folder of prebuilt models: the same model
         with stage.running(), torch_threads(cfg.threads):
+            stage.expect(final_files(cfg, out))
             meta = take_prebuilt(stage, cfg, dtype, t0, lambda steps, inputs: _train_first_steps(
                 stage, cfg, device, dtype, steps, inputs))  # fmt: skip
         say(f"train {cfg.arch}: taken from {prebuilt_model(cfg)} (the same settings and tokens)")
@@ -112,6 +114,7 @@ def train(cfg: TrainConfig) -> dict:
     # work is a checkpoint the ledger holds
     keep = stage.running(keep_if=lambda out: bool(stage.ledger.parts))
     with keep, torch_threads(cfg.threads):
+        stage.expect(final_files(cfg, out))
         return _train(stage, cfg, device, dtype, t0)
 
 
@@ -276,6 +279,10 @@ COMMAND = Command(
     train,
     validate=validate_train,
     plan_settings=train_settings,
+    inputs=lambda cfg: [
+        ("--tokens", cfg.tokens, "dir"),
+        *([("--val-tokens", cfg.val_tokens, "dir")] if cfg.val_tokens else []),
+    ],
     summary="train a small model of one architecture on a token store",
     examples="""\
   arslice train --arch attention --tokens runs/demo/tokens/train --val-tokens runs/demo/tokens/val \\

@@ -11,17 +11,27 @@ recorded the same way; it outlives the run, as part of the trained output."""
 
 from __future__ import annotations
 
+import io
 import logging
+import math
 from pathlib import Path
 
 from ar_slicing.errors import ArSliceError
 from ar_slicing.io import (
     atomic_dir,
     is_complete,
+    os_errors_of,
     read_json,
     write_json_atomic,
 )
-from ar_slicing.layout import META_NAME, MODEL_CONFIG_NAME, MODEL_WEIGHTS_NAME, kept_checkpoint
+from ar_slicing.layout import (
+    META_NAME,
+    MODEL_CONFIG_NAME,
+    MODEL_WEIGHTS_NAME,
+    TOKENIZER_NAME,
+    kept_checkpoint,
+)
+from ar_slicing.limits import require_memory
 from pipeline.config import config_to_dict
 from pipeline.train.config import _RESUMABLE_CHANGES, STATE_DIR, TrainConfig
 from pipeline.train.model import (
@@ -69,8 +79,10 @@ def steps_trained_here(cfg: TrainConfig) -> list[int]:
 def validate_train(cfg: TrainConfig) -> None:
     if cfg.steps <= 0 or cfg.batch_size <= 0 or cfg.seq_len <= 0:
         raise ArSliceError("--steps, --batch-size and --seq-len must be positive")
-    if cfg.lr <= 0 or cfg.warmup_steps < 0 or cfg.eval_batches < 1:
-        raise ArSliceError("--lr must be positive, --warmup-steps >= 0 and --eval-batches >= 1")
+    if not (math.isfinite(cfg.lr) and cfg.lr > 0):
+        raise ArSliceError(f"--lr {cfg.lr}: must be a finite positive number, such as 3e-4")
+    if cfg.warmup_steps < 0 or cfg.eval_batches < 1:
+        raise ArSliceError("--warmup-steps must be >= 0 and --eval-batches >= 1")
     late = [s for s in cfg.keep_checkpoints if not 0 <= s < cfg.steps]
     if late:
         raise ArSliceError(
@@ -83,12 +95,28 @@ def validate_train(cfg: TrainConfig) -> None:
             f"--train-here-until {cfg.train_here_until}: must be from 0 to {cfg.steps - 1} "
             "(the kept checkpoints up to that step are trained here, the rest taken)"
         )
-    build_model(model_config_for(cfg, vocab_size=256), device="meta")  # options, shapes: no memory
+    model = build_model(model_config_for(cfg, vocab_size=256), device="meta")  # shapes: no memory
+    require_memory(
+        step_memory(cfg, model),
+        f"--batch-size {cfg.batch_size} of --seq-len {cfg.seq_len}: one training step",
+        "lower --batch-size or --seq-len",
+    )
     # (a complete model is not taken again; its token streams are compared once they are there)
     if cfg.prebuilt is not None and not is_complete(cfg.out):
         from pipeline.train.prebuilt import check_prebuilt_settings
 
         check_prebuilt_settings(cfg)
+
+
+def step_memory(cfg: TrainConfig, model) -> int:
+    """Bytes one training step holds at least (the model built on the meta device): the weights
+    with their gradients and Adam's two moments (four fp32 copies), and what the backward pass
+    keeps of the forward one, about 12 fp32 values per token, block and channel plus the logits
+    and their gradient (a lower bound: the vocabulary here is the smallest, 256)."""
+    parameters = sum(p.numel() for p in model.parameters())
+    tokens = cfg.batch_size * cfg.seq_len
+    per_token = 4 * (12 * cfg.n_layers * cfg.d_model + 2 * model.config.vocab_size)
+    return 16 * parameters + tokens * per_token
 
 
 def build_model(model_cfg, device: str):
@@ -121,8 +149,13 @@ def save_state(state_dir: Path, model, optimizer, step: int, extra: dict) -> Non
 
     with atomic_dir(state_dir) as tmp:
         # save_model (not save_file) handles the tied embedding / output head
-        save_model(model, str(tmp / MODEL_WEIGHTS_NAME))
-        torch.save(optimizer.state_dict(), tmp / OPTIMIZER_NAME)
+        with os_errors_of(tmp / MODEL_WEIGHTS_NAME):
+            save_model(model, str(tmp / MODEL_WEIGHTS_NAME))
+        # (serialized here, written by Python: torch's own writer reports a full disk only as
+        # "unexpected pos")
+        buffer = io.BytesIO()
+        torch.save(optimizer.state_dict(), buffer)
+        (tmp / OPTIMIZER_NAME).write_bytes(buffer.getvalue())
         write_json_atomic(tmp / STATE_NAME, {"step": step, **extra})
 
 
@@ -198,6 +231,16 @@ def keep_checkpoint(stage, model, cfg: TrainConfig, step: int, rows_per_epoch: i
         save_native(model, tmp, saved_dtype=cfg.saved_dtype)
         write_json_atomic(tmp / META_NAME, kept_record(cfg, step, rows_per_epoch, stage))
     stage.record(part, [folder / name for name in KEPT_FILES], step=step)
+
+
+def final_files(cfg: TrainConfig, out: Path) -> list[Path]:
+    """Every file a training run (or a model taken prebuilt) may write under a final name in
+    `out`: the model, its tokenizer and each kept checkpoint's files (what the stage expects
+    before it writes any of them)."""
+    files = [out / MODEL_CONFIG_NAME, out / MODEL_WEIGHTS_NAME, out / TOKENIZER_NAME]
+    for step in kept_steps(cfg):
+        files += [kept_checkpoint(out, step) / name for name in KEPT_FILES]
+    return files
 
 
 def missing_kept(stage, cfg: TrainConfig) -> list[int]:

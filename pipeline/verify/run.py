@@ -144,6 +144,7 @@ def verify_run(cfg: VerifyConfig) -> dict:
 COMMAND = Command(
     VerifyConfig,
     verify_run,
+    inputs=lambda cfg: [("--run", cfg.run, "dir")],
     summary="check a run's invariants",
     examples="""\
   arslice verify --run runs/demo

@@ -18,9 +18,10 @@ from ar_slicing.parts import damage
 from pipeline.verify.checks import BATCH_ROWS, Checks
 
 
-def _parts_whole(parts: list[Path], checks: Checks) -> bool:
-    """FAIL for every part without a readable footer; True when there is none."""
-    problems = [problem for problem in map(damage, parts) if problem]
+def _parts_whole(parts: list[Path], checks: Checks, schema) -> bool:
+    """FAIL for every part without a readable footer or without the columns of `schema` (its
+    writer's); True when there is none."""
+    problems = [problem for part in parts if (problem := damage(part, schema))]
     for problem in problems:
         checks.fail(problem)
     return not problems
@@ -115,6 +116,7 @@ def verify_tags(
     from tqdm import tqdm
 
     from ar_slicing.io import read_json
+    from ar_slicing.tags import tags_schema
     from ar_slicing.windows import read_window_table, window_table
 
     meta = read_json(meta_path(path))
@@ -145,7 +147,7 @@ def verify_tags(
             f"{path}: the {len(listed)} tag parts meta.json lists",
             f"found {[p.name for p in parts]}",
         )
-    if not _parts_whole(parts, checks):
+    if not _parts_whole(parts, checks, tags_schema()):
         return meta, windows  # (the window table is sound: the losses are still checked)
 
     tokens = counts = None
@@ -263,6 +265,7 @@ def verify_losses(path: Path, windows: dict, window: int, checks: Checks) -> dic
     import pyarrow.parquet as pq
 
     from ar_slicing.io import read_json
+    from pipeline.eval.output import losses_schema
 
     meta = read_json(meta_path(path))
     n_targets = np.asarray(windows["n_targets"], dtype=np.int64)
@@ -276,7 +279,7 @@ def verify_losses(path: Path, windows: dict, window: int, checks: Checks) -> dic
         ids = losses_windows(meta, n_targets.size)
         scored[ids] = n_targets[ids]
     parts = sorted(path.glob(LOSS_PART_GLOB))
-    if not _parts_whole(parts, checks):
+    if not _parts_whole(parts, checks, losses_schema()):
         return meta
     nonfinite = 0
     first_bad = None

@@ -19,8 +19,12 @@ def tag_plan(**scope) -> StagePlan:
     return StagePlan("tag", {"window": 8}, {"counts": "c" * 64}, scope=scope)
 
 
-def write_part(out, index: int, payload: bytes = b"rows") -> object:
+def write_part(out, index: int, payload: bytes = b"rows", stage=None) -> object:
+    """A part's file, which `stage` expects first (as a stage does before it writes one);
+    without `stage`, a file that no stage expected."""
     path = out / f"tags-{index:05d}.parquet"
+    if stage is not None:
+        stage.expect([path])
     path.write_bytes(payload)
     return path
 
@@ -29,8 +33,8 @@ def test_a_recorded_part_is_done_until_its_file_is_cut_short(tmp_path):
     out = tmp_path / "tags"
     stage = open_stage(out, tag_plan())
     with pytest.raises(KeyboardInterrupt), stage.running():
-        stage.record("part 0", [write_part(out, 0, b"0123456789")], rows=10)
-        write_part(out, 1)  # written, killed before the driver recorded it
+        stage.record("part 0", [write_part(out, 0, b"0123456789", stage)], rows=10)
+        write_part(out, 1, stage=stage)  # written, killed before the driver recorded it
         raise KeyboardInterrupt
     again = open_stage(out, tag_plan())
     with again.running():
@@ -47,8 +51,8 @@ def test_a_torn_last_line_is_ignored_and_the_next_record_starts_a_line(tmp_path)
     out = tmp_path / "tags"
     stage = open_stage(out, tag_plan())
     with pytest.raises(KeyboardInterrupt), stage.running():
-        stage.record("part 0", [write_part(out, 0)], rows=4)
-        write_part(out, 1)
+        stage.record("part 0", [write_part(out, 0, stage=stage)], rows=4)
+        write_part(out, 1, stage=stage)
         raise KeyboardInterrupt
     ledger = out / ".ledger.jsonl"
     whole = ledger.read_text()
@@ -58,8 +62,8 @@ def test_a_torn_last_line_is_ignored_and_the_next_record_starts_a_line(tmp_path)
     with again.running():
         assert again.done("part 0") == {"rows": 4} and again.done("part 1") is None
         again.record("part 1", [out / "tags-00001.parquet"], rows=4)
-    lines = ledger.read_text().splitlines()
-    assert [json.loads(line)["part"] for line in lines] == ["part 0", "part 1"]
+    lines = [json.loads(line) for line in ledger.read_text().splitlines()]
+    assert [line["part"] for line in lines if "part" in line] == ["part 0", "part 1"]
     assert Ledger(out).done("part 1") == {"rows": 4}
 
 
@@ -67,7 +71,8 @@ def test_finishing_folds_the_ledger_into_meta_and_reopening_brings_it_back(tmp_p
     out = tmp_path / "tags"
     stage = open_stage(out, tag_plan())
     with stage.running():
-        stage.record("part 0", [write_part(out, 0)], rows=4)
+        stage.record("part 0", [write_part(out, 0, stage=stage)], rows=4)
+        stage.expect([out / "windows.parquet"])
         (out / "windows.parquet").write_bytes(b"w")
         meta = stage.finish({"stage": "tag"})
     assert not (out / ".ledger.jsonl").exists() and not (out / ".plan.json").exists()
@@ -84,7 +89,7 @@ def test_a_foreign_file_in_a_complete_output_is_refused_even_when_it_matches_the
     out = tmp_path / "tags"
     stage = open_stage(out, tag_plan())
     with stage.running():
-        stage.record("part 0", [write_part(out, 0)], rows=4)
+        stage.record("part 0", [write_part(out, 0, stage=stage)], rows=4)
         stage.finish({"stage": "tag"})
     mine = write_part(out, 99999, b"a user's own table")
     for overwrite in (False, True):
@@ -95,24 +100,51 @@ def test_a_foreign_file_in_a_complete_output_is_refused_even_when_it_matches_the
     assert open_stage(out, tag_plan()).complete
 
 
-def test_in_an_unfinished_output_the_layouts_names_are_the_stages_own(tmp_path):
-    """A worker may put a part in place before its driver records it: unfinished, the names of
-    the layout are the stage's own (kept, and removed by --overwrite)."""
+def test_in_an_unfinished_output_the_ledger_not_the_name_says_what_is_the_stages(tmp_path):
+    """A worker may put a part in place before its driver records it: the files the stage
+    expected are its own (kept, and removed by --overwrite), a file merely named like them that
+    it never expected (a user's `tags-99999.parquet`, dropped in after a kill) is foreign,
+    refused by name and never removed."""
     out = tmp_path / "tags"
     stage = open_stage(out, tag_plan())
     with pytest.raises(KeyboardInterrupt), stage.running():
-        write_part(out, 7)
+        write_part(out, 7, stage=stage)  # expected and written, killed before its record
         raise KeyboardInterrupt
+    mine = write_part(out, 99999, b"a user's own table")
+    for overwrite in (False, True):
+        with pytest.raises(ForeignFiles, match="tags-99999.parquet, which the tag stage did not"):
+            open_stage(out, tag_plan(), overwrite=overwrite)
+    assert mine.read_bytes() == b"a user's own table" and (out / "tags-00007.parquet").exists()
+    mine.unlink()
     open_stage(out, tag_plan()).release()  # not refused
     with open_stage(out, tag_plan(), overwrite=True).running():
         assert not (out / "tags-00007.parquet").exists()
+
+
+def test_an_unfinished_output_an_older_version_left_still_owns_its_layouts_names(tmp_path):
+    """An older version's ledger never said what its stage expected, and its unfinished output
+    owned the names of its layout: such a run, left by a kill, still resumes as its own."""
+    out = tmp_path / "tags"
+    stage = open_stage(out, tag_plan())
+    with pytest.raises(KeyboardInterrupt), stage.running():
+        stage.record("part 0", [write_part(out, 0, stage=stage)], rows=4)
+        raise KeyboardInterrupt
+    ledger = out / ".ledger.jsonl"  # as the older version wrote it: its records only
+    ledger.write_text("".join(x for x in ledger.read_text().splitlines(True) if '"part"' in x))
+    (out / "windows.parquet").write_bytes(b"w")  # put in place before the kill, unrecorded
+    again = open_stage(out, tag_plan())
+    with again.running():
+        assert again.done("part 0") == {"rows": 4}
+        again.expect([out / "windows.parquet"])  # (this version's stage writes it again)
+        meta = again.finish({"stage": "tag"})
+    assert meta["written"] == {"tags-00000.parquet": 4, "windows.parquet": 1}
 
 
 def test_another_scope_reopens_a_complete_output_keeping_its_parts(tmp_path):
     out = tmp_path / "tags"
     stage = open_stage(out, tag_plan(cells=[1]))
     with stage.running():
-        stage.record("part 1", [write_part(out, 1)], rows=4)
+        stage.record("part 1", [write_part(out, 1, stage=stage)], rows=4)
         first = stage.finish({"stage": "tag"})
     assert first["plan"]["scope"] == {"cells": [1]}
     assert open_stage(out, tag_plan(cells=[1])).complete
@@ -121,7 +153,7 @@ def test_another_scope_reopens_a_complete_output_keeping_its_parts(tmp_path):
     with grown.running():
         assert not (out / "meta.json").exists()
         assert grown.done("part 1") == {"rows": 4} and grown.done("part 2") is None
-        grown.record("part 2", [write_part(out, 2)], rows=4)
+        grown.record("part 2", [write_part(out, 2, stage=grown)], rows=4)
         meta = grown.finish({"stage": "tag"})
     assert sorted(meta["ledger"]) == ["part 1", "part 2"]
     other = StagePlan("tag", {"window": 16}, {"counts": "c" * 64}, scope={"cells": [1, 2]})

@@ -73,6 +73,7 @@ def tag_plan(**settings) -> StagePlan:
 def finish_tags(out: Path, plan: StagePlan) -> None:
     stage = open_stage(out, plan, overwrite=True)
     with stage.running():
+        stage.expect([out / "tags-00000.parquet"])
         (out / "tags-00000.parquet").write_text(json.dumps(plan.settings))
         stage.finish({"stage": "tag"})
 

@@ -29,6 +29,7 @@ def plan(**settings) -> StagePlan:
 def finish(out, p: StagePlan, payload: str = "data") -> dict:
     stage = open_stage(out, p)
     with stage.running():
+        stage.expect([out / PART])  # (what a stage says before it writes a file)
         (out / PART).write_text(payload)
         return stage.finish({"stage": "tag"})
 
@@ -74,6 +75,7 @@ def test_unfinished_run_resumes_under_its_plan_only(tmp_path):
     stage = open_stage(out, plan())
     with pytest.raises(KeyboardInterrupt):
         with stage.running():
+            stage.expect([out / PART])
             (out / PART).write_text("done")
             raise KeyboardInterrupt
     assert (out / ".plan.json").is_file() and (out / PART).is_file()  # work kept

@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import struct
-import subprocess
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -31,6 +30,7 @@ from tests.reliability import (  # noqa: F401  (tiny_run is a fixture)
     run_subprocess,
     save_tiny_native,
     tiny_run,
+    tmpfs,
 )
 
 
@@ -239,19 +239,8 @@ def small_disk(tmp_path):
     """A 32 KiB tmpfs (root may mount one here), grown by `grow()` to let the rerun finish
     (`grow("300k")`: to that size)."""
     mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32k", "tmpfs", str(mount)],
-                          capture_output=True, text=True)  # fmt: skip
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.strip()})")
-
-    def grow(size: str = "64m"):
-        subprocess.run(["mount", "-o", f"remount,size={size}", str(mount)], check=True)
-
-    try:
-        yield mount, grow
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+    with tmpfs(mount, "32k") as remount:
+        yield mount, lambda size="64m": remount(f"size={size}")
 
 
 @pytest.mark.parametrize(

@@ -131,7 +131,7 @@ def test_workers_die_with_a_killed_stage_and_the_rerun_finishes(tiny_run, tmp_pa
     run = tiny_run["run"]
     argv = {
         "tokenize": ["tokenize", "--source", tiny_run["src_train"], "--glob", "*.py",
-                     "--tokenizer", run / "tokens/train/tokenizer.json"],
+                     "--tokenizer", run / "tokens/train/tokenizer.json", "--shard-docs", "2"],
         "tag": ["tag", "--tokens", run / "tokens/val", "--counts", run / "counts",
                 "--window", WINDOW, "--threshold", "4", "--part-tokens", "64"],
     }[stage] + ["--workers", "2", "--out", tmp_path / stage]  # fmt: skip

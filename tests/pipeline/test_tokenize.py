@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ar_slicing.errors import ArSliceError, BadInput
-from ar_slicing.io import read_json, stable_meta, write_json_atomic
+from ar_slicing.io import stable_meta
 from ar_slicing.layout import STORE_WORK_DIR as PARTS_DIR
 from ar_slicing.ledger import Ledger
 from ar_slicing.store import TokenStore
@@ -31,6 +31,7 @@ from pipeline.tokenize import TokenizeConfig, run_tokenize
 from pipeline.train_tokenizer import TrainTokenizerConfig, run_train_tokenizer
 from tests import REPO
 from tests.conftest import stdlib_files
+from tests.reliability import as_killed
 
 SUBSETS = ["Github", "Pile-CC", "ArXiv"]
 
@@ -181,11 +182,10 @@ def test_killed_run_resumes_to_the_same_bytes(tmp_path, bpe_tokenizer_path):
 def test_parts_of_another_configuration_are_not_reused(tmp_path, corpus, bpe_tokenizer_path):
     out = tmp_path / "s"
     tokenize(out, corpus, bpe_tokenizer_path, workers=1, shard_docs=2)
-    # What a kill right before assembly leaves: the run's plan and its finished parts.
-    plan = read_json(out / "meta.json")["plan"]
-    for name in ("meta.json", "tokens.bin", "docs.parquet"):
+    # What a kill right before assembly leaves: the run's plan and its ledger.
+    as_killed(out)
+    for name in ("tokens.bin", "docs.parquet"):
         (out / name).unlink()
-    write_json_atomic(out / ".plan.json", plan)
     stale = tmp_path / "stale_parts"
     tokenize(stale, corpus, bpe_tokenizer_path, workers=1, shard_docs=2, max_docs=6)
     # a different max_docs must not pick up parts made for the full corpus: refused, naming it
@@ -239,7 +239,7 @@ def test_invalid_utf8_counted_in_meta(tmp_path, bpe_tokenizer_path):
     assert texts == ["caf\ufffd", "ok"]
 
 
-def test_cli_dry_run_and_help(tmp_path):
+def test_cli_dry_run_and_help(tmp_path, bpe_tokenizer_path):
     def arslice(*args, check=True):
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         cmd = [sys.executable, "-m", "pipeline.cli", *args]
@@ -249,7 +249,14 @@ def test_cli_dry_run_and_help(tmp_path):
     src.write_text('{"text": "a document"}\n')
     printed = json.loads(
         arslice(
-            "tokenize", "--source", src, "--tokenizer", "t.json", "--out", "o", "--dry-run"
+            "tokenize",
+            "--source",
+            src,
+            "--tokenizer",
+            bpe_tokenizer_path,
+            "--out",
+            "o",
+            "--dry-run",
         ).stdout
     )
     assert printed["TokenizeConfig"]["source"] == [str(src)]

@@ -375,14 +375,12 @@ def test_killed_run_leaves_no_checkpoint_and_resumes_to_the_same_weights(stores,
 
 
 def test_a_stale_state_with_other_settings_is_refused(stores, tmp_path):
-    from ar_slicing.io import write_json_atomic
     from pipeline.train import load_state
+    from tests.reliability import as_killed
 
     out = tmp_path / "m"
-    first = train(tiny_config(stores, out, steps=4))
-    # what a kill leaves: the plan of the unfinished run (and its last checkpoint)
-    write_json_atomic(out / ".plan.json", first["plan"])
-    (out / "meta.json").unlink()
+    train(tiny_config(stores, out, steps=4))
+    as_killed(out)  # what a kill leaves: the plan and ledger of the unfinished run
     lr = tiny_config(stores, out).lr
     with pytest.raises(
         ArSliceError, match=f"unfinished run(?s:.*)settings.lr: {lr} -> 1.0(?s:.*)--overwrite"
