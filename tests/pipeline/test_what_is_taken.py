@@ -173,7 +173,8 @@ def saved_step(out: Path) -> int:
 def killed(tiny_run, tmp_path_factory) -> Path:  # noqa: F811
     """A training run SIGKILLed after its first periodic checkpoint: what a rerun resumes."""
     out = tmp_path_factory.mktemp("killed") / "model"
-    was_killed, err = kill_when(train_args(tiny_run, out), lambda: saved_step(out) > 0)
+    ready = lambda: saved_step(out) > 0  # noqa: E731
+    was_killed, err = kill_when(train_args(tiny_run, out), ready, timeout=600)
     assert was_killed and saved_step(out) > 0, err
     return out
 
