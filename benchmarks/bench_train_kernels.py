@@ -2,7 +2,8 @@
 models trained a few steps with the pin (AVX2 kernels, MKL's COMPATIBLE branch, oneDNN capped
 at AVX2) and with this CPU's own fastest kernels (the baseline: nothing pinned), and, for the
 record, with MKL's AVX2 branch instead of COMPATIBLE (the same bytes on every Intel CPU with
-AVX2, but not on AMD's, where MKL ignores it).
+AVX2, but not on AMD's, where MKL ignores it) and with every library at its plainest code
+(torch's kernels without AVX2, oneDNN at SSE4.1: the same bytes on CPUs without AVX2 too).
 
 Each (setting, model) trains in its own fresh process (the pin is read when torch loads), one
 thread, the demo's shapes (d_model 128, 4 layers, BaseConv 6; rows of 256 tokens, 8 a step) on
@@ -45,6 +46,11 @@ def settings() -> dict[str, dict[str, str]]:
         "this CPU's own": {},
         "pinned": dict(PIN),
         "pinned, MKL AVX2": {**PIN, "MKL_CBWR": "AVX2"},
+        "plain (SSE) everywhere": {
+            "ATEN_CPU_CAPABILITY": "default",
+            "MKL_CBWR": "COMPATIBLE",
+            "ONEDNN_MAX_CPU_ISA": "SSE41",
+        },
     }
 
 

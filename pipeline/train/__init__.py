@@ -2,7 +2,9 @@
 
 A deliberately small, correct trainer in the nanoGPT mould: AdamW (weight decay on matrices
 only), linear warmup then cosine decay, gradient clipping, bf16 autocast on CUDA GPUs that have
-it (`models.precision`), a fixed seed.
+it (`models.precision`), a fixed seed, and torch's CPU kernels pinned before torch loads
+(`models.cpu_kernels`), so that a run writes the same bytes on any x86-64 CPU (the pin is a
+setting of its plan, and its meta.json says what torch and MKL report they used).
 The batch order depends only on the store, `seq_len`, `batch_size` and `seed` — never on the
 architecture — so models of different families trained with the same settings see the same
 training tokens in the same order, as in the Zoology comparison.
