@@ -8,8 +8,14 @@ PY := $(VENV)/bin/python
 # (overridable: tests run `make` with `ARSLICE="python -m pipeline.cli"` from their own tree)
 ARSLICE ?= $(VENV)/bin/arslice
 CONFIG ?= pipeline/configs/demo.toml
+# A value as one quoted shell word: a CONFIG or run_dir with spaces stays one argument.
+shell_word = '$(subst ','\'',$(1))'
 # The run directory named by the config (`run_dir = "..."`).
-RUN := $(shell sed -n 's/^run_dir *= *"\([^"]*\)".*/\1/p' $(CONFIG) 2>/dev/null)
+RUN := $(shell sed -n 's/^run_dir *= *"\([^"]*\)".*/\1/p' $(call shell_word,$(CONFIG)) 2>/dev/null)
+# ... as make names files: make splits names at spaces, so each is escaped (as the stage rules
+# in stages.mk escape theirs)
+space := $() $()
+RUN_FILE := $(subst $(space),\ ,$(RUN))
 # OVERWRITE=1: redo the stages whose settings or inputs changed (without it they refuse, naming
 # the change); complete outputs of unchanged stages are still kept.
 # DEMO_TRAIN=1: train the models here, taking none from the folder of prebuilt models that the
@@ -17,8 +23,8 @@ RUN := $(shell sed -n 's/^run_dir *= *"\([^"]*\)".*/\1/p' $(CONFIG) 2>/dev/null)
 RUNFLAGS := $(if $(OVERWRITE),--redo-changed,) $(if $(DEMO_TRAIN),--train-here,)
 # Where `make demo-models` puts the models it trains: the folder the config's `[train] prebuilt`
 # names (`prebuilt = "..."`), else demo-models.
-DEMO_MODELS ?= $(or $(shell sed -n 's/^prebuilt *= *"\([^"]*\)".*/\1/p' $(CONFIG) 2>/dev/null),demo-models)
-STAGE = $(ARSLICE) run --config $(CONFIG) $(RUNFLAGS) --stage
+DEMO_MODELS ?= $(or $(shell sed -n 's/^prebuilt *= *"\([^"]*\)".*/\1/p' $(call shell_word,$(CONFIG)) 2>/dev/null),demo-models)
+STAGE = $(ARSLICE) run --config $(call shell_word,$(CONFIG)) $(RUNFLAGS) --stage
 
 .PHONY: FORCE install install-browser test test-slow test-demo test-gpu lint format bench bench-scale bench-gpu all tokenizer tokenize counts tags train eval report verify readme-demo mqar demo-models clean-run
 
@@ -80,9 +86,12 @@ ifneq ($(filter $(PIPELINE_GOALS),$(MAKECMDGOALS)),)
 ifeq ($(RUN),)
 $(error CONFIG=$(CONFIG): no such file, or no `run_dir = "runs/<name>"` line in it)
 endif
-$(RUN)/.settings/stages.mk: FORCE
-	@$(ARSLICE) run --config $(CONFIG) $(RUNFLAGS) --make-rules
-include $(RUN)/.settings/stages.mk
+ifneq ($(findstring :,$(RUN))$(findstring ;,$(RUN)),)
+$(error CONFIG=$(CONFIG): run_dir "$(RUN)" holds a ':' or ';', which make cannot take in a file name; choose a run_dir without them, or run `arslice run --config FILE`, which takes any path)
+endif
+$(RUN_FILE)/.settings/stages.mk: FORCE
+	@$(ARSLICE) run --config $(call shell_word,$(CONFIG)) $(RUNFLAGS) --make-rules
+include $(RUN_FILE)/.settings/stages.mk
 endif
 
 all: report
@@ -103,20 +112,22 @@ FORCE:
 # whole sweep of every family (many hours on a CPU), other MQAR_ARGS another part of it.
 MQAR_ARGS ?= --archs attention base_conv --lrs 3e-3 --restarts 1
 mqar:
-	$(ARSLICE) mqar --out $(RUN)/mqar $(MQAR_ARGS) $(if $(OVERWRITE),--overwrite,)
+	$(ARSLICE) mqar --out $(call shell_word,$(RUN)/mqar) $(MQAR_ARGS) $(if $(OVERWRITE),--overwrite,)
 
-# The demo's models trained here (DEMO_TRAIN, with the config's kept checkpoints), then written
-# in bf16 to $(DEMO_MODELS)/ with a README saying how (`arslice export-models`): the folder to
-# commit, which `make all` takes the models from while the config's [train] asks for exactly
-# how they were made.
+# The demo's models trained here (with the config's kept checkpoints), then written in bf16 to
+# $(DEMO_MODELS)/ with a README saying how (`arslice export-models`): the folder to commit, which
+# `make all` takes the models from while the config's [train] asks for exactly how they were
+# made. Only the models the folder does not hold made so are trained (`--train-missing`): a
+# model added to the config is trained, the others are kept as they are.
 demo-models:
-	$(ARSLICE) run --config $(CONFIG) --train-here --stage tokenizer tokenize train
-	$(ARSLICE) export-models --config $(CONFIG) --out $(DEMO_MODELS) \
-		--command "make demo-models CONFIG=$(CONFIG)"
+	$(ARSLICE) run --config $(call shell_word,$(CONFIG)) --train-here --stage tokenizer tokenize
+	$(ARSLICE) run --config $(call shell_word,$(CONFIG)) --train-missing --stage train
+	$(ARSLICE) export-models --config $(call shell_word,$(CONFIG)) --out $(call shell_word,$(DEMO_MODELS)) \
+		--command $(call shell_word,make demo-models CONFIG=$(CONFIG))
 
 # Every invariant of the run's outputs (sizes, fingerprints, one loss per tag row, ...).
 verify:
-	$(ARSLICE) verify --run $(RUN)
+	$(ARSLICE) verify --run $(call shell_word,$(RUN))
 
 # The README's table and figures of a demo, regenerated from a real `make all` run: the run's
 # folder name names them (runs/demo: docs/demo-table1.md, docs/demo-*.png and the README's
@@ -133,4 +144,4 @@ readme-demo: all
 	@echo "docs/$(DOCS_NAME)-table1.md, docs/$(DOCS_NAME)-*.png and README.md's $(DOCS_NAME) table updated from $(RUN)"
 
 clean-run:
-	rm -rf $(RUN)
+	rm -rf $(call shell_word,$(RUN))

@@ -54,10 +54,14 @@ def _from_transformers(name: str):
     try:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(name, use_fast=True, **hub.files_only())
+        # (never a tokenizer's own Python: told so, transformers neither runs it nor asks)
+        tok = AutoTokenizer.from_pretrained(
+            name, use_fast=True, trust_remote_code=False, **hub.files_only()
+        )
     except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0]
         raise ArSliceError(
-            f"tokenizer {name!r}: could not load it as a local directory or hub name ({e}). "
+            f"tokenizer {name!r}: could not load it as a local directory or hub name ({first}). "
             "Pass a tokenizer.json file, a directory saved by transformers, or a reachable hub id."
         ) from None
     if not getattr(tok, "is_fast", False):
@@ -124,7 +128,7 @@ def special_token_ids(spec: str | Path) -> dict[str, int | None]:
     try:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(spec))
+        tok = AutoTokenizer.from_pretrained(str(spec), trust_remote_code=False)
     except Exception:  # unreadable or unreachable: nothing declared that we can see
         return {}
     return {

@@ -44,24 +44,32 @@ def resolve_device(name: str) -> str:
     return name
 
 
+def cpu_flags(cpuinfo: str | None = None) -> set[str] | None:
+    """The CPU's feature flags (x86 `flags`, Arm `Features`) from /proc/cpuinfo (`cpuinfo`: its
+    text); None where there is none to read."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            return None
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return set(value.split())
+    return None
+
+
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     """True when this CPU multiplies bf16 matrices in hardware (x86 AVX512-BF16 or AMX-BF16,
     Arm BF16), where bf16 autocast runs the model's matrix products about twice as fast as fp32.
     CPUs without it emulate bf16 more slowly than fp32. `cpuinfo` is /proc/cpuinfo's text."""
     import torch
 
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
-        except OSError:
-            return False
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            flags = set(value.split())
-            native = bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
-            return native and torch.backends.mkldnn.is_available()
-    return False
+    flags = cpu_flags(cpuinfo)
+    if flags is None:
+        return False
+    native = bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    return native and torch.backends.mkldnn.is_available()
 
 
 def canonical_dtype(dtype) -> str:

@@ -26,6 +26,11 @@ EPILOG = """examples:
 Each subcommand has its own --help with examples, and --dry-run to print its resolved config."""
 
 
+# the commands whose process trains, so its torch CPU kernels are pinned before torch loads
+# (`models.cpu_kernels`); `arslice run` trains in processes it starts pinned
+PINS_CPU_KERNELS = ("train",)
+
+
 def top_level_help() -> str:
     commands = registry.commands()
     width = max(map(len, commands))
@@ -120,6 +125,10 @@ def _run(name: str, command, ns) -> int:
     from pipeline.config import config_from_namespace, missing_inputs, print_config
 
     try:
+        if name in PINS_CPU_KERNELS:
+            from models import cpu_kernels
+
+            cpu_kernels.pin()  # before anything loads torch
         cfg = config_from_namespace(command.config_cls, ns)
         if ns.dry_run:
             if command.dry_run is not None:

@@ -7,6 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from models import cpu_kernels
+
+# The session trains models in its own process (`pipeline.train.train`, `arslice run` from
+# Python), so, like `arslice train`, it pins torch's CPU kernels before anything loads torch.
+cpu_kernels.pin()
+
 
 def pytest_collection_modifyitems(config, items):
     try:

@@ -9,6 +9,11 @@ RWKV-4 as models/mixers/rwkv.py's `FastRwkv` (filled by hf_rwkv.py; its exact fp
 what transformers' own CPU loop computes), Mamba-1 as models/mixers/mamba.py's `MambaLM` and
 Mamba-2 as models/mixer_model.py's `MixerLM` (both filled by mamba_ssm.py). A hub id may be bare
 (`hf:gpt2`) and takes a revision (`hf:EleutherAI/pythia-160m@step3000`).
+
+A config.json with `auto_map` names Python of the checkpoint's own (transformers' "custom code"):
+it is refused, before transformers sees the folder, unless the evaluation asks for it with
+`--trust-remote-code`; transformers is always told whether to run it (`trust_remote_code`), so it
+never asks on a terminal and never runs the code otherwise.
 """
 
 from __future__ import annotations
@@ -74,6 +79,13 @@ def load_spec(request: LoadRequest) -> LoadedModel:
             f"{spec}: {path / 'config.json'} not found (not a transformers model directory)"
         )
     raw = read_config_json(target, looks_local, commit)
+    if isinstance(raw, dict) and raw.get("auto_map") and not request.trust_remote_code:
+        raise ArSliceError(
+            f"{spec}: its config.json names Python code of its own (auto_map: "
+            f"{', '.join(sorted(map(str, raw['auto_map'])))}), which is not run unless asked: "
+            "read that code, then pass --trust-remote-code (`trust_remote_code = true` in a "
+            "config's [eval] table) to run it"
+        )
     if is_mamba_ssm_config(raw):
         model = load_mamba_ssm(
             target, raw, spec, looks_local, as_transformers=not request.fast_path, revision=commit
@@ -87,7 +99,9 @@ def load_spec(request: LoadRequest) -> LoadedModel:
             f"transformers one; load it with based:{target}"
         )
     else:
-        model, architecture = _load_transformers(spec, target, dtype, commit)
+        model, architecture = _load_transformers(
+            spec, target, dtype, commit, request.trust_remote_code
+        )
         if request.fast_path:
             model = _fast_forward(model, architecture)
     model.eval().to(request.device)
@@ -131,16 +145,18 @@ def _head_rows(model) -> int:
     return int(head.weight.shape[0])
 
 
-def _load_transformers(spec: str, target: str, dtype, commit: str | None):
-    """transformers' AutoModelForCausalLM for `target` (at `commit`), and its model_type."""
+def _load_transformers(spec: str, target: str, dtype, commit: str | None, trust: bool = False):
+    """transformers' AutoModelForCausalLM for `target` (at `commit`), and its model_type;
+    `trust`: run the checkpoint's own code (given explicitly, so transformers never asks)."""
     import torch
 
     from ar_slicing import hub
 
+    remote = {"trust_remote_code": trust, **hub.files_only()}
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        config = AutoConfig.from_pretrained(target, revision=commit, **hub.files_only())
+        config = AutoConfig.from_pretrained(target, revision=commit, **remote)
     except Exception as e:
         raise ArSliceError(
             f"{spec}: could not read a transformers config ({type(e).__name__}: {e}). Pass a local "
@@ -154,7 +170,7 @@ def _load_transformers(spec: str, target: str, dtype, commit: str | None):
             )
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            target, revision=commit, dtype=dtype or torch.float32, **hub.files_only()
+            target, revision=commit, dtype=dtype or torch.float32, **remote
         )
     except Exception as e:
         _refuse_local_pickles(Path(target))

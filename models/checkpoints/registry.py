@@ -86,6 +86,7 @@ class LoadRequest:
     dtype: Any = None  # a torch dtype; None keeps the checkpoint's fp32
     fast_path: bool = True
     model_config: str | Path | None = None
+    trust_remote_code: bool = False  # run the Python a checkpoint names (hf: `auto_map`)
 
 
 @dataclass(frozen=True)
@@ -247,7 +248,12 @@ def spec_identity(spec: str) -> dict:
 
 
 def load_model(
-    spec: str, device="cpu", dtype=None, fast_path: bool = True, model_config=None
+    spec: str,
+    device="cpu",
+    dtype=None,
+    fast_path: bool = True,
+    model_config=None,
+    trust_remote_code: bool = False,
 ) -> LoadedModel:
     """Load the model named by `spec` (`PREFIX:TARGET`, read by the format registered for PREFIX)
     onto `device`, in eval mode.
@@ -256,7 +262,8 @@ def load_model(
     runs hf: RWKV and Mamba-1 checkpoints through this project's chunked RWKV and Mamba forwards
     instead of transformers' per-token loops (False: transformers' own forward).
     `model_config`: a config file to use instead of the one found with the checkpoint, for the
-    formats that read one.
+    formats that read one. `trust_remote_code` lets a checkpoint's own Python run (an hf: config
+    with `auto_map`); without it such a checkpoint is refused and none of its code runs.
     """
     from ar_slicing import hub
     from models.precision import torch_dtype
@@ -272,7 +279,9 @@ def load_model(
             f"{spec}: a model config file (--model-config) applies to {takes} "
             f"checkpoints only; {_listed(others)} directories carry their own config.json"
         )
-    request = LoadRequest(spec, target, is_hub, commit, device, dtype, fast_path, model_config)
+    request = LoadRequest(
+        spec, target, is_hub, commit, device, dtype, fast_path, model_config, trust_remote_code
+    )
     return found.load(request)
 
 

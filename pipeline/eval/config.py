@@ -150,6 +150,14 @@ class EvalConfig:
             "choices": list(KERNEL_CHOICES),
         },
     )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={
+            "help": "run the Python an hf: model's config.json names (`auto_map`: transformers' "
+            "custom code); without it such a model is refused and none of its code runs "
+            "(recorded in the plan)"
+        },
+    )
     chunk_windows: int = field(
         default=256, metadata={"help": "windows per output file (the unit of resuming)"}
     )

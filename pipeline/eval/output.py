@@ -117,7 +117,11 @@ class ChunkEvaluator:
             from models import load_model
 
             loaded = load_model(
-                cfg.model, device=device, fast_path=cfg.fast_path, model_config=cfg.model_config
+                cfg.model,
+                device=device,
+                fast_path=cfg.fast_path,
+                model_config=cfg.model_config,
+                trust_remote_code=cfg.trust_remote_code,
             )
         self.out = Path(cfg.out)
         self.kernels_taken: dict = {}  # {fused op: the paths it took} (models/kernels)

@@ -147,6 +147,8 @@ def eval_settings(cfg: EvalConfig, device: str | None = None, dtype: str | None 
         settings["kernels"] = cfg.kernels
     if cfg.harness_bos:  # recorded only when set, so earlier rolling plans stay the same
         settings["harness_bos"] = True
+    if cfg.trust_remote_code:  # (likewise) the model's own code computed the losses
+        settings["trust_remote_code"] = True
     if cfg.checkpoint_of is not None:  # (likewise: a model's plan stays as it was)
         # None while a checkpoint still to be trained says nothing: not compared before a run
         settings["checkpoint"] = checkpoint_point(cfg)
@@ -299,6 +301,7 @@ def _resolve(cfg, name, tags, windows, selected, executor, device, dtype, t0) ->
         device=device if executor is None else "cpu",
         fast_path=cfg.fast_path,
         model_config=cfg.model_config,
+        trust_remote_code=cfg.trust_remote_code,
     )
     if loaded.settings:
         say(f"eval {name}: {describe_settings(loaded.settings)}")

@@ -1,4 +1,4 @@
-"""What `arslice run` checks before anything runs: every chosen stage's configs (keys, types,
+"""What `arslice run` checks before anything runs: every stage's configs (keys, types,
 values, sources, inputs, model specs, hub names), a run directory holding only the project's
 files, and the complete outputs made with other settings (under the plan's own comparison)."""
 
@@ -13,12 +13,13 @@ from pipeline.runner.registry import after
 from pipeline.runner.stages_run import Pipeline, StageConfig
 
 
-def check(pipeline: Pipeline, chosen) -> dict[str, list[StageConfig]]:
-    """Resolve and check the configs of every chosen stage and of every stage the config file
-    has a table for. Returns them by stage; refuses every problem found, in one message."""
+def check(pipeline: Pipeline) -> dict[str, list[StageConfig]]:
+    """Resolve and check the configs of every stage of the run (`Pipeline.run_stages`: what a
+    whole run runs, so a run of some stages checks what the whole run would). Returns them by
+    stage; refuses every problem found, in one message."""
     from ar_slicing import hub
 
-    stages = [s for s in pipeline.stages if s in chosen or s in pipeline.config]
+    stages = pipeline.run_stages()
     problems = _Problems()
     all_configs: dict[str, list[StageConfig]] = {}
     for stage in stages:

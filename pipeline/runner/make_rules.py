@@ -21,8 +21,10 @@ def _quoted(path) -> str:
     return str(path).replace("$", "$$").replace("#", "\\#").replace(" ", "\\ ")
 
 
-def make_rules(layout: RunLayout) -> str:
-    stages = pipeline_stages()
+def make_rules(layout: RunLayout, stages: dict | None = None) -> str:
+    """The rules of `stages` (by name, in running order: a run's `Pipeline.run_stages`; every
+    pipeline stage by default)."""
+    stages = pipeline_stages() if stages is None else stages
     markers = {name: s.pipeline.writes.markers(layout) for name, s in stages.items()}
     lines = [
         "# Written by `arslice run --make-rules` from the run layout (ar_slicing/layout.py) and",

@@ -98,6 +98,15 @@ class RunConfig:
             "`make ... DEMO_TRAIN=1` passes)"
         },
     )
+    train_missing: bool = field(
+        default=False,
+        metadata={
+            "help": "train here only the [train] models that the folder of prebuilt models does "
+            "not hold made exactly so (settings, token streams, files); the others are left out "
+            "of the run: what `make demo-models` passes, so a model added to the config is "
+            "trained and the folder's others are kept (the token stores must be there)"
+        },
+    )
     make_rules: bool = field(
         default=False,
         metadata={
@@ -114,13 +123,17 @@ def prepare_pipeline(cfg: RunConfig) -> tuple[Pipeline, dict, list[str]]:
     if unknown:
         raise ArSliceError(f"unknown stage(s) {', '.join(unknown)}; stages: {', '.join(stages)}")
     config = load_pipeline_config(cfg.config)
-    if cfg.train_here:
+    if cfg.train_missing:
+        from pipeline.train.prebuilt import only_models_to_make
+
+        config = only_models_to_make(Pipeline(Path(cfg.config), config).configs("train"), config)
+    if cfg.train_here or cfg.train_missing:
         from pipeline.train.prebuilt import without_prebuilt
 
         config = without_prebuilt(config)
     pipeline = Pipeline(Path(cfg.config), config, overwrite=cfg.overwrite)
-    chosen = [s for s in stages if s in cfg.stage]
-    return pipeline, check(pipeline, chosen), chosen
+    chosen = [s for s in pipeline.run_stages() if s in cfg.stage]
+    return pipeline, check(pipeline), chosen
 
 
 def run_pipeline(cfg: RunConfig) -> dict:

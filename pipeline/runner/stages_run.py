@@ -82,6 +82,14 @@ class Pipeline:
     def layout(self) -> RunLayout:
         return RunLayout(self.run_dir)
 
+    def run_stages(self) -> list[str]:
+        """The stages of this config's run, in running order: every stage, whether or not the
+        config has its table (a stage without one runs with its defaults, as `[count]` left out
+        of a config still counts). The one list `arslice run` (whole or stage by stage), its
+        checks before anything runs and the Makefile's stage rules all take, so `make all` and
+        `arslice run` run the same stages."""
+        return list(self.stages)
+
     def table(self, stage: str) -> dict:
         return dict(self.config.get(stage, {}))
 
@@ -179,7 +187,8 @@ class Pipeline:
             existed = self.layout.settings(stage).exists()
             if _write_if_changed(self.layout.settings(stage), text) and existed:
                 changed.append(stage)  # (a first run's settings are new, not changed)
-        _write_if_changed(self.layout.make_rules, make_rules(self.layout))
+        rules = make_rules(self.layout, {s: self.stages[s] for s in self.run_stages()})
+        _write_if_changed(self.layout.make_rules, rules)
         return changed
 
     def write_resolved_config(self) -> Path:

@@ -2,7 +2,9 @@
 
 A deliberately small, correct trainer in the nanoGPT mould: AdamW (weight decay on matrices
 only), linear warmup then cosine decay, gradient clipping, bf16 autocast on CUDA GPUs that have
-it (`models.precision`), a fixed seed.
+it (`models.precision`), a fixed seed, and torch's CPU kernels pinned before torch loads
+(`models.cpu_kernels`), so that a run writes the same bytes on any x86-64 CPU (the pin is a
+setting of its plan, and its meta.json says what torch and MKL report they used).
 The batch order depends only on the store, `seq_len`, `batch_size` and `seed` — never on the
 architecture — so models of different families trained with the same settings see the same
 training tokens in the same order, as in the Zoology comparison.
@@ -85,12 +87,15 @@ log = logging.getLogger(__name__)
 def train(cfg: TrainConfig) -> dict:
     """Train one model as `cfg` says; returns the summary written to `<out>/meta.json`."""
     from ar_slicing.plan import StagePlan, identity, open_stage
+    from models import cpu_kernels
     from models.precision import resolve_device, resolve_dtype, torch_threads
 
+    cpu_kernels.pin()  # (before validate_train loads torch; refused if it is loaded otherwise)
     validate_train(cfg)
     t0 = time.time()
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device, training=True)
+    kernels = cpu_kernels.require_pinned()
     plan = StagePlan(
         "train",
         settings=train_settings(cfg, dtype),
@@ -108,17 +113,17 @@ def train(cfg: TrainConfig) -> dict:
         with stage.running(), torch_threads(cfg.threads):
             stage.expect(final_files(cfg, out))
             meta = take_prebuilt(stage, cfg, dtype, t0, lambda steps, inputs: _train_first_steps(
-                stage, cfg, device, dtype, steps, inputs))  # fmt: skip
+                stage, cfg, device, dtype, steps, inputs), kernels)  # fmt: skip
         say(f"train {cfg.arch}: taken from {prebuilt_model(cfg)} (the same settings and tokens)")
         return meta
     # work is a checkpoint the ledger holds
     keep = stage.running(keep_if=lambda out: bool(stage.ledger.parts))
     with keep, torch_threads(cfg.threads):
         stage.expect(final_files(cfg, out))
-        return _train(stage, cfg, device, dtype, t0)
+        return _train(stage, cfg, device, dtype, t0, kernels)
 
 
-def _train(stage, cfg: TrainConfig, device: str, dtype: str, t0: float) -> dict:
+def _train(stage, cfg: TrainConfig, device: str, dtype: str, t0: float, kernels: dict) -> dict:
     """Build the model (resumed from the ledger's latest checkpoint), run the steps left, save
     the model and write meta.json."""
     from models.checkpoints.native import save_native
@@ -164,6 +169,7 @@ def _train(stage, cfg: TrainConfig, device: str, dtype: str, t0: float) -> dict:
     meta = stage.finish(
         {
             **meta,
+            "cpu_kernels": kernels,
             "wall_time_s": round(time.time() - t0, 3),
             "throughput": {"train_tokens_per_s": trained_tokens / max(t_loop, 1e-9)},
         }

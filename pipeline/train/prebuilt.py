@@ -4,8 +4,9 @@ what `make demo-models` runs).
 
 A folder of prebuilt models holds a README.md saying how it was made and, per model, `<name>/`:
 `prebuilt.json` (the training settings as the stage plan records them, the sha256 of the
-training and validation token streams, the tokenizer's fingerprint, the trainer's summary, and
-the machine, versions and time of the training), `config.json`, `model.safetensors` with every
+training and validation token streams, the tokenizer's fingerprint, the sha256 of every other
+file of the model's folder, the trainer's summary, and the machine, versions and time of the
+training), `config.json`, `model.safetensors` with every
 tensor bf16 holds exactly stored in bf16 (half the size: every parameter, since such a model was
 trained with `saved_dtype = "bf16"`), and `checkpoints/step-<n>/` for each checkpoint it kept.
 
@@ -13,7 +14,10 @@ A model is taken only when it was made with exactly the settings asked for (`tra
 the stage plan records, except which checkpoints it kept: the folder need only hold the kept ones a
 run does not train itself, those after `train_here_until`) from exactly the same token streams,
 compared by content (`TokenStore.tokens_sha256`: a store's plan identity records paths and times,
-which differ between machines). Its weights are upcast to fp32 and written as the trainer writes
+which differ between machines), and only when every file of its folder has the sha256 recorded
+at export, and no file was added (`refuse_changed_files`: a flipped weight byte, an edited
+config.json, a damaged header are named, file by file, before any stage runs). Its weights are
+upcast to fp32 and written as the trainer writes
 them, so a model taken from the folder and one trained here with the same settings are the same
 bytes on the machine that made the folder, and the same digits elsewhere (both rounded to bf16).
 Anything else is refused, naming what differs and how to train here instead. A taken model is the
@@ -118,11 +122,59 @@ def _refuse_mismatch(cfg: TrainConfig, record: Mapping, asked: Mapping) -> None:
 
 
 def check_prebuilt_settings(cfg: TrainConfig, dtype: str | None = None) -> None:
-    """Refuse, before anything runs, a prebuilt model that is missing or was made with other
-    settings (its token streams are compared when the training store is there: `take`)."""
+    """Refuse, before anything runs, a prebuilt model that is missing, was made with other
+    settings or whose files are not the ones exported (its token streams are compared when the
+    training store is there: `take`)."""
     from pipeline.train.state import train_settings
 
-    _refuse_mismatch(cfg, _record(cfg), {"settings": train_settings(cfg, dtype)})
+    record = _record(cfg)
+    _refuse_mismatch(cfg, record, {"settings": train_settings(cfg, dtype)})
+    refuse_changed_files(cfg, record)
+
+
+def folder_files(folder: Path) -> dict[str, str]:
+    """The sha256 of every file under a prebuilt model's folder but its prebuilt.json, by path
+    relative to it (POSIX separators)."""
+    from ar_slicing.io import sha256_file
+
+    return {
+        p.relative_to(folder).as_posix(): sha256_file(p)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.relative_to(folder).as_posix() != PREBUILT_RECORD
+    }
+
+
+def refuse_changed_files(cfg: TrainConfig, record: Mapping) -> None:
+    """Refuse a prebuilt model whose folder is not byte for byte what was exported: each file
+    whose sha256 is not the one prebuilt.json records (both named), each recorded file that is
+    missing and each file it does not record."""
+    folder = prebuilt_model(cfg)
+    name = Path(cfg.out).name
+    recorded = record.get("files")
+    if not isinstance(recorded, Mapping) or not recorded:
+        raise PrebuiltMismatch(
+            f"train {name}: {folder / PREBUILT_RECORD} records no sha256 of the folder's files "
+            "(it was exported before they were recorded), so what would be taken is unchecked; "
+            "make the folder again (`make demo-models`)" + _train_here(cfg, record)
+        )
+    found = folder_files(folder)
+    lines = [
+        f"{folder / rel}: sha256 {found[rel]}, recorded {sha}"
+        if rel in found
+        else f"{folder / rel}: missing (recorded sha256 {sha})"
+        for rel, sha in sorted(recorded.items())
+        if found.get(rel) != sha
+    ]
+    lines += [
+        f"{folder / rel}: not recorded in {PREBUILT_RECORD}" for rel in found if rel not in recorded
+    ]
+    if lines:
+        raise PrebuiltMismatch(
+            f"train {name}: the prebuilt model {folder} is not what was exported: "
+            + "; ".join(lines)
+            + f". Restore the folder (git checkout {folder}), make it again (`make demo-models`) "
+            "or train the models here (`make all DEMO_TRAIN=1`)"
+        )
 
 
 def _refuse_missing(cfg: TrainConfig, record: Mapping) -> None:
@@ -161,7 +213,14 @@ def streams_of(inputs) -> dict:
 def _weights(path: Path) -> dict:
     from safetensors.torch import load_file
 
-    return load_file(str(path))
+    try:
+        return load_file(str(path))
+    except Exception as e:  # a damaged header or tensor data: safetensors' own error, one line
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise BadInput(
+            f"{path}: not a readable safetensors file ({type(e).__name__}: {first}); write it "
+            "again (train the model again, or restore the folder it came from)"
+        ) from None
 
 
 def write_halved(src: Path, dst: Path) -> None:
@@ -198,11 +257,14 @@ def _copy(src: Path, dst: Path) -> None:
 # ---- taking a model from the folder ---------------------------------------------------------------
 
 
-def take_prebuilt(stage, cfg: TrainConfig, dtype: str, t0: float, train_first) -> dict:
+def take_prebuilt(
+    stage, cfg: TrainConfig, dtype: str, t0: float, train_first, kernels: dict
+) -> dict:
     """Put the prebuilt model asked for into the stage's output (its plan is the one asked for):
     the model, its tokenizer and its kept checkpoints, each recorded in the ledger as training
     records them, then meta.json; refused (nothing written) when it was made otherwise. The kept
-    checkpoints up to `train_here_until` are trained here: `train_first(steps, inputs)`."""
+    checkpoints up to `train_here_until` are trained here: `train_first(steps, inputs)`, with
+    the CPU kernels `kernels` (`models.cpu_kernels.reported`)."""
     from models.checkpoints.native import copy_tokenizer
     from pipeline.train.loop import TrainInputs
     from pipeline.train.state import (
@@ -217,6 +279,7 @@ def take_prebuilt(stage, cfg: TrainConfig, dtype: str, t0: float, train_first) -
     inputs = TrainInputs.open(cfg)
     record = _record(cfg)
     _refuse_mismatch(cfg, record, {"settings": train_settings(cfg, dtype), **streams_of(inputs)})
+    refuse_changed_files(cfg, record)
     folder, out = prebuilt_model(cfg), stage.out
     here = steps_trained_here(cfg)
     if here:
@@ -241,10 +304,45 @@ def take_prebuilt(stage, cfg: TrainConfig, dtype: str, t0: float, train_first) -
         "checkpoints": kept_steps(cfg),  # (the run's own, whichever the folder was made keeping)
         "config": to_jsonable(config_to_dict(cfg)),
         "inputs": inputs.described(),
+        "cpu_kernels": kernels,  # (the steps trained here; the folder's in record["trained"])
         "prebuilt": {"folder": str(folder.resolve()), "made": record.get("made")},
         "wall_time_s": round(time.time() - t0, 3),
     }
     return stage.finish(meta)
+
+
+def held_as_asked(cfg: TrainConfig) -> bool:
+    """True when the prebuilt folder holds the model `cfg` asks for, made exactly so (settings,
+    token streams, every file as exported): what `take_prebuilt` would take."""
+    from pipeline.train.loop import TrainInputs
+    from pipeline.train.state import train_settings
+
+    if cfg.prebuilt is None:
+        return False
+    try:
+        record = _record(cfg)
+        streams = streams_of(TrainInputs.open(cfg))
+        _refuse_mismatch(cfg, record, {"settings": train_settings(cfg), **streams})
+        refuse_changed_files(cfg, record)
+    except PrebuiltMismatch:
+        return False
+    return True
+
+
+def only_models_to_make(configs: Mapping[str, TrainConfig], config: dict) -> dict:
+    """`config` with only the [train.models] the prebuilt folder does not hold as asked
+    (`arslice run --train-missing`, what `make demo-models` runs): the others are left out."""
+    missing = [c.tokens for c in configs.values() if not (Path(c.tokens) / META_NAME).is_file()]
+    if missing:
+        raise BadInput(
+            f"--train-missing compares the folder's models with the run's token streams, and "
+            f"{missing[0]} is not made yet: tokenize first (`arslice run --config CONFIG --stage "
+            "tokenizer tokenize`; `make demo-models` does)"
+        )
+    held = {name for name, cfg in configs.items() if held_as_asked(cfg)}
+    train = dict(config.get("train") or {})
+    train["models"] = {k: v for k, v in (train.get("models") or {}).items() if k not in held}
+    return {**config, "train": train}
 
 
 def without_prebuilt(config: dict) -> dict:
@@ -333,6 +431,7 @@ def export_model(cfg: TrainConfig, folder: Path, made: dict) -> dict:
             kept.mkdir(parents=True)
             _copy(source / MODEL_CONFIG_NAME, kept / MODEL_CONFIG_NAME)
             write_halved(source / MODEL_WEIGHTS_NAME, kept / MODEL_WEIGHTS_NAME)
+        record["files"] = folder_files(tmp)  # (what a run taking the model checks first)
         write_json_atomic(tmp / PREBUILT_RECORD, record)
     return record
 
@@ -341,7 +440,7 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def readme(folder: Path, records: dict[str, dict], made: dict) -> str:
+def readme(folder: Path, records: dict[str, dict]) -> str:
     """The folder's README.md: how it was made, on what, and the models in it."""
     from pipeline.report.tables import fmt_params
 
@@ -368,19 +467,15 @@ def readme(folder: Path, records: dict[str, dict], made: dict) -> str:
             "",
             "The trained models `make all` evaluates, so that it need not train them: each is "
             "taken instead of trained when `[train]` asks for exactly the settings its "
-            f"`{PREBUILT_RECORD}` records and the run's token streams have the sha256 recorded "
-            f"there; otherwise `make all` refuses and says so. {TRAIN_HERE} trains them here "
-            "instead.",
+            f"`{PREBUILT_RECORD}` records, the run's token streams have the sha256 recorded "
+            "there and every file of its folder the sha256 recorded there; otherwise `make all` "
+            f"refuses and says so. {TRAIN_HERE} trains them here instead. `make demo-models` "
+            "trains only the models of the config this folder does not hold made so, and keeps "
+            "the others.",
             "",
-            f"Made by `{made['command']}`:",
-            "",
-            f"- when: {made['created_at']} (git {made['git_hash']})",
-            f"- training took: {made['train_wall_time_s'] / 60:.1f} min (the train stage, as "
-            "the config runs it)",
-            f"- Python {made['python']}, torch {made['torch']}",
-            f"- machine: {made['machine']}",
-            f"- weights: bf16 (every parameter; a buffer bf16 does not hold exactly stays fp32), "
-            f"upcast to fp32 when taken; {size / 1e6:.1f} MB in all",
+            *(line for group in _made_groups(records) for line in _made_lines(*group)),
+            f"Weights: bf16 (every parameter; a buffer bf16 does not hold exactly stays fp32), "
+            f"upcast to fp32 when taken; {size / 1e6:.1f} MB in all.",
             "",
             *rows,
             "",
@@ -388,13 +483,52 @@ def readme(folder: Path, records: dict[str, dict], made: dict) -> str:
     )
 
 
+def _made_groups(records: dict[str, dict]) -> list[tuple[dict, list[str]]]:
+    """The folder's models grouped by the command run that made them (in the order made)."""
+    groups: list[tuple[dict, list[str]]] = []
+    for name, r in records.items():
+        made = r.get("made") or {}
+        for seen, names in groups:
+            if seen == made:
+                names.append(name)
+                break
+        else:
+            groups.append((made, [name]))
+    return sorted(groups, key=lambda g: g[0].get("created_at") or "")
+
+
+def _made_lines(made: dict, names: list[str]) -> list[str]:
+    kernels = made.get("cpu_kernels")
+    return [
+        f"Made by `{made.get('command')}` ({', '.join(names)}):",
+        "",
+        f"- when: {made.get('created_at')} (git {made.get('git_hash')})",
+        f"- training took: {(made.get('train_wall_time_s') or 0) / 60:.1f} min (the train stage, "
+        "as the config runs it)",
+        f"- Python {made.get('python')}, torch {made.get('torch')}",
+        f"- machine: {made.get('machine')}",
+        f"- torch's CPU kernels pinned for training: {kernels or 'no (made before they were)'}",
+        "",
+    ]
+
+
 def export_models(configs: Mapping[str, TrainConfig], folder: Path, made: dict) -> dict:
-    """Every model of `configs` into `folder`, then its README.md; returns the records."""
+    """Every model of `configs` into `folder`, then its README.md; returns the records. A model
+    the folder already holds made exactly as asked (`held_as_asked`) is kept as it is, so `make
+    demo-models` need train only the models added to the config."""
+    import dataclasses
+
     from ar_slicing.io import write_bytes_atomic
 
     folder.mkdir(parents=True, exist_ok=True)
-    records = {name: export_model(cfg, folder, made) for name, cfg in configs.items()}
-    write_bytes_atomic(folder / PREBUILT_README, readme(folder, records, made).encode())
+    records = {}
+    for name, cfg in configs.items():
+        asked = dataclasses.replace(cfg, prebuilt=str(folder))
+        if held_as_asked(asked):
+            records[name] = read_json(prebuilt_model(asked) / PREBUILT_RECORD)
+        else:
+            records[name] = export_model(cfg, folder, made)
+    write_bytes_atomic(folder / PREBUILT_README, readme(folder, records).encode())
     return records
 
 
@@ -403,6 +537,7 @@ def made_by(command: str, train_wall_time_s: float) -> dict:
     import torch
 
     from ar_slicing.io import git_hash
+    from models import cpu_kernels
 
     return {
         "command": command,
@@ -412,4 +547,5 @@ def made_by(command: str, train_wall_time_s: float) -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "machine": machine(),
+        "cpu_kernels": cpu_kernels.plan_setting(),
     }

@@ -51,13 +51,18 @@ def train_settings(cfg: TrainConfig, dtype: str | None = None) -> dict:
         for k, v in config_to_dict(cfg).items()
         if k not in _RESUMABLE_CHANGES and k not in ("tokens", "val_tokens", "out", *_ONLY_SET)
     }
+    device = resolve_device(cfg.device)
     if dtype is None:
-        dtype = resolve_dtype(cfg.dtype, resolve_device(cfg.device), training=True)
+        dtype = resolve_dtype(cfg.dtype, device, training=True)
     # recorded only when set, so the plans of models trained without them stay the same
     if cfg.keep_checkpoints:
         settings["keep_checkpoints"] = kept_steps(cfg)
     if cfg.saved_dtype != _ONLY_SET["saved_dtype"]:
         settings["saved_dtype"] = cfg.saved_dtype
+    if device == "cpu":  # the instruction sets of torch's CPU kernels (models.cpu_kernels)
+        from models import cpu_kernels
+
+        settings["cpu_kernels"] = cpu_kernels.plan_setting()
     return {**settings, "dtype": dtype}
 
 
@@ -161,17 +166,36 @@ def save_state(state_dir: Path, model, optimizer, step: int, extra: dict) -> Non
 
 def load_state(state_dir: Path, model, optimizer, device: str) -> dict | None:
     """Restore a saved state into `model` and `optimizer`; None when there is none to resume.
-    (A state is only there under the same stage plan: another plan is refused or cleared first.)"""
+    (A state is only there under the same stage plan: another plan is refused or cleared first.)
+    A file of it that is not what the trainer wrote (a pickle carrying code, a truncated or
+    foreign file) is refused in one line naming it; none of its code runs (weights only)."""
+    import warnings
+
     import torch
     from safetensors.torch import load_model
 
+    from models.checkpoints.io import refused_global
+
     if not (state_dir / STATE_NAME).is_file():
         return None
-    state = read_json(state_dir / STATE_NAME)
-    load_model(model, str(state_dir / MODEL_WEIGHTS_NAME), device=device)
-    optimizer.load_state_dict(
-        torch.load(state_dir / OPTIMIZER_NAME, map_location=device, weights_only=True)
-    )
+    reading = state_dir / STATE_NAME
+    try:
+        state = read_json(reading)
+        reading = state_dir / MODEL_WEIGHTS_NAME
+        load_model(model, str(reading), device=device)
+        reading = state_dir / OPTIMIZER_NAME
+        with warnings.catch_warnings():  # (torch warns of a foreign file's pickle protocol)
+            warnings.simplefilter("ignore")
+            saved = torch.load(reading, map_location=device, weights_only=True)
+        optimizer.load_state_dict(saved)
+    except Exception as e:  # whatever the file holds, the resume stops here, in one line
+        name = refused_global(str(e))
+        first = (str(e).strip().splitlines() or [""])[0]
+        what = f"a pickle naming {name}, which is not loaded" if name else first
+        raise ArSliceError(
+            f"cannot resume the training from {reading}: not what the trainer wrote "
+            f"({type(e).__name__}: {what}); pass --overwrite to start the training over"
+        ) from None
     return state
 
 
@@ -253,12 +277,30 @@ def resume(stage, model, optimizer, device: str):
     `optimizer`; None when there is none (the run starts at step 0)."""
     from pipeline.train.loop import Progress
 
-    steps = [
-        facts["step"]
-        for name in stage.ledger.parts
-        if name.startswith(CHECKPOINT) and (facts := stage.done(name)) is not None
-    ]
-    if not steps:
+    recorded = {
+        entry["facts"]["step"]: entry
+        for name, entry in stage.ledger.parts.items()
+        if name.startswith(CHECKPOINT)
+    }
+    if not recorded:
         return None
-    state_dir = stage.out / STATE_DIR / f"step-{max(steps):08d}"
+    # the latest is whole unless something changed it since (earlier ones are removed once it
+    # is recorded, and a kill while removing one leaves it part-removed: not resumed from)
+    step = max(recorded)
+    state_dir = stage.out / STATE_DIR / f"step-{step:08d}"
+    changed = [
+        f"{stage.out / rel}: {_size(stage.out / rel)}, written {size} bytes"
+        for rel, size in recorded[step]["files"].items()
+        if _size(stage.out / rel) != f"{size} bytes"
+    ]
+    if changed:
+        raise ArSliceError(
+            f"cannot resume the training from {state_dir}: its files are not what the trainer "
+            f"wrote ({'; '.join(changed)}); pass --overwrite to start the training over"
+        )
     return Progress.from_saved(load_state(state_dir, model, optimizer, device))
+
+
+def _size(path: Path) -> str:
+    return f"{path.stat().st_size} bytes" if path.is_file() else "missing"
+

@@ -236,3 +236,135 @@ def test_a_run_may_keep_other_checkpoints_than_the_folder_was_made_keeping(tmp_p
         assert (taken / "checkpoints" / "step-0" / "model.safetensors").is_file()
         meta = read_json(taken / "meta.json")
         assert meta["checkpoints"] == [0, 1, 2] and "prebuilt" in meta
+
+
+# ---- what is taken is what was exported --------------------------------------------------------
+
+
+def test_the_record_holds_the_sha256_of_every_file_of_the_folder(made):
+    folder = made["folder"]
+    for model in MODELS:
+        record = read_json(folder / model / "prebuilt.json")
+        files = {
+            p.relative_to(folder / model).as_posix(): sha256(p)
+            for p in (folder / model).rglob("*")
+            if p.is_file() and p.name != "prebuilt.json"
+        }
+        assert record["files"] == files
+        assert {"config.json", "model.safetensors", "checkpoints/step-1/model.safetensors"} <= set(
+            files
+        )
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _change(folder: Path, change: str) -> Path:
+    """Change one thing of the attention model's folder after export; the file it changed."""
+    model = folder / "attention"
+    weights = model / "model.safetensors"
+    if change == "weight byte":  # the last byte: tensor data, so the header still reads
+        _flip(weights, weights.stat().st_size - 1)
+        return weights
+    if change == "kept checkpoint":
+        kept = model / "checkpoints" / "step-1" / "model.safetensors"
+        _flip(kept, kept.stat().st_size - 1)
+        return kept
+    if change == "config":  # another epsilon and activation: other numbers, the same weights
+        config = model / "config.json"
+        text = config.read_text()
+        assert '"layer_norm_epsilon": 1e-05' in text
+        config.write_text(text.replace('"layer_norm_epsilon": 1e-05', '"layer_norm_epsilon": 0.5'))
+        return config
+    if change == "header":  # the JSON header after its 8-byte length
+        _flip(weights, 9)
+        return weights
+    if change == "added":
+        extra = model / "checkpoints" / "step-2" / "model.safetensors"
+        extra.parent.mkdir()
+        shutil.copy(weights, extra)
+        return extra
+    assert change == "removed"
+    (model / "config.json").unlink()
+    return model / "config.json"
+
+
+@pytest.mark.parametrize(
+    "change", ["weight byte", "kept checkpoint", "config", "header", "added", "removed"]
+)
+def test_a_folder_changed_after_export_is_refused_naming_the_file(made, tmp_path, change):
+    """Before, one flipped weight byte (in the model or a kept checkpoint) and an edited
+    config.json were taken silently, and a damaged header stopped the run with a traceback.
+    Now the file is named with the sha256 recorded and the one found, before any stage runs."""
+    root = made["root"]
+    folder = tmp_path / "models"
+    shutil.copytree(made["folder"], folder)
+    recorded = read_json(folder / "attention" / "prebuilt.json")["files"]
+    changed = _change(folder, change)
+    rel = changed.relative_to(folder / "attention").as_posix()
+    name = f"changed-{change.replace(' ', '-')}"
+    with pytest.raises(PrebuiltMismatch) as err:
+        run(root, name, stages=UP_TO_TRAIN, prebuilt=folder)
+    message = str(err.value)
+    assert str(changed) in message and "\n" not in message
+    if change == "added":
+        assert "not recorded in prebuilt.json" in message
+    elif change == "removed":
+        assert f"missing (recorded sha256 {recorded[rel]})" in message
+    else:
+        assert f"sha256 {sha256(changed)}, recorded {recorded[rel]}" in message
+    assert "base_conv" not in message  # (the unchanged model is not named)
+    assert not (root / name).exists()  # refused before any stage wrote anything
+
+
+def test_a_damaged_header_is_one_line_from_the_command(made, tmp_path):
+    from tests.reliability import run_subprocess
+
+    root = made["root"]
+    folder = tmp_path / "models"
+    shutil.copytree(made["folder"], folder)
+    weights = _change(folder, "header")
+    config = tmp_path / "header.toml"
+    config.write_text(config_text(root, "header", prebuilt=folder))
+    done = run_subprocess("run", "--config", config, "--stage", *UP_TO_TRAIN)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(weights) in lines[0], done.stderr
+    assert "Traceback" not in done.stderr and not (root / "header").exists()
+
+
+def test_make_demo_models_trains_only_the_models_the_folder_lacks(tmp_path):
+    """A model added to the config is trained and exported; the folder's others are kept as
+    they are (not trained again: a run without any of their outputs, as on a fresh clone)."""
+    from pipeline.runner.run import RunConfig, prepare_pipeline
+    from pipeline.train.prebuilt import held_as_asked
+    from tests.pipeline.test_make_path import make, stages_run
+
+    folder = tmp_path / "models"
+    first = tmp_path / "first.toml"
+    first.write_text(config_text(tmp_path, "first", prebuilt=folder))
+    done = make("demo-models", config=first)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", *MODELS]
+    kept = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.parent != folder}
+
+    second = tmp_path / "second.toml"
+    text = config_text(tmp_path, "second", prebuilt=folder)
+    second.write_text(text + '\n[train.models.rwkv]\narch = "rwkv"\n')
+    done = make("demo-models", config=second)
+    assert done.returncode == 0, done.stderr
+    assert "train" in stages_run(done)
+    assert sorted(p.name for p in (tmp_path / "second" / "models").iterdir()) == [
+        "meta.json",
+        "rwkv",
+    ]  # (only the new model was trained)
+    assert {p: p.read_bytes() for p in kept} == kept  # the others kept byte for byte
+    assert read_json(folder / "rwkv" / "prebuilt.json")["settings"]["arch"] == "rwkv"
+    readme = (folder / "README.md").read_text()
+    assert readme.count("Made by `") == 2 and "(rwkv):" in readme
+    assert "(attention, base_conv):" in readme
+    pipeline, _, _ = prepare_pipeline(RunConfig(str(second), stage=["train"]))
+    assert all(held_as_asked(cfg) for cfg in pipeline.configs("train").values())
