@@ -1,6 +1,7 @@
-"""Table 1 of a run as numbers: per model, perplexity on all tokens / AR hits / other tokens, the
-gap to the reference per slice, the AR share of the gap and the in-context recall gain, each with
-its 95% bootstrap interval over windows.
+"""Table 1 of a run as numbers: per model, perplexity on each slice of Table 1 (all tokens / AR
+hits / other tokens, as `ar_slicing.slices` declares them), the gap to the reference per slice,
+the AR share of the gap and the in-context recall gain, each with its 95% bootstrap interval over
+windows.
 
 `arslice report` formats it (report.md, report.html, table1.csv) and `ar_slicing.api.Run.table1`
 returns it as a polars DataFrame; both come from `compute_table1`, so they agree by construction.
@@ -21,15 +22,13 @@ from ar_slicing.metrics import (
     slice_report,
     window_sums,
 )
+from ar_slicing.slices import TABLE1_SLICES
 
-# The statistics of Table 1, in column order (each with `_lo`/`_hi` when bootstrapped).
+# The statistics of Table 1, in column order (each with `_lo`/`_hi` when bootstrapped): the
+# perplexity of each of its slices, the gap of each to the reference, the AR share, the gain.
 STATISTICS = (
-    "ppl_all",
-    "ppl_ar",
-    "ppl_other",
-    "delta_all",
-    "delta_ar",
-    "delta_other",
+    *(f"ppl_{s.name}" for s in TABLE1_SLICES),
+    *(f"delta_{s.name}" for s in TABLE1_SLICES),
     "ar_share",
     "recall_gain",
 )
