@@ -5,6 +5,7 @@ polars frames, the same numbers `arslice report` and `arslice query` print.
     >>> run = open_run("runs/demo")
     >>> run.models, run.window, run.threshold
     >>> run.table1()                                        # Table 1, intervals included
+    >>> run.slices()                                        # every declared slice, long
     >>> run.copy_length()                                   # ppl per copy length x span count
     >>> run.emergence()                                     # recall gain along training
     >>> run.query("gap_vs_reference", reference="rwkv")     # any queries/*.sql
@@ -52,7 +53,7 @@ def open_run(run_dir: str | os.PathLike, read_only_files: bool = False) -> Run:
 
 
 class Run:
-    """One run's results: `table1()`, `query(name)`, `sql(text)`, `token_losses()`."""
+    """One run's results: `table1()`, `slices()`, `query(name)`, `sql(text)`, `token_losses()`."""
 
     def __init__(self, checked: CheckedRun, read_only_files: bool = False):
         self.checked = checked
@@ -169,6 +170,29 @@ class Run:
         # (a statistic without a value, such as the reference's own AR share, is null)
         rows = [[_none_if_nan(r[c]) for c in t1.columns] for r in t1.records()]
         return pl.DataFrame(rows, schema=_table1_schema(t1.columns), orient="row")
+
+    def slices(self, reference: str | None = None, bootstrap: int = 1000, seed: int = 0):
+        """Every declared slice of every model (`ar_slicing.slices`: Table 1's and those it
+        leaves out) as a polars DataFrame, one row per model and slice (the reference first, the
+        slices in declaration order): `slice`, `label`, `in_table1`, `n_tokens`, `mean_nll`,
+        `ppl` and `delta` (mean NLL minus the reference's), each with `_lo`/`_hi` 95% bootstrap
+        bounds. The numbers of `table1()` for its slices, from the same resampled windows."""
+        import polars as pl
+
+        from ar_slicing.table1 import SLICE_FIELDS, SLICE_STATISTICS, compute_slices, slice_records
+
+        con = self._connect()
+        try:
+            _, report = compute_slices(con, reference, n_bootstrap=bootstrap, seed=seed)
+        finally:
+            con.close()
+        ends = ("", "_lo", "_hi") if bootstrap else ("",)
+        schema = {
+            **dict(zip(SLICE_FIELDS, (pl.String, pl.String, pl.String, pl.Boolean, pl.Int64))),
+            **{f"{k}{end}": pl.Float64 for k in SLICE_STATISTICS for end in ends},
+        }
+        rows = [[_none_if_nan(r[c]) for c in schema] for r in slice_records(report)]
+        return pl.DataFrame(rows, schema=schema, orient="row")
 
     def copy_length(self, bootstrap: int = 1000, seed: int = 0, spans: str = "split"):
         """Perplexity per copy-length bucket (match_len 1, 2-3, 4-7, 8-15, 16+; 'none' = the

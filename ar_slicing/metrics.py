@@ -195,6 +195,7 @@ class SliceReport:
     reference: str
     n_tokens: int
     n_ar_hits: int
+    slice_tokens: dict[str, int]  # slice name -> its tokens
     n_windows: int
     n_bootstrap: int
     seed: int
@@ -229,6 +230,7 @@ def slice_report(
         reference=reference,
         n_tokens=int(sums.tokens(ALL.name).sum()),
         n_ar_hits=int(sums.tokens(AR.name).sum()),
+        slice_tokens={name: int(sums.tokens(name).sum()) for name in sums.slices},
         n_windows=sums.n_windows,
         n_bootstrap=n_bootstrap,
         seed=seed,

@@ -104,10 +104,10 @@ def definitions_sql(threshold: int | None) -> list[str]:
     every_slice = "\nUNION ALL\n".join(
         f"SELECT '{s.name}' AS slice, * FROM token_losses WHERE {s.where}" for s in SLICES
     )
-    limit = "NULL::BIGINT" if threshold is None else str(int(threshold))  # (an int: safe in DDL)
+    limit = "NULL" if threshold is None else str(int(threshold))  # (an int: safe in DDL)
     return [
         *COUNT_BUCKET_MACROS,
-        f"CREATE MACRO ar_threshold() AS {limit}",
+        f"CREATE MACRO ar_threshold() AS {limit}::BIGINT",
         "CREATE VIEW slice_perplexity AS SELECT tl.model, any_value(m.architecture) AS "
         "architecture, any_value(m.n_params) AS n_params, "
         + ", ".join(_perplexity_columns(TABLE1_SLICES))
