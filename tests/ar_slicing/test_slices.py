@@ -306,6 +306,12 @@ def test_run_slices_are_table1s_numbers_for_its_slices(tiny_run):  # noqa: F811
     assert hyena["ar"]["delta"] == pytest.approx(1.0)
     assert hyena["other"]["mean_nll"] == pytest.approx((12 * 2.0 - 4 * 0.25) / 12)
     assert hyena["all"]["label"] == "all tokens" and hyena["all"]["n_tokens"] == 15
+    # Table 1 and the slice_perplexity query show Table 1's slices, and only those
+    shown = {s.name for s in TABLE1_SLICES}
+    for name in SLICE_NAMES:
+        assert (f"ppl_{name}" in t1.columns) == (name in shown), name
+        assert (f"ppl_{name}" in run.query("slice_perplexity").columns) == (name in shown), name
+        assert long.filter(long["slice"] == name)["in_table1"].to_list() == [name in shown] * 3
     assert run.slices(bootstrap=0).columns == [
         "model", "slice", "label", "in_table1", "n_tokens", "mean_nll", "ppl", "delta",
     ]  # fmt: skip
