@@ -47,6 +47,13 @@ SLICES = (
     Slice("all", "all tokens", "true", header="all"),
     Slice("ar", "AR hits", "is_ar_hit", short="AR"),
     Slice("other", "other tokens", "NOT is_ar_hit", header="other"),
+    # docs/copy-length.md: a repeat copying 2 or more bigrams whose copied span is rare in training
+    Slice(
+        "ar2",
+        "AR hits of order ≥ 2",
+        "match_len >= 2 AND span_train_count <= ar_threshold()",
+        in_table1=False,  # (Table 1 stays the paper's)
+    ),
 )
 SLICE = {s.name: s for s in SLICES}
 SLICE_NAMES = tuple(SLICE)

@@ -34,6 +34,7 @@ NAIVE = {
     "all": lambda r, t: True,
     "ar": lambda r, t: r["is_ar_hit"],
     "other": lambda r, t: not r["is_ar_hit"],
+    "ar2": lambda r, t: r["match_len"] >= 2 and r["span_train_count"] <= t,
 }
 
 
