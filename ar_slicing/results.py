@@ -32,7 +32,7 @@ only, and a checkpoint scored on part of the windows restricts no other view.
 
 and the SQL objects of the slices and the training-count buckets (`ar_slicing.slices`): the views
 `slice_perplexity`, `slice_perplexity_by_subset` and `slice_token_losses`, the table `slices`,
-and the macros `count_bucket`, `count_bucket_lo`, `count_bucket_hi`, `count_bucket_label` and
+the table macro `gap_vs_reference(reference)` and the macros `count_bucket`, `count_bucket_lo`, `count_bucket_hi`, `count_bucket_label` and
 `ar_threshold()` (the run's AR threshold).
 
 Paths: the views name the Parquet files by **absolute** path, so the file works unchanged

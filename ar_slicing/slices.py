@@ -4,8 +4,9 @@ over the tags' columns that picks its tokens), and the training-count buckets as
 Everything that reports slices follows from `SLICES`: the per-window sums the bootstrap resamples
 (`ar_slicing.metrics.window_sums`), Table 1's statistics and columns (`ar_slicing.table1`, the
 report's table, its slice bars), `Run.slices()`, and the SQL objects of results.duckdb
-(`create_definitions`): the views `slice_perplexity` and `slice_perplexity_by_subset` that the
-queries of those names read, the long view `slice_token_losses` (a row per model, token and slice
+(`create_definitions`): the views `slice_perplexity` and `slice_perplexity_by_subset` and the
+table macro `gap_vs_reference(reference)` that the queries slice_perplexity, by_subset and
+gap_vs_reference read, the long view `slice_token_losses` (a row per model, token and slice
 holding it) and the table `slices`. A new slice is one `Slice(...)` in `SLICES` and its line in
 the naive reference of tests/ar_slicing/test_slices.py.
 
@@ -31,9 +32,9 @@ class Slice:
     where: str  # SQL predicate over the tags' columns and the macros of `create_definitions`
     header: str = ""  # its name in Table 1's perplexity column, "ppl <header>" (default: label)
     short: str = ""  # in Table 1's narrower Δ column, "Δ log-ppl <short>" (default: header)
-    # Table 1 (report.md, table1.csv, `Run.table1`), the slice bars and the slice_perplexity and
-    # by_subset queries show the slices that have it; every slice is in `Run.slices()` and in the
-    # `slice_token_losses` view.
+    # Table 1 (report.md, table1.csv, `Run.table1`), the slice bars and the slice_perplexity,
+    # by_subset and gap_vs_reference queries show the slices that have it; every slice is in
+    # `Run.slices()` and in the `slice_token_losses` view.
     in_table1: bool = True
 
     def __post_init__(self):
@@ -93,6 +94,24 @@ def _perplexity_columns(slices) -> list[str]:
     return columns
 
 
+def _gap_macro(slices) -> str:
+    """The table macro `gap_vs_reference(reference)` (queries/gap_vs_reference.sql): per model,
+    the gap of each of `slices` to the reference model and the AR share of the gap."""
+    summed = [*dict.fromkeys((ALL, AR, *slices))]
+    means = ", ".join(f"s_{s.name} / nullif(n_{s.name}, 0) AS mean_{s.name}" for s in summed)
+    gaps = [f"m.mean_{s.name} - r.mean_{s.name} AS delta_log_ppl_{s.name}" for s in slices]
+    gaps += [f"exp(m.mean_{s.name}) - exp(r.mean_{s.name}) AS delta_ppl_{s.name}" for s in slices]
+    return (
+        "CREATE MACRO gap_vs_reference(reference) AS TABLE WITH per_model AS (SELECT model, "
+        f"{slice_counts_sql(summed)}, {slice_sums_sql(summed)} FROM token_losses GROUP BY model), "
+        f"means AS (SELECT *, {means} FROM per_model), "
+        "ref AS (SELECT * FROM means WHERE model = reference) "
+        f"SELECT m.model, r.model AS reference, m.n_{ALL.name} AS n_tokens, {', '.join(gaps)}, "
+        f"(m.s_{AR.name} - r.s_{AR.name}) / nullif(m.s_{ALL.name} - r.s_{ALL.name}, 0) "
+        "AS ar_share_of_gap FROM means AS m CROSS JOIN ref AS r"
+    )
+
+
 # The training-count buckets (module docstring). The label's edges are the lo/hi macros' own.
 COUNT_BUCKET_MACROS = (
     "CREATE MACRO count_bucket(n) AS CASE WHEN n <= 0 THEN 0 ELSE length(n::VARCHAR) END",
@@ -122,6 +141,7 @@ def definitions_sql(threshold: int | None) -> list[str]:
         f"CREATE VIEW slice_perplexity_by_subset AS SELECT {keys} AS subset, "
         + ", ".join(_perplexity_columns(TABLE1_SLICES))
         + f" FROM token_losses GROUP BY {keys}",
+        _gap_macro(TABLE1_SLICES),
         f"CREATE VIEW slice_token_losses AS {every_slice}",
         "CREATE TABLE slices (position INTEGER, slice VARCHAR, label VARCHAR, predicate VARCHAR, "
         "in_table1 BOOLEAN)",

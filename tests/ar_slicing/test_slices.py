@@ -126,6 +126,11 @@ def naive_sums(rows, threshold):
     return out
 
 
+def records(con, sql: str) -> list[dict]:
+    cur = con.execute(sql)
+    return [dict(zip([d[0] for d in cur.description], r)) for r in cur.fetchall()]
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tag_rows())
 def test_sql_and_python_sums_of_every_slice_equal_a_naive_computation(rows):
@@ -137,8 +142,8 @@ def test_sql_and_python_sums_of_every_slice_equal_a_naive_computation(rows):
         long = con.execute(
             "SELECT slice, model, count(*), fsum(nll::DOUBLE) FROM slice_token_losses GROUP BY ALL"
         ).fetchall()
-        cur = con.execute("SELECT * FROM slice_perplexity ORDER BY model")
-        wide = [dict(zip([d[0] for d in cur.description], r)) for r in cur.fetchall()]
+        wide = records(con, "SELECT * FROM slice_perplexity ORDER BY model")
+        gaps = records(con, f"SELECT * FROM gap_vs_reference('{MODELS[0]}') ORDER BY model")
     finally:
         con.close()
     # the per-window sums the bootstrap resamples
@@ -162,19 +167,26 @@ def test_sql_and_python_sums_of_every_slice_equal_a_naive_computation(rows):
             assert got[(name, model)][0] == n
             total = math.fsum(x for c in cells for x in c[1])
             assert got[(name, model)][1] == pytest.approx(total, rel=1e-12, abs=1e-12)
-    # the statistics of every slice, and the slice_perplexity view of Table 1's
+
+    # the statistics of every slice, and the slice_perplexity and gap views of Table 1's
+    def mean(name: str, model: str) -> float:
+        xs = [x for (s, _, j), c in naive.items() if s == name and j == MODELS.index(model)
+              for x in c[1]]  # fmt: skip
+        return math.fsum(xs) / len(xs) if xs else math.nan
+
+    def same(value, expected: float) -> bool:
+        return math.isnan(expected) if value is None else value == pytest.approx(expected)
+
     point = point_estimates(sums, 0)
     for j, model in enumerate(sums.models):
-        row = wide[j]
-        assert row["model"] == model
+        row, gap = wide[j], gaps[j]
+        assert row["model"] == gap["model"] == model
         for name in SLICE_NAMES:
-            xs = [x for (s, _, jj), c in naive.items() if s == name and jj == MODELS.index(model)
-                  for x in c[1]]  # fmt: skip
-            mean = math.fsum(xs) / len(xs) if xs else math.nan
-            assert point[f"mean_nll_{name}"][j] == pytest.approx(mean, rel=1e-12, nan_ok=True)
+            expected = mean(name, model)
+            assert point[f"mean_nll_{name}"][j] == pytest.approx(expected, nan_ok=True)
             if name in {s.name for s in TABLE1_SLICES}:
-                view = row[f"mean_nll_{name}"]
-                assert (view is None or math.isnan(view)) if not xs else view == pytest.approx(mean)
+                assert same(row[f"mean_nll_{name}"], expected), (model, name)
+                assert same(gap[f"delta_log_ppl_{name}"], expected - mean(name, MODELS[0]))
         assert row["n_ar_hits"] == sum(r["is_ar_hit"] for r in rows)
 
 
@@ -307,11 +319,16 @@ def test_run_slices_are_table1s_numbers_for_its_slices(tiny_run):  # noqa: F811
     assert hyena["ar"]["delta"] == pytest.approx(1.0)
     assert hyena["other"]["mean_nll"] == pytest.approx((12 * 2.0 - 4 * 0.25) / 12)
     assert hyena["all"]["label"] == "all tokens" and hyena["all"]["n_tokens"] == 15
-    # Table 1 and the slice_perplexity query show Table 1's slices, and only those
+    # Table 1 and the slice_perplexity, by_subset and gap_vs_reference queries show Table 1's
+    # slices, and only those
     shown = {s.name for s in TABLE1_SLICES}
+    columns = {name: run.query(name).columns for name in ("slice_perplexity", "by_subset")}
+    columns["gap_vs_reference"] = run.query("gap_vs_reference").columns
     for name in SLICE_NAMES:
         assert (f"ppl_{name}" in t1.columns) == (name in shown), name
-        assert (f"ppl_{name}" in run.query("slice_perplexity").columns) == (name in shown), name
+        assert (f"ppl_{name}" in columns["slice_perplexity"]) == (name in shown), name
+        assert (f"ppl_{name}" in columns["by_subset"]) == (name in shown), name
+        assert (f"delta_log_ppl_{name}" in columns["gap_vs_reference"]) == (name in shown), name
         assert long.filter(long["slice"] == name)["in_table1"].to_list() == [name in shown] * 3
     assert run.slices(bootstrap=0).columns == [
         "model", "slice", "label", "in_table1", "n_tokens", "mean_nll", "ppl", "delta",
