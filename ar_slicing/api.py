@@ -128,7 +128,8 @@ class Run:
 
     def sql(self, text: str, **params: Any):
         """A polars DataFrame of the SQL `text` over results.duckdb (views `tags`, `losses`,
-        `token_losses`, `windows`, `counts`, tables `models`, `run_info`); `$name` in the
+        `token_losses`, `windows`, `counts`, tables `models`, `run_info`, and the slices' views
+        and the bucket macros of `ar_slicing.slices`); `$name` in the
         text is bound to `params[name]`, never formatted in. It can read and write any file the
         user can unless the run was opened with `open_run(..., read_only_files=True)`."""
         from ar_slicing.sql import frame, require_select

@@ -124,8 +124,8 @@ COUNT_BUCKET_MACROS = (
 
 def definitions_sql(threshold: int | None) -> list[str]:
     """The statements that define the buckets, `ar_threshold()` (the run's AR threshold, for
-    slice predicates) and the views of the slices, over a database that has `token_losses` and
-    `models` (results.duckdb's)."""
+    slice predicates) and the views, table macro and table of the slices, over a database that
+    has `token_losses` and `models` (results.duckdb's)."""
     keys = "model, coalesce(subset, '(none)')"
     every_slice = "\nUNION ALL\n".join(
         f"SELECT '{s.name}' AS slice, * FROM token_losses WHERE {s.where}" for s in SLICES
