@@ -5,6 +5,7 @@ polars frames, the same numbers `arslice report` and `arslice query` print.
     >>> run = open_run("runs/demo")
     >>> run.models, run.window, run.threshold
     >>> run.table1()                                        # Table 1, intervals included
+    >>> run.slices()                                        # every declared slice, long
     >>> run.copy_length()                                   # ppl per copy length x span count
     >>> run.emergence()                                     # recall gain along training
     >>> run.query("gap_vs_reference", reference="rwkv")     # any queries/*.sql
@@ -52,7 +53,7 @@ def open_run(run_dir: str | os.PathLike, read_only_files: bool = False) -> Run:
 
 
 class Run:
-    """One run's results: `table1()`, `query(name)`, `sql(text)`, `token_losses()`."""
+    """One run's results: `table1()`, `slices()`, `query(name)`, `sql(text)`, `token_losses()`."""
 
     def __init__(self, checked: CheckedRun, read_only_files: bool = False):
         self.checked = checked
@@ -127,7 +128,8 @@ class Run:
 
     def sql(self, text: str, **params: Any):
         """A polars DataFrame of the SQL `text` over results.duckdb (views `tags`, `losses`,
-        `token_losses`, `windows`, `counts`, tables `models`, `run_info`); `$name` in the
+        `token_losses`, `windows`, `counts`, tables `models`, `run_info`, and the slices' views
+        and the bucket macros of `ar_slicing.slices`); `$name` in the
         text is bound to `params[name]`, never formatted in. It can read and write any file the
         user can unless the run was opened with `open_run(..., read_only_files=True)`."""
         from ar_slicing.sql import frame, require_select
@@ -169,6 +171,29 @@ class Run:
         # (a statistic without a value, such as the reference's own AR share, is null)
         rows = [[_none_if_nan(r[c]) for c in t1.columns] for r in t1.records()]
         return pl.DataFrame(rows, schema=_table1_schema(t1.columns), orient="row")
+
+    def slices(self, reference: str | None = None, bootstrap: int = 1000, seed: int = 0):
+        """Every declared slice of every model (`ar_slicing.slices`: Table 1's and those it
+        leaves out) as a polars DataFrame, one row per model and slice (the reference first, the
+        slices in declaration order): `slice`, `label`, `in_table1`, `n_tokens`, `mean_nll`,
+        `ppl` and `delta` (mean NLL minus the reference's), each with `_lo`/`_hi` 95% bootstrap
+        bounds. The numbers of `table1()` for its slices, from the same resampled windows."""
+        import polars as pl
+
+        from ar_slicing.table1 import SLICE_FIELDS, SLICE_STATISTICS, compute_slices, slice_records
+
+        con = self._connect()
+        try:
+            _, report = compute_slices(con, reference, n_bootstrap=bootstrap, seed=seed)
+        finally:
+            con.close()
+        ends = ("", "_lo", "_hi") if bootstrap else ("",)
+        schema = {
+            **dict(zip(SLICE_FIELDS, (pl.String, pl.String, pl.String, pl.Boolean, pl.Int64))),
+            **{f"{k}{end}": pl.Float64 for k in SLICE_STATISTICS for end in ends},
+        }
+        rows = [[_none_if_nan(r[c]) for c in schema] for r in slice_records(report)]
+        return pl.DataFrame(rows, schema=schema, orient="row")
 
     def copy_length(self, bootstrap: int = 1000, seed: int = 0, spans: str = "split"):
         """Perplexity per copy-length bucket (match_len 1, 2-3, 4-7, 8-15, 16+; 'none' = the

@@ -103,19 +103,19 @@ def emergence_rows(con, n_bootstrap: int = 1000, seed: int = 0, level: float = 0
 
 def _model_rows(con, model: str, points: list[tuple], n_bootstrap, seed, level) -> list[dict]:
     from ar_slicing.metrics import (
-        COUNT_BUCKET_SQL,
         bucket_sums,
         intervals,
         recall_gain_statistics,
         resampled_totals,
         slice_statistics,
     )
+    from ar_slicing.slices import ALL, AR, SLICE_NAMES, SLICES, slice_counts_sql, slice_sums_sql
 
     names = [p[1] for p in points]
     per = con.execute(
         f"""
-        SELECT checkpoint, window_id, {COUNT_BUCKET_SQL} AS bucket, is_repeat, is_ar_hit,
-               count(*) AS n, fsum(nll::DOUBLE) AS s
+        SELECT checkpoint, window_id, count_bucket(train_count) AS bucket, is_repeat,
+               count(*) AS n, fsum(nll::DOUBLE) AS s, {slice_counts_sql()}, {slice_sums_sql()}
         FROM checkpoint_token_losses WHERE model = $model
         GROUP BY ALL
         """,
@@ -123,28 +123,27 @@ def _model_rows(con, model: str, points: list[tuple], n_bootstrap, seed, level) 
     ).fetchnumpy()
     windows = np.unique(per["window_id"].astype(np.int64))
     buckets, count, loss = bucket_sums(per, windows, names, model_key="checkpoint")
-    w, k, m = len(windows), len(buckets), len(names)
-    # the AR hits' counts (the first point's rows: every point scores the same tokens) and sums
+    w, k, m, n_slices = len(windows), len(buckets), len(names), len(SLICES)
+    # every slice's tokens (the first point's rows: every point scores the same tokens) and sums
     rows = np.searchsorted(windows, per["window_id"].astype(np.int64))
     point = np.array([names.index(c) for c in per["checkpoint"]], dtype=np.int64)
-    hit = per["is_ar_hit"].astype(bool)
-    n_ar = np.zeros(w)
-    np.add.at(n_ar, rows[hit & (point == 0)], per["n"][hit & (point == 0)])
-    s_ar = np.zeros((w, m))
-    np.add.at(s_ar, (rows[hit], point[hit]), per["s"][hit])
-    n_all = count.sum(axis=(0, 2)).astype(np.float64)  # (W,)
-    s_all = loss.sum(axis=(0, 2))  # (W, M)
+    first = point == 0
+    n_in = np.zeros((w, n_slices))
+    s_in = np.zeros((w, n_slices, m))
+    for j, sl in enumerate(SLICES):
+        np.add.at(n_in[:, j], rows[first], per[f"n_{sl.name}"][first])
+        np.add.at(s_in[:, j], (rows, point), per[f"s_{sl.name}"])
     per_window = np.concatenate(
         [
             count[1], count[0], loss[1].reshape(w, -1), loss[0].reshape(w, -1),
-            n_all[:, None], n_ar[:, None], s_all, s_ar,
+            n_in, s_in.reshape(w, -1),
         ],
         axis=1,
-    )  # (W, 2K + 2KM + 2 + 2M)  # fmt: skip
+    )  # (W, 2K + 2KM + S + SM)  # fmt: skip
 
     def statistics(totals: np.ndarray) -> dict[str, np.ndarray]:
         """Every statistic of every point from (resampled) column totals (..., C)."""
-        at = np.cumsum([0, k, k, k * m, k * m, 1, 1, m, m])
+        at = np.cumsum([0, k, k, k * m, k * m, n_slices, n_slices * m])
         part = [totals[..., a:b] for a, b in zip(at[:-1], at[1:])]
         lead = totals.shape[:-1]
         gain = recall_gain_statistics(
@@ -154,7 +153,7 @@ def _model_rows(con, model: str, points: list[tuple], n_bootstrap, seed, level) 
         count0 = (
             gain["gain_by_bucket"][..., zero[0], :] if zero.size else np.full((*lead, m), np.nan)
         )
-        ppl = slice_statistics(part[4][..., 0], part[5][..., 0], part[6], part[7], 0)
+        ppl = slice_statistics(part[4], part[5].reshape(*lead, n_slices, m), 0, SLICE_NAMES)
         return {
             "recall_gain": gain["recall_gain"],
             "recall_gain_count0": count0,
@@ -176,8 +175,8 @@ def _model_rows(con, model: str, points: list[tuple], n_bootstrap, seed, level) 
             "tokens_seen": int(tokens_seen),
             "final": bool(final),
             "n_windows": w,
-            "n_tokens": int(n_all.sum()),
-            "n_ar_hits": int(n_ar.sum()),
+            "n_tokens": int(n_in[:, SLICE_NAMES.index(ALL.name)].sum()),
+            "n_ar_hits": int(n_in[:, SLICE_NAMES.index(AR.name)].sum()),
         }
         for key in STATISTICS:
             row[key] = float(estimate[key][i])

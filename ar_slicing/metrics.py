@@ -1,14 +1,14 @@
 """Slice metrics with bootstrap intervals: per-slice perplexity, the gap to a reference, AR share.
 
-Definitions (docs/design.md, Metrics): for a slice T, `mean_nll(T) = Σ nll / |T|`, `ppl = exp(mean_nll)`;
+Definitions (docs/design.md, Metrics): for a slice T (`ar_slicing.slices`), `mean_nll(T) = Σ nll / |T|`, `ppl = exp(mean_nll)`;
 against reference r, `Δ_T = mean_nll_m(T) − mean_nll_r(T)` and the AR share of the gap
 `Σ_AR (nll_m − nll_r) / Σ_all (nll_m − nll_r)` (as is: it may exceed 1 or be negative; NaN when
 the denominator is 0).
 
 Uncertainty comes from resampling **windows** with replacement (tokens of one window are not
 independent). Everything a statistic needs is a sum over windows, so the per-token table is
-reduced once (in DuckDB) to per-window sums and each bootstrap replicate is a weighted sum:
-`counts (B, W) @ sums (W, M)`. The same resampled windows are used for every model, so intervals
+reduced once (in DuckDB) to per-window sums of every slice and each bootstrap replicate is a
+weighted sum: `counts (B, W) @ sums (W, S·M)`. The same resampled windows are used for every model, so intervals
 of Δ and of the AR share are paired. A fixed seed makes the intervals reproducible.
 """
 
@@ -19,9 +19,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ar_slicing.slices import ALL, AR, SLICE_NAMES, SLICES
+
 log = logging.getLogger(__name__)
 
-SLICES = ("all", "ar", "other")
 # Bootstrap replicates are drawn in chunks of CHUNK_CELLS (replicate, window) cells: a few int64
 # arrays of that size (~100 MB) whatever the number of windows.
 CHUNK_CELLS = 1 << 22
@@ -29,80 +30,73 @@ CHUNK_CELLS = 1 << 22
 
 @dataclass
 class WindowSums:
-    """Per-window sufficient statistics of every model (W windows, M models)."""
+    """Per-window sufficient statistics of every slice (`ar_slicing.slices`) and model (W
+    windows, S slices, M models)."""
 
     models: list[str]
     window_ids: np.ndarray  # (W,) int
-    n_all: np.ndarray  # (W,) scored tokens per window
-    n_ar: np.ndarray  # (W,) AR hits per window
-    sum_all: np.ndarray  # (W, M) Σ nll over the window, per model
-    sum_ar: np.ndarray  # (W, M) Σ nll over the window's AR hits, per model
+    slices: tuple[str, ...]  # (S,) slice names, in declaration order
+    n: np.ndarray  # (W, S) scored tokens of each slice per window
+    s: np.ndarray  # (W, S, M) Σ nll over each slice's tokens of the window, per model
 
     @property
     def n_windows(self) -> int:
         return len(self.window_ids)
 
+    def tokens(self, name: str) -> np.ndarray:
+        """(W,) the tokens of the slice `name` per window."""
+        return self.n[:, self.slices.index(name)]
+
 
 def window_sums(con, models: list[str] | None = None) -> WindowSums:
-    """Reduce `token_losses` of a results.duckdb connection to per-window sums."""
+    """Reduce `token_losses` of a results.duckdb connection to per-window sums of every slice."""
+    from ar_slicing.slices import slice_counts_sql, slice_sums_sql
+
     windows = con.execute(
-        """
-        SELECT window_id, count(*) AS n_all, count(*) FILTER (WHERE is_ar_hit) AS n_ar
-        FROM tags GROUP BY window_id ORDER BY window_id
-        """
+        f"SELECT window_id, {slice_counts_sql()} FROM tags GROUP BY window_id ORDER BY window_id"
     ).fetchnumpy()
     window_ids = windows["window_id"].astype(np.int64)
     if models is None:
         models = [r[0] for r in con.execute("SELECT model FROM models ORDER BY model").fetchall()]
     per = con.execute(
-        """
-        SELECT model, window_id,
-               fsum(nll::DOUBLE) AS s_all,
-               coalesce(fsum(nll::DOUBLE) FILTER (WHERE is_ar_hit), 0) AS s_ar
-        FROM token_losses GROUP BY model, window_id
-        """
+        f"SELECT model, window_id, {slice_sums_sql()} FROM token_losses GROUP BY model, window_id"
     ).fetchnumpy()
-    sum_all = np.zeros((len(window_ids), len(models)))
-    sum_ar = np.zeros((len(window_ids), len(models)))
+    sums = np.zeros((len(window_ids), len(SLICES), len(models)))
     col = {m: i for i, m in enumerate(models)}
     keep = np.isin(per["model"], models)
     rows = np.searchsorted(window_ids, per["window_id"][keep].astype(np.int64))
     cols = np.array([col[m] for m in per["model"][keep]], dtype=np.int64)
-    sum_all[rows, cols] = per["s_all"][keep]
-    sum_ar[rows, cols] = per["s_ar"][keep]
+    for k, sl in enumerate(SLICES):
+        sums[rows, k, cols] = per[f"s_{sl.name}"][keep]
     return WindowSums(
         models=list(models),
         window_ids=window_ids,
-        n_all=windows["n_all"].astype(np.int64),
-        n_ar=windows["n_ar"].astype(np.int64),
-        sum_all=sum_all,
-        sum_ar=sum_ar,
+        slices=SLICE_NAMES,
+        n=np.stack([windows[f"n_{sl.name}"].astype(np.int64) for sl in SLICES], axis=1),
+        s=sums,
     )
 
 
 def slice_statistics(
-    n_all: np.ndarray, n_ar: np.ndarray, s_all: np.ndarray, s_ar: np.ndarray, ref: int
+    n: np.ndarray, s: np.ndarray, ref: int, slices: tuple[str, ...]
 ) -> dict[str, np.ndarray]:
-    """Every reported statistic from (resampled) totals.
+    """Every reported statistic from (resampled) totals of the slices named `slices`.
 
-    Shapes: `n_all`, `n_ar` (...,) token counts; `s_all`, `s_ar` (..., M) loss sums; `ref` the
-    reference model's column. Returns arrays of shape (..., M), except `pct_ar` (...,).
+    Shapes: `n` (..., S) token counts; `s` (..., S, M) loss sums; `ref` the reference model's
+    column. Per slice T: `mean_nll_T`, `ppl_T`, `delta_T` (..., M); and `pct_ar` (...,), the AR
+    hits' share of all tokens, and `ar_share` (..., M), their share of the gap.
     """
-    n_all = np.asarray(n_all, dtype=np.float64)[..., None]
-    n_ar = np.asarray(n_ar, dtype=np.float64)[..., None]
+    n = np.asarray(n, dtype=np.float64)[..., None]  # (..., S, 1)
+    every, ar = slices.index(ALL.name), slices.index(AR.name)
     with np.errstate(divide="ignore", invalid="ignore"):
-        mean = {
-            "all": s_all / n_all,
-            "ar": s_ar / n_ar,
-            "other": (s_all - s_ar) / (n_all - n_ar),
-        }
-        out: dict[str, np.ndarray] = {"pct_ar": 100.0 * n_ar[..., 0] / n_all[..., 0]}
-        for t in SLICES:
-            out[f"mean_nll_{t}"] = mean[t]
-            out[f"ppl_{t}"] = np.exp(mean[t])
-            out[f"delta_{t}"] = mean[t] - mean[t][..., ref : ref + 1]
-        gap_all = s_all - s_all[..., ref : ref + 1]
-        gap_ar = s_ar - s_ar[..., ref : ref + 1]
+        out: dict[str, np.ndarray] = {"pct_ar": 100.0 * n[..., ar, 0] / n[..., every, 0]}
+        for k, name in enumerate(slices):
+            mean = s[..., k, :] / n[..., k, :]
+            out[f"mean_nll_{name}"] = mean
+            out[f"ppl_{name}"] = np.exp(mean)
+            out[f"delta_{name}"] = mean - mean[..., ref : ref + 1]
+        gap_all = s[..., every, :] - s[..., every, ref : ref + 1]
+        gap_ar = s[..., ar, :] - s[..., ar, ref : ref + 1]
         out["ar_share"] = np.where(
             gap_all == 0, np.nan, gap_ar / np.where(gap_all == 0, 1, gap_all)
         )
@@ -171,20 +165,14 @@ def bootstrap(
     sums: WindowSums, ref: int, n_replicates: int = 1000, seed: int = 0
 ) -> dict[str, np.ndarray]:
     """Every statistic of `slice_statistics` for `n_replicates` window resamples, (B, ...)."""
-    per_window = np.concatenate(
-        [sums.n_all[:, None], sums.n_ar[:, None], sums.sum_all, sums.sum_ar], axis=1
-    )  # (W, 2 + 2M)
-    m = len(sums.models)
-    totals = resampled_totals(per_window, n_replicates, seed)  # (B, 2 + 2M)
-    return slice_statistics(
-        totals[:, 0], totals[:, 1], totals[:, 2 : 2 + m], totals[:, 2 + m :], ref
-    )
+    w, k, m = sums.s.shape
+    per_window = np.concatenate([sums.n, sums.s.reshape(w, k * m)], axis=1)  # (W, S + S·M)
+    totals = resampled_totals(per_window, n_replicates, seed)  # (B, S + S·M)
+    return slice_statistics(totals[:, :k], totals[:, k:].reshape(-1, k, m), ref, sums.slices)
 
 
 def point_estimates(sums: WindowSums, ref: int) -> dict[str, np.ndarray]:
-    return slice_statistics(
-        sums.n_all.sum(), sums.n_ar.sum(), sums.sum_all.sum(axis=0), sums.sum_ar.sum(axis=0), ref
-    )
+    return slice_statistics(sums.n.sum(axis=0), sums.s.sum(axis=0), ref, sums.slices)
 
 
 def intervals(
@@ -222,6 +210,7 @@ class SliceReport:
     reference: str
     n_tokens: int
     n_ar_hits: int
+    slice_tokens: dict[str, int]  # slice name -> its tokens
     n_windows: int
     n_bootstrap: int
     seed: int
@@ -254,8 +243,9 @@ def slice_report(
     return SliceReport(
         models=sums.models,
         reference=reference,
-        n_tokens=int(sums.n_all.sum()),
-        n_ar_hits=int(sums.n_ar.sum()),
+        n_tokens=int(sums.tokens(ALL.name).sum()),
+        n_ar_hits=int(sums.tokens(AR.name).sum()),
+        slice_tokens={name: int(sums.tokens(name).sum()) for name in sums.slices},
         n_windows=sums.n_windows,
         n_bootstrap=n_bootstrap,
         seed=seed,
@@ -268,14 +258,10 @@ def slice_report(
 # ---- in-context recall gain -------------------------------------------------------------------
 #
 # Within each decade bucket b of the training count (the frequency curve's buckets: 0, 1-9,
-# 10-99, ...), gain_b = mean_nll(non-repeats in b) - mean_nll(repeats in b); a model's gain is
+# 10-99, ...; results.duckdb's macro `count_bucket`, `ar_slicing.slices`), gain_b = mean_nll(non-repeats in b) - mean_nll(repeats in b); a model's gain is
 # the repeat-weighted mean  Σ_b |R_b| gain_b / Σ_b |R_b|  over the buckets holding both kinds.
 # It needs no reference model: positive means a bigram is predicted better when it already
 # occurred in the context than an equally frequent bigram that did not (in-context recall).
-
-# The frequency curve's bucket of a training count: its number of decimal digits, 0 for 0
-# (queries/frequency_curve.sql and queries/recall_gain.sql spell the same expression).
-COUNT_BUCKET_SQL = "CASE WHEN train_count <= 0 THEN 0 ELSE length(train_count::VARCHAR) END"
 
 
 @dataclass
@@ -309,8 +295,8 @@ def recall_sums(
         models = [r[0] for r in con.execute("SELECT model FROM models ORDER BY model").fetchall()]
     limit = -1 if max_train_count is None else int(max_train_count)
     per = con.execute(
-        f"""
-        SELECT model, window_id, {COUNT_BUCKET_SQL} AS bucket, is_repeat,
+        """
+        SELECT model, window_id, count_bucket(train_count) AS bucket, is_repeat,
                count(*) AS n, fsum(nll::DOUBLE) AS s
         FROM token_losses
         WHERE $limit::BIGINT < 0 OR train_count <= $limit::BIGINT

@@ -30,13 +30,19 @@ only, and a checkpoint scored on part of the windows restricts no other view.
                 fingerprint, default reference, the plan the file was built with and its digest,
                 `signature`)
 
+and the SQL objects of the slices and the training-count buckets (`ar_slicing.slices`): the views
+`slice_perplexity`, `slice_perplexity_by_subset` and `slice_token_losses`, the table `slices`,
+the table macro `gap_vs_reference(reference)` and the macros `count_bucket`, `count_bucket_lo`, `count_bucket_hi`, `count_bucket_label` and
+`ar_threshold()` (the run's AR threshold).
+
 Paths: the views name the Parquet files by **absolute** path, so the file works unchanged
 whichever directory it is opened from (`duckdb.connect("runs/pile/results.duckdb")` from
 anywhere, the `duckdb` shell, a notebook). The file follows a stage plan (`ar_slicing.plan`,
 `results_plan`), kept in its own `run_info` (a file beside it would be one more name in the run
 directory): its inputs are the place, identity and parts of the tags, the counts and every
-complete losses folder. It has no settings of its own and keeps no work, so, as the report, it is
-rebuilt whenever its inputs change: when the run directory is moved or a model is added or
+complete losses folder; its one setting is the digest of the slices' and buckets' SQL
+(`ar_slicing.slices.definitions_digest`). It keeps no work, so, as the report, it is rebuilt
+whenever its inputs or those definitions change: when the run directory is moved or a model is added or
 redone, `open_results` rebuilds the file (only views and two tiny tables: it takes well under a
 second), so `arslice query` and `arslice report` never read stale paths; the same inputs reuse
 it.
@@ -231,13 +237,14 @@ def check_losses_belong(losses_dir: Path, meta: dict, run: CheckedRun) -> None:
 
 
 def results_plan(run: CheckedRun) -> dict:
-    """results.duckdb's stage plan (as JSON). It keeps no work and has no settings of its own:
-    its inputs are what its views and tables read, each by where it is (the views name files by
+    """results.duckdb's stage plan (as JSON). It keeps no work; its one setting is the digest of
+    the SQL it defines for the slices and buckets (another version's are rebuilt). Its inputs are what its views and tables read, each by where it is (the views name files by
     absolute path, so a moved run is another input), its identity (a redone input is another
     one), its parts (an evaluation extended to more windows keeps its plan but adds parts) and
     its meta.json as a file (an input redone under the same plan, say with another batch size,
     writes it again, and the tables that copy its fields must follow)."""
     from ar_slicing.plan import StagePlan, file_identity, identity
+    from ar_slicing.slices import definitions_digest
 
     layout = run.layout
 
@@ -272,7 +279,8 @@ def results_plan(run: CheckedRun) -> dict:
             name: folder_input(layout.losses(name), layout.loss_parts(name))
             for name in run.checkpoints
         }
-    return StagePlan("results", settings={}, inputs=inputs).as_json()
+    settings = {"definitions": definitions_digest()}
+    return StagePlan("results", settings=settings, inputs=inputs).as_json()
 
 
 def sql_string(value: str | os.PathLike) -> str:
@@ -436,6 +444,7 @@ def build_results(run: CheckedRun, plan: dict | None = None) -> Path:
 def _write_results(con, run: CheckedRun, rows: list[tuple], reference: str, plan: dict) -> None:
     """The views and the two tables of results.duckdb, into the open connection `con`."""
     from ar_slicing.plan import digest
+    from ar_slicing.slices import create_definitions
 
     layout = run.layout
     _check_coverage(con, run)
@@ -471,8 +480,9 @@ def _write_results(con, run: CheckedRun, rows: list[tuple], reference: str, plan
     con.executemany(
         "INSERT INTO models VALUES (" + ", ".join("?" for _ in MODEL_COLUMNS) + ")", rows
     )
-    _write_emergence(con, run)
     tags = run.tags_meta
+    create_definitions(con, tags.get("threshold"))
+    _write_emergence(con, run)
     info = {
         "run_dir": str(layout.run_dir),
         "tags_dir": str(layout.tags),

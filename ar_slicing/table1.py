@@ -1,6 +1,7 @@
-"""Table 1 of a run as numbers: per model, perplexity on all tokens / AR hits / other tokens, the
-gap to the reference per slice, the AR share of the gap and the in-context recall gain, each with
-its 95% bootstrap interval over windows.
+"""Table 1 of a run as numbers: per model, perplexity on each slice of Table 1 (all tokens / AR
+hits / other tokens, as `ar_slicing.slices` declares them), the gap to the reference per slice,
+the AR share of the gap and the in-context recall gain, each with its 95% bootstrap interval over
+windows.
 
 `arslice report` formats it (report.md, report.html, table1.csv) and `ar_slicing.api.Run.table1`
 returns it as a polars DataFrame; both come from `compute_table1`, so they agree by construction.
@@ -21,15 +22,13 @@ from ar_slicing.metrics import (
     slice_report,
     window_sums,
 )
+from ar_slicing.slices import SLICES, TABLE1_SLICES
 
-# The statistics of Table 1, in column order (each with `_lo`/`_hi` when bootstrapped).
+# The statistics of Table 1, in column order (each with `_lo`/`_hi` when bootstrapped): the
+# perplexity of each of its slices, the gap of each to the reference, the AR share, the gain.
 STATISTICS = (
-    "ppl_all",
-    "ppl_ar",
-    "ppl_other",
-    "delta_all",
-    "delta_ar",
-    "delta_other",
+    *(f"ppl_{s.name}" for s in TABLE1_SLICES),
+    *(f"delta_{s.name}" for s in TABLE1_SLICES),
     "ar_share",
     "recall_gain",
 )
@@ -99,18 +98,60 @@ def resolve_reference(con, reference: str | None, models: list[str], where: str)
     return reference
 
 
-def compute_table1(
+def compute_slices(
     con, reference: str | None = None, n_bootstrap: int = 1000, seed: int = 0
-) -> Table1:
-    """Table 1 of the run behind the results.duckdb connection `con` (`reference` None: the
-    run's default, its attention model); `n_bootstrap` resamples of windows, 0 for none."""
+) -> tuple[dict[str, dict], SliceReport]:
+    """The `models` table and every slice's statistics (`ar_slicing.slices`, those Table 1
+    leaves out too) of the run behind the results.duckdb connection `con` (`reference` None:
+    the run's default, its attention model); `n_bootstrap` resamples of windows, 0 for none."""
     if n_bootstrap < 0:
         raise ArSliceError(f"bootstrap {n_bootstrap}: must be 0 (no intervals) or more")
     meta = models_table(con)
     models = list(meta)
     run_dir = con.execute("SELECT value FROM run_info WHERE key = 'run_dir'").fetchone()[0]
     reference = resolve_reference(con, reference, models, run_dir)
-    slices = slice_report(window_sums(con, models), reference, n_bootstrap=n_bootstrap, seed=seed)
+    return meta, slice_report(
+        window_sums(con, models), reference, n_bootstrap=n_bootstrap, seed=seed
+    )
+
+
+def compute_table1(
+    con, reference: str | None = None, n_bootstrap: int = 1000, seed: int = 0
+) -> Table1:
+    """Table 1 of the run behind the results.duckdb connection `con` (arguments as for
+    `compute_slices`)."""
+    meta, slices = compute_slices(con, reference, n_bootstrap, seed)
+    models = list(meta)
     recall = recall_gain_report(con, models, n_bootstrap=n_bootstrap, seed=seed)
-    order = [reference] + [m for m in models if m != reference]
-    return Table1(reference, order, meta, slices, recall)
+    order = [slices.reference] + [m for m in models if m != slices.reference]
+    return Table1(slices.reference, order, meta, slices, recall)
+
+
+# The columns of `slice_records`, in order (the statistics with `_lo`/`_hi` when bootstrapped).
+SLICE_FIELDS = ("model", "slice", "label", "in_table1", "n_tokens")
+SLICE_STATISTICS = ("mean_nll", "ppl", "delta")
+
+
+def slice_records(report: SliceReport) -> list[dict[str, Any]]:
+    """One dict per model and declared slice (the reference first, then the models by name; the
+    slices in declaration order): its tokens, mean NLL, perplexity and Δ (mean NLL minus the
+    reference's), each with its interval when bootstrapped."""
+    rows = {r["model"]: r for r in report.rows()}
+    order = [report.reference] + [m for m in report.models if m != report.reference]
+    out = []
+    for model in order:
+        for s in SLICES:
+            rec: dict[str, Any] = {
+                "model": model,
+                "slice": s.name,
+                "label": s.label,
+                "in_table1": s.in_table1,
+                "n_tokens": report.slice_tokens[s.name],
+            }
+            for key in SLICE_STATISTICS:
+                rec[key] = rows[model][f"{key}_{s.name}"]
+                if report.n_bootstrap:
+                    rec[f"{key}_lo"] = rows[model][f"{key}_{s.name}_lo"]
+                    rec[f"{key}_hi"] = rows[model][f"{key}_{s.name}_hi"]
+            out.append(rec)
+    return out

@@ -128,18 +128,22 @@ def main() -> None:
         )
 
         # -- 1. bootstrap -----------------------------------------------------------------------
+        masks = [np.ones_like(is_ar), is_ar, ~is_ar]  # the slices all, ar, other
         sums = WindowSums(
             models=list(MODELS),
             window_ids=np.arange(args.windows),
-            n_all=np.bincount(w, minlength=args.windows),
-            n_ar=np.bincount(w, weights=is_ar, minlength=args.windows).astype(np.int64),
-            sum_all=np.stack(
-                [np.bincount(w, weights=nll[:, j], minlength=args.windows) for j in range(3)], 1
-            ),
-            sum_ar=np.stack(
+            slices=("all", "ar", "other"),
+            n=np.stack([np.bincount(w, weights=t, minlength=args.windows) for t in masks], 1),
+            s=np.stack(
                 [
-                    np.bincount(w, weights=nll[:, j] * is_ar, minlength=args.windows)
-                    for j in range(3)
+                    np.stack(
+                        [
+                            np.bincount(w, weights=nll[:, j] * t, minlength=args.windows)
+                            for j in range(3)
+                        ],
+                        1,
+                    )
+                    for t in masks
                 ],
                 1,
             ),

@@ -1,24 +1,22 @@
 -- Zoology Figure 1: mean loss per decade bucket of the bigram's training count, repeats vs
 -- non-repeats, per model. Buckets: 0 (never seen in training), 1-9, 10-99, 100-999, ...
--- `bucket` is the number of decimal digits of train_count (0 for a count of 0).
+-- `bucket` is the number of decimal digits of train_count (0 for a count of 0): results.duckdb's
+-- macro count_bucket, with count_bucket_lo/_hi/_label (ar_slicing/slices.py).
 -- Parameters: none.
 WITH bucketed AS (
     SELECT
         model,
         is_repeat,
         nll,
-        CASE WHEN train_count <= 0 THEN 0 ELSE length(train_count::VARCHAR) END AS bucket
+        count_bucket(train_count) AS bucket
     FROM token_losses
 )
 SELECT
     model,
     bucket,
-    CASE WHEN bucket = 0 THEN 0 ELSE pow(10, bucket - 1)::BIGINT END AS count_lo,
-    CASE WHEN bucket = 0 THEN 0 ELSE pow(10, bucket)::BIGINT - 1 END AS count_hi,
-    CASE
-        WHEN bucket = 0 THEN '0'
-        ELSE pow(10, bucket - 1)::BIGINT::VARCHAR || '-' || (pow(10, bucket)::BIGINT - 1)::VARCHAR
-    END AS bucket_label,
+    count_bucket_lo(bucket) AS count_lo,
+    count_bucket_hi(bucket) AS count_hi,
+    count_bucket_label(bucket) AS bucket_label,
     is_repeat,
     count(*) AS n_tokens,
     fsum(nll::DOUBLE) / count(*) AS mean_nll,

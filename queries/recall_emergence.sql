@@ -15,7 +15,7 @@ WITH bucketed AS (
         is_repeat,
         is_ar_hit,
         nll,
-        CASE WHEN train_count <= 0 THEN 0 ELSE length(train_count::VARCHAR) END AS bucket
+        count_bucket(train_count) AS bucket
     FROM checkpoint_token_losses
 ),
 per_bucket AS (

@@ -13,7 +13,7 @@ WITH bucketed AS (
         model,
         is_repeat,
         nll,
-        CASE WHEN train_count <= 0 THEN 0 ELSE length(train_count::VARCHAR) END AS bucket
+        count_bucket(train_count) AS bucket
     FROM token_losses
     WHERE $max_train_count::BIGINT < 0 OR train_count <= $max_train_count::BIGINT
 ),
@@ -51,10 +51,7 @@ UNION ALL
 SELECT
     model,
     bucket,
-    CASE
-        WHEN bucket = 0 THEN '0'
-        ELSE pow(10, bucket - 1)::BIGINT::VARCHAR || '-' || (pow(10, bucket)::BIGINT - 1)::VARCHAR
-    END AS bucket_label,
+    count_bucket_label(bucket) AS bucket_label,
     n_repeats,
     n_non_repeats,
     mean_nll_repeats,

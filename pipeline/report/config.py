@@ -12,7 +12,6 @@ QUERY_TABLES = (
     "by_subset",
     "examples",
 )
-SLICE_LABELS = {"all": "all tokens", "ar": "AR hits", "other": "other tokens"}
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import math
 
+from ar_slicing.slices import TABLE1_SLICES
 from pipeline.plotting import png_bytes as _png
 from pipeline.plotting import pyplot as _pyplot
-from pipeline.report.config import SLICE_LABELS
 
 
 # Figure 1's panels per row: readable side by side up to three, then four to a row.
@@ -195,12 +195,13 @@ def recall_gain_png(t1) -> bytes:
 
 
 def slice_bars_png(report, order: list[str]) -> bytes:
-    """Perplexity per slice (groups) per model (bars), with bootstrap intervals as error bars."""
+    """Perplexity per slice of Table 1 (groups) per model (bars), with bootstrap intervals as
+    error bars."""
     import numpy as np
 
     plt = _pyplot()
     rows = {r["model"]: r for r in report.rows()}
-    slices = list(SLICE_LABELS)
+    slices = [s.name for s in TABLE1_SLICES]
     width = 0.8 / max(len(order), 1)
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     x = np.arange(len(slices))
@@ -221,7 +222,7 @@ def slice_bars_png(report, order: list[str]) -> bytes:
             **kwargs,
         )
     ax.set_xticks(x)
-    ax.set_xticklabels([SLICE_LABELS[s] for s in slices])
+    ax.set_xticklabels([s.label for s in TABLE1_SLICES])
     ax.set_ylabel("perplexity")
     ax.set_title(
         "Perplexity per slice"

@@ -20,6 +20,7 @@ from ar_slicing.layout import (
     TABLE_CSV,
     RunLayout,
 )
+from ar_slicing.slices import AR, TABLE1_SLICES
 from pipeline.config import Command, config_to_dict, say
 from pipeline.mqar import mqar_results
 from pipeline.report.config import QUERY_TABLES, ReportConfig
@@ -35,7 +36,9 @@ from pipeline.report.render import render_html, render_markdown
 from pipeline.report.tables import (
     copy_length_by_subset_text,
     copy_length_text,
+    delta_header,
     emergence_text,
+    ppl_header,
     table1_text,
     write_csv,
 )
@@ -293,14 +296,13 @@ def coverage_notes(checked) -> list[str]:
     return notes
 
 
-# The console's short Table 1 (report.md has every column).
+# The console's short Table 1 (report.md has every column): the perplexity of every slice, the
+# gap on AR hits and its share.
 CONSOLE_COLUMNS = (
     "model",
     "parameters",
-    "ppl all",
-    "ppl AR hits",
-    "ppl other",
-    "Δ log-ppl AR",
+    *(ppl_header(s) for s in TABLE1_SLICES),
+    delta_header(AR),
     "AR share of gap",
 )
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ar_slicing.io import write_bytes_atomic
+from ar_slicing.slices import TABLE1_SLICES, Slice
 
 
 def fmt_params(n: Any) -> str:
@@ -109,22 +110,30 @@ def query_rows_as_text(columns: list[str], rows: list[tuple]) -> list[list[str]]
 
 # ---- Table 1 -----------------------------------------------------------------------------------
 
+
+def ppl_header(s: Slice) -> str:
+    """The header of a slice's perplexity column in Table 1."""
+    return f"ppl {s.header}"
+
+
+def delta_header(s: Slice) -> str:
+    """The header of a slice's Δ log-ppl column in Table 1."""
+    return f"Δ log-ppl {s.short}"
+
+
 # Table 1's columns as shown: (header, statistic, digits, as a percentage); None: a model field.
+# A slice's columns are named by its declaration (`ar_slicing.slices`).
 TABLE1_COLUMNS = (
     ("model", None, 0, False),
     ("architecture", None, 0, False),
     ("parameters", None, 0, False),
-    ("ppl all", "ppl_all", 2, False),
-    ("ppl AR hits", "ppl_ar", 2, False),
-    ("ppl other", "ppl_other", 2, False),
-    ("Δ log-ppl all", "delta_all", 3, False),
-    ("Δ log-ppl AR", "delta_ar", 3, False),
-    ("Δ log-ppl other", "delta_other", 3, False),
+    *((ppl_header(s), f"ppl_{s.name}", 2, False) for s in TABLE1_SLICES),
+    *((delta_header(s), f"delta_{s.name}", 3, False) for s in TABLE1_SLICES),
     ("AR share of gap", "ar_share", 1, True),
     ("recall gain (nats)", "recall_gain", 3, False),
 )
 # Statistics relative to the reference: the reference's own row shows 0 (Δ) or — (its share).
-_RELATIVE = {"delta_all": "0", "delta_ar": "0", "delta_other": "0", "ar_share": "—"}
+_RELATIVE = {**{f"delta_{s.name}": "0" for s in TABLE1_SLICES}, "ar_share": "—"}
 
 
 @dataclass

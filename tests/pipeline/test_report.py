@@ -51,16 +51,21 @@ def synthetic_windows(
     ref = np.abs(rng.normal(3.0, 1.0, w.size) + window_effect) * np.where(is_ar, 0.3, 1.0)
     model = ref + np.where(is_ar, 1.5, 0.05) + rng.normal(0, 0.2, w.size)
     nll = np.stack([ref, model], axis=1)  # (N, M)
+    masks = [np.ones_like(is_ar), is_ar, ~is_ar]  # the slices all, ar, other
     sums = WindowSums(
         models=["attention", "hyena"],
         window_ids=np.arange(n_windows),
-        n_all=np.bincount(w, minlength=n_windows),
-        n_ar=np.bincount(w, weights=is_ar, minlength=n_windows).astype(np.int64),
-        sum_all=np.stack(
-            [np.bincount(w, weights=nll[:, j], minlength=n_windows) for j in range(2)], 1
-        ),
-        sum_ar=np.stack(
-            [np.bincount(w, weights=nll[:, j] * is_ar, minlength=n_windows) for j in range(2)], 1
+        slices=("all", "ar", "other"),
+        n=np.stack([np.bincount(w, weights=t, minlength=n_windows) for t in masks], 1),
+        s=np.stack(
+            [
+                np.stack(
+                    [np.bincount(w, weights=nll[:, j] * t, minlength=n_windows) for j in range(2)],
+                    1,
+                )
+                for t in masks
+            ],
+            1,
         ),
     )
     return sums, {"w": w, "is_ar": is_ar, "nll": nll}
