@@ -303,4 +303,3 @@ def resume(stage, model, optimizer, device: str):
 
 def _size(path: Path) -> str:
     return f"{path.stat().st_size} bytes" if path.is_file() else "missing"
-
