@@ -97,10 +97,22 @@ def _train_here(cfg: TrainConfig, record: Mapping | None) -> str:
 _NOT_COMPARED = ("keep_checkpoints",)
 
 
-def _compared(settings: Mapping | None) -> dict | None:
+# A folder exported before training pinned torch's CPU kernels records no `cpu_kernels`: its
+# models are taken as the bytes its sha256 check holds (the same files on every machine); the
+# steps a run trains itself beside them are pinned (`made_before_the_pin`, recorded in meta.json).
+_PIN = "cpu_kernels"
+
+
+def made_before_the_pin(record: Mapping) -> bool:
+    """True when a prebuilt model's record was written before training pinned the CPU kernels."""
+    settings = record.get("settings")
+    return isinstance(settings, Mapping) and _PIN not in settings
+
+
+def _compared(settings: Mapping | None, skip: tuple[str, ...] = ()) -> dict | None:
     if not isinstance(settings, Mapping):
         return settings
-    return {k: v for k, v in settings.items() if k not in _NOT_COMPARED}
+    return {k: v for k, v in settings.items() if k not in _NOT_COMPARED + skip}
 
 
 def _refuse_mismatch(cfg: TrainConfig, record: Mapping, asked: Mapping) -> None:
@@ -108,8 +120,9 @@ def _refuse_mismatch(cfg: TrainConfig, record: Mapping, asked: Mapping) -> None:
     given), or whose folder lacks a kept checkpoint the run does not train itself."""
     from ar_slicing.plan import differences
 
-    made = {k: _compared(record.get(k)) if k == "settings" else record.get(k) for k in asked}
-    asked = {k: _compared(v) if k == "settings" else v for k, v in asked.items()}
+    skip = (_PIN,) if made_before_the_pin(record) else ()
+    made = {k: _compared(record.get(k), skip) if k == "settings" else record.get(k) for k in asked}
+    asked = {k: _compared(v, skip) if k == "settings" else v for k, v in asked.items()}
     lines = differences(made, asked)
     if lines:
         raise PrebuiltMismatch(
@@ -282,6 +295,12 @@ def take_prebuilt(
     refuse_changed_files(cfg, record)
     folder, out = prebuilt_model(cfg), stage.out
     here = steps_trained_here(cfg)
+    if made_before_the_pin(record):
+        say(
+            f"train {Path(cfg.out).name}: the folder's model was trained before the CPU kernels "
+            f"were pinned (on {(record.get('made') or {}).get('machine')}); it is taken as the "
+            "files its sha256 hold, and the steps trained here are pinned"
+        )
     if here:
         say(f"train {Path(cfg.out).name}: steps 1-{max(here)} here, for the checkpoints of {here}")
         train_first(here, inputs)
@@ -305,7 +324,11 @@ def take_prebuilt(
         "config": to_jsonable(config_to_dict(cfg)),
         "inputs": inputs.described(),
         "cpu_kernels": kernels,  # (the steps trained here; the folder's in record["trained"])
-        "prebuilt": {"folder": str(folder.resolve()), "made": record.get("made")},
+        "prebuilt": {
+            "folder": str(folder.resolve()),
+            "made": record.get("made"),
+            "cpu_kernels": (record.get("settings") or {}).get(_PIN, "not pinned (made before)"),
+        },
         "wall_time_s": round(time.time() - t0, 3),
     }
     return stage.finish(meta)

@@ -143,6 +143,43 @@ def test_another_setting_is_refused_before_anything_runs(made):
     assert not (root / "lr").exists()  # refused before any stage wrote anything
 
 
+def with_records(folder: Path, to: Path, change) -> Path:
+    """A copy of the prebuilt `folder` whose records' settings `change(settings)` edits."""
+    import json
+
+    shutil.copytree(folder, to)
+    for model in MODELS:
+        path = to / model / "prebuilt.json"
+        record = read_json(path)
+        change(record["settings"])
+        path.write_text(json.dumps(record, indent=2, sort_keys=True))
+    return to
+
+
+def test_a_folder_made_before_the_pin_is_taken_as_its_files(made, tmp_path):
+    """A record without `cpu_kernels` (exported before training pinned them) is taken, said so
+    in meta.json; one made under other kernels is refused naming them."""
+    root = made["root"]
+    assert read_json(made["folder"] / "attention" / "prebuilt.json")["settings"]["cpu_kernels"]
+    before = with_records(made["folder"], tmp_path / "before", lambda s: s.pop("cpu_kernels"))
+    run(root, "before", stages=UP_TO_TRAIN, prebuilt=before)
+    for path in WEIGHTS:
+        assert sha256(root / "before" / path) == sha256(root / "made" / path), path
+    meta = read_json(root / "before" / "models" / "attention" / "meta.json")
+    assert meta["prebuilt"]["cpu_kernels"] == "not pinned (made before)"
+    assert meta["cpu_kernels"]  # (the steps it trained itself: pinned)
+    other = with_records(
+        made["folder"],
+        tmp_path / "other",
+        lambda s: s.update(cpu_kernels="ATEN_CPU_CAPABILITY=avx512"),
+    )
+    with pytest.raises(
+        BadInput, match=r'settings\.cpu_kernels: "ATEN_CPU_CAPABILITY=avx512" ->'
+    ):
+        run(root, "other", stages=UP_TO_TRAIN, prebuilt=other)
+    assert not (root / "other" / "models").exists()
+
+
 def test_another_token_stream_is_refused_naming_it(made, tmp_path):
     root, folder = made["root"], made["folder"]
     config = root / "stream.toml"
