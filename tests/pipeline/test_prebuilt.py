@@ -173,9 +173,7 @@ def test_a_folder_made_before_the_pin_is_taken_as_its_files(made, tmp_path):
         tmp_path / "other",
         lambda s: s.update(cpu_kernels="ATEN_CPU_CAPABILITY=avx512"),
     )
-    with pytest.raises(
-        BadInput, match=r'settings\.cpu_kernels: "ATEN_CPU_CAPABILITY=avx512" ->'
-    ):
+    with pytest.raises(BadInput, match=r'settings\.cpu_kernels: "ATEN_CPU_CAPABILITY=avx512" ->'):
         run(root, "other", stages=UP_TO_TRAIN, prebuilt=other)
     assert not (root / "other" / "models").exists()
 
