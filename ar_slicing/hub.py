@@ -193,3 +193,22 @@ def require(names: Iterable[tuple[str, str, str]]) -> None:
         '`pretrained = "DIR"`, --tokenizer DIR); for an hf:// dataset, download its files and '
         "pass them as sources"
     )
+
+
+def fetch(repo_id: str, revision: str | None, patterns: list[str], spec: str, instead: str) -> Path:
+    """The local folder of hub repo `repo_id` at `revision` holding the files that match
+    `patterns`: fetched when the hub answers, read from the cache when it does not (`require`
+    refuses first when they are not cached). One line on failure, naming `spec` and what to pass
+    `instead` (e.g. "the downloaded model.pt")."""
+    require([(spec, f"{repo_id}@{revision}" if revision else repo_id, "model")])
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(
+            snapshot_download(repo_id, revision=revision, allow_patterns=patterns, **files_only())
+        )
+    except Exception as e:
+        raise ArSliceError(
+            f"{spec}: could not fetch {repo_id} from the hub ({type(e).__name__}: {e}); pass "
+            f"{instead}"
+        ) from None

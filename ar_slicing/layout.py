@@ -72,6 +72,7 @@ LOSS_PART_GLOB = "losses-*.parquet"
 MODEL_CONFIG_NAME = "config.json"
 MODEL_WEIGHTS_NAME = "model.safetensors"
 TRAIN_STATE_DIR = ".train-state"  # the last periodic checkpoint of an unfinished training run
+TRAIN_STATE = "step-{:08d}"  # one periodic checkpoint in it (`train_state`)
 # the checkpoints a training run keeps (`keep_checkpoints`), each a native checkpoint with a
 # meta.json recording its step: `native:models/<name>/checkpoints/step-<n>` loads one
 KEPT_CHECKPOINTS_DIR = "checkpoints"
@@ -188,6 +189,12 @@ def kept_checkpoint(model_dir: str | os.PathLike, step: int) -> Path:
     """The folder of the checkpoint a training run kept at `step`:
     `<model_dir>/checkpoints/step-<step>`."""
     return Path(model_dir) / KEPT_CHECKPOINTS_DIR / KEPT_CHECKPOINT.format(int(step))
+
+
+def train_state(model_dir: str | os.PathLike, step: int) -> Path:
+    """The folder of an unfinished training run's periodic checkpoint at `step`:
+    `<model_dir>/.train-state/step-<step, 8 digits>` (removed when the model is written)."""
+    return Path(model_dir) / TRAIN_STATE_DIR / TRAIN_STATE.format(int(step))
 
 
 def model_of_checkpoint(path: str | os.PathLike) -> Path | None:

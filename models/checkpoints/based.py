@@ -499,21 +499,9 @@ def resolve_files(target: str, spec: str, revision: str | None = None) -> tuple[
 def _download(repo_id: str, spec: str, revision: str | None) -> Path:
     from ar_slicing import hub
 
-    hub.require([(spec, f"{repo_id}@{revision}" if revision else repo_id, "model")])
-    try:
-        from huggingface_hub import snapshot_download
-
-        patterns = [CONFIG_NAME, *WEIGHT_NAMES, "*.json"]
-        return Path(
-            snapshot_download(
-                repo_id, revision=revision, allow_patterns=patterns, **hub.files_only()
-            )
-        )
-    except Exception as e:
-        raise ArSliceError(
-            f"{spec}: could not fetch {repo_id} from the hub ({type(e).__name__}: {e}); pass a "
-            "local directory holding its config.json and pytorch_model.bin"
-        ) from None
+    patterns = [CONFIG_NAME, *WEIGHT_NAMES, "*.json"]
+    instead = "a local directory holding its config.json and pytorch_model.bin"
+    return hub.fetch(repo_id, revision, patterns, spec, instead)
 
 
 def load_based(

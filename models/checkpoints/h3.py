@@ -266,21 +266,8 @@ def weights_file_of(target: str, spec: str, is_hub: bool, revision: str | None) 
     if is_hub and not path.exists():
         from ar_slicing import hub
 
-        hub.require([(spec, f"{target}@{revision}" if revision else target, "model")])
-        try:
-            from huggingface_hub import snapshot_download
-
-            path = Path(
-                snapshot_download(
-                    target, revision=revision, allow_patterns=["*.pt", "*.json", "*.yaml"],
-                    **hub.files_only(),
-                )
-            )  # fmt: skip
-        except Exception as e:
-            raise ArSliceError(
-                f"{spec}: could not fetch {target} from the hub ({type(e).__name__}: {e}); pass "
-                "the downloaded model.pt"
-            ) from None
+        patterns = ["*.pt", "*.json", "*.yaml"]
+        path = hub.fetch(target, revision, patterns, spec, "the downloaded model.pt")
     return find_weights_file(path, "h3")
 
 

@@ -285,6 +285,17 @@ def load_model(
     return found.load(request)
 
 
+def fmt_params(n: Any) -> str:
+    """A parameter count as tables print it (`1.2M`, `350K`; `?` when unknown)."""
+    if n is None:
+        return "?"
+    n = float(n)
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return f"{int(n)}"
+
+
 def count_params(model) -> int:
     seen, total = set(), 0
     for p in model.parameters():

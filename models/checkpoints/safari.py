@@ -339,29 +339,12 @@ def _weights_file(target: str, revision: str | None = None) -> Path:
 
     path = Path(target).expanduser()
     if not path.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", target):
-        try:
-            from huggingface_hub import snapshot_download
+        from ar_slicing import hub
 
-            path = Path(
-                snapshot_download(
-                    target,
-                    revision=revision,
-                    allow_patterns=[
-                        "*.pt",
-                        "*.pth",
-                        "*.bin",
-                        "*.ckpt",
-                        "*.safetensors",
-                        "*.json",
-                        "*.yaml",
-                    ],
-                )
-            )
-        except Exception as e:
-            raise ArSliceError(
-                f"safari:{target}: no such file, and not downloadable from the hub "
-                f"({type(e).__name__}); pass the downloaded state-dict file"
-            ) from None
+        patterns = ["*.pt", "*.pth", "*.bin", "*.ckpt", "*.safetensors", "*.json", "*.yaml"]
+        path = hub.fetch(
+            target, revision, patterns, f"safari:{target}", "the downloaded state-dict file"
+        )
     if not path.exists():
         raise ArSliceError(f"{path}: checkpoint file not found")
     return find_weights_file(path, "safari")

@@ -13,16 +13,7 @@ from typing import Any
 
 from ar_slicing.io import write_bytes_atomic
 from ar_slicing.slices import TABLE1_SLICES, Slice
-
-
-def fmt_params(n: Any) -> str:
-    if n is None:
-        return "?"
-    n = float(n)
-    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= div:
-            return f"{n / div:.3g}{unit}"
-    return f"{int(n)}"
+from models.checkpoints.registry import fmt_params
 
 
 def fmt_num(v: Any, digits: int = 2) -> str:

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ar_slicing.errors import ArSliceError
-from ar_slicing.io import build_meta
+from ar_slicing.io import build_meta, is_complete
 from pipeline.config import Command, say
 from pipeline.train.config import (  # noqa: F401  (re-exported)
     _RESUMABLE_CHANGES,
@@ -56,7 +56,7 @@ from pipeline.train.model import (  # noqa: F401  (re-exported)
     parse_model_options,
     sequence_loss,
 )
-from pipeline.train.prebuilt import prebuilt_model, take_prebuilt
+from pipeline.train.prebuilt import check_prebuilt_settings, prebuilt_model, take_prebuilt
 from pipeline.train.schedule import (  # noqa: F401  (re-exported)
     BatchOrder,
     learning_rate,
@@ -84,14 +84,22 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def validate(cfg: TrainConfig) -> None:
+    """Refuse settings no training can run with, and a prebuilt model made otherwise than asked
+    (a complete model is not taken again; its token streams are compared once they are there)."""
+    validate_train(cfg)
+    if cfg.prebuilt is not None and not is_complete(cfg.out):
+        check_prebuilt_settings(cfg)
+
+
 def train(cfg: TrainConfig) -> dict:
     """Train one model as `cfg` says; returns the summary written to `<out>/meta.json`."""
     from ar_slicing.plan import StagePlan, identity, open_stage
     from models import cpu_kernels
     from models.precision import resolve_device, resolve_dtype, torch_threads
 
-    cpu_kernels.pin()  # (before validate_train loads torch; refused if it is loaded otherwise)
-    validate_train(cfg)
+    cpu_kernels.pin()  # (before validate loads torch; refused if it is loaded otherwise)
+    validate(cfg)
     t0 = time.time()
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device, training=True)
@@ -283,7 +291,7 @@ def model_entry(name: str, out: Path, meta: dict) -> dict:
 COMMAND = Command(
     TrainConfig,
     train,
-    validate=validate_train,
+    validate=validate,
     plan_settings=train_settings,
     inputs=lambda cfg: [
         ("--tokens", cfg.tokens, "dir"),

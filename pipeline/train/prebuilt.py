@@ -465,7 +465,7 @@ def folder_bytes(folder: Path) -> int:
 
 def readme(folder: Path, records: dict[str, dict]) -> str:
     """The folder's README.md: how it was made, on what, and the models in it."""
-    from pipeline.report.tables import fmt_params
+    from models.checkpoints.registry import fmt_params
 
     rows = [
         "| model | arch | parameters | steps | tokens seen | kept checkpoints | final val loss |",

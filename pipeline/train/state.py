@@ -19,7 +19,6 @@ from pathlib import Path
 from ar_slicing.errors import ArSliceError
 from ar_slicing.io import (
     atomic_dir,
-    is_complete,
     os_errors_of,
     read_json,
     write_json_atomic,
@@ -30,10 +29,11 @@ from ar_slicing.layout import (
     MODEL_WEIGHTS_NAME,
     TOKENIZER_NAME,
     kept_checkpoint,
+    train_state,
 )
 from ar_slicing.limits import require_memory
 from pipeline.config import config_to_dict
-from pipeline.train.config import _RESUMABLE_CHANGES, STATE_DIR, TrainConfig
+from pipeline.train.config import _RESUMABLE_CHANGES, TrainConfig
 from pipeline.train.model import (
     model_config_for,
 )
@@ -106,11 +106,6 @@ def validate_train(cfg: TrainConfig) -> None:
         f"--batch-size {cfg.batch_size} of --seq-len {cfg.seq_len}: one training step",
         "lower --batch-size or --seq-len",
     )
-    # (a complete model is not taken again; its token streams are compared once they are there)
-    if cfg.prebuilt is not None and not is_complete(cfg.out):
-        from pipeline.train.prebuilt import check_prebuilt_settings
-
-        check_prebuilt_settings(cfg)
 
 
 def step_memory(cfg: TrainConfig, model) -> int:
@@ -204,7 +199,7 @@ def checkpoint(stage, model, optimizer, progress) -> None:
     remove the checkpoints before it."""
     from ar_slicing.ownership import remove_work
 
-    state_dir = stage.out / STATE_DIR / f"step-{progress.step:08d}"
+    state_dir = train_state(stage.out, progress.step)
     save_state(state_dir, model, optimizer, progress.step, progress.saved())
     stage.record(
         f"{CHECKPOINT} {progress.step:08d}",
@@ -287,7 +282,7 @@ def resume(stage, model, optimizer, device: str):
     # the latest is whole unless something changed it since (earlier ones are removed once it
     # is recorded, and a kill while removing one leaves it part-removed: not resumed from)
     step = max(recorded)
-    state_dir = stage.out / STATE_DIR / f"step-{step:08d}"
+    state_dir = train_state(stage.out, step)
     changed = [
         f"{stage.out / rel}: {_size(stage.out / rel)}, written {size} bytes"
         for rel, size in recorded[step]["files"].items()

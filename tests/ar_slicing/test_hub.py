@@ -482,3 +482,30 @@ def test_the_pythia_emergence_config_is_checked_offline_as_far_as_it_can_be(tmp_
             revision = f"hf:EleutherAI/pythia-{size}@step{step}"
             assert f"model {revision} ([eval.models.pythia-{size}] " in out.stderr, revision
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize(("spec", "case"), [("safari", "safari-no-modulate"), ("h3", "h3-hybrid")])
+def test_every_format_reads_a_cached_checkpoint_without_asking_the_hub_again(tmp_path, spec, case):
+    """The formats that fetch a repo's files (safari:, h3:, based:) share one fetch with one
+    offline policy: a repo in the cache loads with the probe as the only connection."""
+    import shutil
+
+    repo = tmp_path / "hf-home" / "hub" / f"models--tiny--{spec}"
+    revision = "89abcdef0123456789abcdef0123456789abcdef"
+    shutil.copytree(UPSTREAM / case, repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    script = (
+        "from models.checkpoints.registry import load_model\n"
+        f"m = load_model('{spec}:tiny/{spec}')\n"
+        "print(m.n_params)\n"
+    )
+    env = offline_env(tmp_path, HF_ENDPOINT=UNROUTABLE)
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[-1]) > 0
+    assert connections(env) == the_probe(env)  # the probe only: no retries
+    assert "Retrying" not in out.stderr

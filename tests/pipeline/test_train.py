@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from ar_slicing.errors import ArSliceError, BadInput, TokenizerMismatch
 from ar_slicing.io import read_json
+from ar_slicing.layout import train_state
 from ar_slicing.store import write_token_store
 from ar_slicing.tokenizer import describe
 from pipeline.train import (
@@ -357,7 +358,7 @@ def test_killed_run_leaves_no_checkpoint_and_resumes_to_the_same_weights(stores,
     assert not (out / "meta.json").exists() and not (out / "model.safetensors").exists()
     resumed_from = saved_step(out)  # the last checkpoint it recorded before it was killed
     assert 0 < resumed_from < 40
-    state = out / STATE_DIR / f"step-{resumed_from:08d}" / "state.json"
+    state = train_state(out, resumed_from) / "state.json"
     assert read_json(state)["step"] == resumed_from
 
     # finish it in-process, and compare with an uninterrupted run of the same settings
