@@ -105,10 +105,11 @@ class Ledger:
         )
 
     def expect(self, files: Iterable[str | os.PathLike]) -> None:
-        """Append that the stage is about to write `files` (paths inside the output, or paths
-        relative to it): from now on they are its own, written or not."""
+        """Append that the stage is about to write `files` (their paths, inside the output, as
+        `record` takes them; an output named by a relative path gives relative ones): from now
+        on they are its own, written or not."""
         self.parts  # noqa: B018  (what it expects already)
-        new = relative(self.out, [self.out / f for f in files])
+        new = relative(self.out, files)
         new = [rel for rel in dict.fromkeys(new) if rel not in self._expected]
         if new or not self._expects:
             self._append([json.dumps({"expect": new})])

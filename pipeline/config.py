@@ -57,6 +57,8 @@ class Command:
     too.) `hub_names(cfg, table)` lists what it would fetch from a hub, as `ar_slicing.hub.require`
     takes them, so `arslice run` stops before anything is written when the hub is unreachable.
     `pipeline` (`pipeline.wiring.Wiring`) is how `arslice run` runs it from a config table.
+    `out_is_file`: its `--out` is one file (a tokenizer), not a folder (a variant of a stage
+    without wiring of its own says it here; a stage's wiring says it by its output).
     """
 
     config_cls: type
@@ -70,6 +72,7 @@ class Command:
     inputs: Callable[[Any], list[tuple[str, ...]]] | None = None
     hub_names: Callable[[Any, str], list[tuple[str, str, str]]] | None = None
     pipeline: Wiring | None = None
+    out_is_file: bool = False
 
 
 def missing_inputs(command: Command, cfg: Any, made: Iterable[str] = ()) -> list[str]:
@@ -100,7 +103,9 @@ def missing_inputs(command: Command, cfg: Any, made: Iterable[str] = ()) -> list
         elif kind == ["file"] and os.path.isdir(found):
             problems.append(f"{flag} {path}: a folder, not a file")
     out = getattr(cfg, "out", None)
-    single_file = command.pipeline is not None and command.pipeline.writes.single_file
+    single_file = command.out_is_file or (
+        command.pipeline is not None and command.pipeline.writes.single_file
+    )
     problem = output_kind_problem(out, single_file) if isinstance(out, str) else None
     return problems + ([f"--out {problem}"] if problem else [])
 

@@ -89,4 +89,5 @@ COMMAND = Command(
     summary="copy an existing tokenizer into a run",
     plan_settings=copy_settings,
     hub_names=hub_names,
+    out_is_file=True,
 )

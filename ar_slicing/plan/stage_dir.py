@@ -315,7 +315,7 @@ class StageDir:
         written = written_files(meta)
         if written is None:  # (made before the ledger: its layout's names were its own)
             written = files_of(self.out, self._patterns, leave_out=self._work)
-        self.ledger.expect(written)
+        self.ledger.expect(self.out / rel for rel in written)
         (self.out / META_NAME).unlink(missing_ok=True)
         self.meta = self._reopen = None
         self._owns = stage_owns(self.plan["stage"], None, self.ledger.owned())

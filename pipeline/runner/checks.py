@@ -13,20 +13,36 @@ from pipeline.runner.registry import after
 from pipeline.runner.stages_run import Pipeline, StageConfig
 
 
-def check(pipeline: Pipeline) -> dict[str, list[StageConfig]]:
+def check(pipeline: Pipeline, chosen: list[str] | None = None) -> dict[str, list[StageConfig]]:
     """Resolve and check the configs of every stage of the run (`Pipeline.run_stages`: what a
-    whole run runs, so a run of some stages checks what the whole run would). Returns them by
-    stage; refuses every problem found, in one message."""
+    whole run runs, so a run of some stages checks what the whole run would). A stage the run of
+    some stages (`chosen`) does not run and the config has no table for is checked only as far
+    as it would run with its defaults: one that would not (its table is needed, or what it reads
+    comes from no stage) is left out, so a config for some stages still runs them. Returns the
+    configs by stage; refuses every problem found, in one message."""
     from ar_slicing import hub
+
+    def optional(stage: str) -> bool:
+        return chosen is not None and stage not in chosen and stage not in pipeline.config
 
     stages = pipeline.run_stages()
     problems = _Problems()
     all_configs: dict[str, list[StageConfig]] = {}
     for stage in stages:
-        with problems.noted():
-            all_configs[stage] = pipeline.resolve(stage)
+        if optional(stage):
+            try:
+                all_configs[stage] = pipeline.resolve(stage)
+            except ArSliceError:
+                continue
+        else:
+            with problems.noted():
+                all_configs[stage] = pipeline.resolve(stage)
     made = [str(c.output) for configs in all_configs.values() for c in configs]
-    refused = [s for s in stages if s not in all_configs]
+    for stage in [s for s in all_configs if optional(s)]:
+        if any(_problems_of(c, made) for c in all_configs[stage]):
+            del all_configs[stage]
+    made = [str(c.output) for configs in all_configs.values() for c in configs]
+    refused = [s for s in stages if s not in all_configs and not optional(s)]
     for c in (c for configs in all_configs.values() for c in configs):
         table = f"{pipeline.config_path} {c.context}"
         with problems.noted(table):
@@ -41,6 +57,16 @@ def check(pipeline: Pipeline) -> dict[str, list[StageConfig]]:
         refuse_foreign(pipeline, all_configs)
     problems.refuse(f"{pipeline.config_path}: {{n}} problems, found before anything ran:")
     return all_configs
+
+
+def _problems_of(c: StageConfig, made: list[str]) -> list[str]:
+    """What refuses `c` before it runs: its validation and its missing inputs."""
+    try:
+        if c.command.validate is not None:
+            c.command.validate(c.config)
+    except ArSliceError as e:
+        return [str(e)]
+    return missing_inputs(c.command, c.config, made)
 
 
 def hub_names(all_configs: dict[str, list[StageConfig]]) -> list[tuple[str, str, str]]:

@@ -133,7 +133,7 @@ def prepare_pipeline(cfg: RunConfig) -> tuple[Pipeline, dict, list[str]]:
         config = without_prebuilt(config)
     pipeline = Pipeline(Path(cfg.config), config, overwrite=cfg.overwrite)
     chosen = [s for s in pipeline.run_stages() if s in cfg.stage]
-    return pipeline, check(pipeline), chosen
+    return pipeline, check(pipeline, chosen), chosen
 
 
 def run_pipeline(cfg: RunConfig) -> dict:

@@ -311,3 +311,26 @@ def test_report_refuses_a_foreign_file_before_it_rebuilds_results_duckdb(own_run
     before = kept(run)
     refused_naming(capsys, argv, run / "report/draft.md", "Nothing was changed")
     assert kept(run) == before and not results.exists()
+
+
+@pytest.mark.parametrize("reopened", [False, True])
+def test_an_output_named_by_a_relative_path_owns_what_it_expected(tmp_path, monkeypatch, reopened):
+    """A run_dir written relative to the working directory (the README's `runs/demo`): the
+    files a stage said it would write are its own in meta.json's `written`, not missed (which
+    made the next stage refuse them as a user's), also after the output is reopened."""
+    monkeypatch.chdir(tmp_path)
+    plan = StagePlan("tokenize", {"x": 1}, {})
+    out = Path("runs/demo/tokens/train")
+    stage_dir = open_stage(out, plan)
+    with stage_dir.running():
+        stage_dir.expect(out / name for name in ("tokens.bin", "docs.parquet"))
+        (out / "tokens.bin").write_bytes(b"1234")
+        (out / "docs.parquet").write_bytes(b"12")
+        meta = stage_dir.finish({"stage": "tokenize"})
+    assert meta["written"] == {"docs.parquet": 2, "tokens.bin": 4}
+    if reopened:
+        stage_dir = open_stage(out, plan)
+        stage_dir.reopen()
+        with stage_dir.running():
+            meta = stage_dir.finish({"stage": "tokenize"})
+        assert meta["written"] == {"docs.parquet": 2, "tokens.bin": 4}

@@ -227,7 +227,8 @@ def test_demo_config_builds_every_stage_and_matches_the_makefile(config):
     assert {n: c.model for n, c in evals.items()} == {**models, **kept}
     assert p.configs("report")["report"].reference == attention
 
-    # the Makefile's RUN (sed over `run_dir = "..."`) names the same directory
+    # the Makefile's RUN (sed over `run_dir = "..."`) names the same directory; make passes the
+    # config as one shell word (a path with spaces stays one argument)
     out = subprocess.run(
         ["make", "-n", "-B", "tokenizer", f"CONFIG=pipeline/configs/{config}"],
         cwd=REPO,
@@ -235,7 +236,7 @@ def test_demo_config_builds_every_stage_and_matches_the_makefile(config):
         text=True,
     )
     assert (
-        f"arslice run --config pipeline/configs/{config}" in out.stdout
+        f"arslice run --config 'pipeline/configs/{config}'" in out.stdout
         and "--stage tokenizer" in out.stdout
     )
 
