@@ -129,9 +129,10 @@ demo-models:
 verify:
 	$(ARSLICE) verify --run $(call shell_word,$(RUN))
 
-# The README's table and figures of a demo, regenerated from a real `make all` run: the run's
-# folder name names them (runs/demo: docs/demo-table1.md, docs/demo-*.png and the README's
-# `<!-- demo-table:start -->` section; runs/demo-stdlib: docs/demo-stdlib-*).
+# A demo's table and figures in docs/, regenerated from a real `make all` run: the run's folder
+# name names them (runs/demo: docs/demo-table1.md, docs/demo-*.png and docs/demo.md's
+# `<!-- demo-table:start -->` section; runs/demo-stdlib: docs/demo-stdlib-* and its section).
+DEMO_DOC = docs/demo.md
 DOCS_NAME = $(notdir $(RUN))
 readme-demo: all
 	mkdir -p docs
@@ -140,8 +141,8 @@ readme-demo: all
 	cp $(RUN)/report/recall_gain.png docs/$(DOCS_NAME)-recall-gain.png
 	cp $(RUN)/report/emergence.png docs/$(DOCS_NAME)-emergence.png
 	cp $(RUN)/report/copy_length.png docs/$(DOCS_NAME)-copy-length.png
-	$(PY) -c 'import re, sys, pathlib; n = sys.argv[1]; r = pathlib.Path("README.md"); t = pathlib.Path(f"docs/{n}-table1.md").read_text().split("\n", 2)[2].strip(); new, k = re.subn(rf"(<!-- {re.escape(n)}-table:start[^>]*-->\n).*?(\n<!-- {re.escape(n)}-table:end -->)", lambda m: m.group(1) + t + m.group(2), r.read_text(), flags=re.S); k or sys.exit(f"README.md has no <!-- {n}-table:start --> section for {n}"); r.write_text(new)' $(DOCS_NAME)
-	@echo "docs/$(DOCS_NAME)-table1.md, docs/$(DOCS_NAME)-*.png and README.md's $(DOCS_NAME) table updated from $(RUN)"
+	$(PY) -c 'import re, sys, pathlib; n = sys.argv[1]; r = pathlib.Path(sys.argv[2]); t = pathlib.Path(f"docs/{n}-table1.md").read_text().split("\n", 2)[2].strip(); new, k = re.subn(rf"(<!-- {re.escape(n)}-table:start[^>]*-->\n).*?(\n<!-- {re.escape(n)}-table:end -->)", lambda m: m.group(1) + t + m.group(2), r.read_text(), flags=re.S); k or sys.exit(f"{r} has no <!-- {n}-table:start --> section for {n}"); r.write_text(new)' $(DOCS_NAME) $(DEMO_DOC)
+	@echo "docs/$(DOCS_NAME)-table1.md, docs/$(DOCS_NAME)-*.png and $(DEMO_DOC)'s $(DOCS_NAME) table updated from $(RUN)"
 
 clean-run:
 	rm -rf $(call shell_word,$(RUN))

@@ -1,4 +1,4 @@
-"""`arslice eval` on a GPU at the shapes of the README's real-Pile table: tokens/s warm and cold,
+"""`arslice eval` on a GPU at the shapes of the real-Pile table (docs/pile.md): tokens/s warm and cold,
 the plain loop a user writes instead (same run), MFU and peak memory, written as a markdown table.
 
 Every case has random weights drawn from its published config's shape, saved to a temporary
@@ -40,8 +40,8 @@ FFT convolutions uncounted: "matmuls only"). The peak is looked up from the devi
     python3 benchmarks/gpu_eval.py --case mamba-130m rwkv-169m --windows 64
     python3 benchmarks/gpu_eval.py --tiny          # tiny shapes on the CPU: the whole path, no GPU
 
-A full run writes docs/gpu-eval.md and the README's `<!-- gpu-eval:start -->` section (`--out`
-elsewhere, `--no-readme` to leave the README). It needs torch, transformers, tokenizers, pyarrow,
+A full run writes docs/gpu-eval.md and docs/pile.md's `<!-- gpu-eval:start -->` section (`--out`
+elsewhere, `--table-only` to leave docs/pile.md as it is). It needs torch, transformers, tokenizers, pyarrow,
 numpy, numba and triton, nothing else (no venv: `make bench-gpu PY=python3`). Without a CUDA
 device (and without --tiny) it says so and exits with status 1.
 """
@@ -58,6 +58,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# the page whose `<!-- gpu-eval:start -->` section a full run rewrites
+PILE_PAGE = "docs/pile.md"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -344,16 +346,16 @@ def markdown(rows: list[dict], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_readme_section(table: str) -> None:
-    readme = ROOT / "README.md"
-    text = readme.read_text()
+def write_pile_section(table: str) -> None:
+    page = ROOT / PILE_PAGE
+    text = page.read_text()
     pattern = r"(<!-- gpu-eval:start[^>]*-->\n).*?(\n<!-- gpu-eval:end -->)"
     new, found = re.subn(
         pattern, lambda m: m.group(1) + table.strip() + m.group(2), text, flags=re.S
     )
     if not found:
-        raise SystemExit("README.md has no <!-- gpu-eval:start --> section")
-    readme.write_text(new)
+        raise SystemExit(f"{PILE_PAGE} has no <!-- gpu-eval:start --> section")
+    page.write_text(new)
 
 
 def main(argv=None) -> int:
@@ -369,7 +371,9 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--out", type=Path, default=None, help="the table (default docs/gpu-eval.md)"
     )
-    parser.add_argument("--no-readme", action="store_true", help="leave README.md as it is")
+    parser.add_argument(
+        "--table-only", action="store_true", help=f"leave {PILE_PAGE}'s section as it is"
+    )
     args = parser.parse_args(argv)
 
     global WINDOW
@@ -421,9 +425,9 @@ def main(argv=None) -> int:
     if out is not None:
         out.write_text(table)
         print(f"wrote {out}")
-    if not args.tiny and not args.no_readme and set(args.case) == set(CASES):
-        write_readme_section(table)
-        print("updated README.md's gpu-eval section")
+    if not args.tiny and not args.table_only and set(args.case) == set(CASES):
+        write_pile_section(table)
+        print(f"updated {PILE_PAGE}'s gpu-eval section")
     return 0
 
 

@@ -48,7 +48,7 @@ stays at 25-27% through 8000 steps.
 
 Positions and a curriculum. At length 128 (8 pairs) attention trained there from the start stays
 near chance (12.5%) whatever was tried (6000 or 20000 steps, mixed pair counts, rotary positions,
-random fillers, 4 heads, attention dropout, other rates: 13-15%; README, MQAR). What moves it is a
+random fillers, 4 heads, attention dropout, other rates: 13-15%; docs/mqar-probe.md). What moves it is a
 curriculum (`curriculum_lens`, 32 and 64 by default): a run first trains at each of those lengths
 shorter than its own (length / 16 pairs each) until it reaches `early_stop` there or for `steps`
 steps, then up to `steps` more at its own length, each stage after the first scored at its length

@@ -26,7 +26,7 @@ def _model_config_help() -> str:
     return (
         f"{model_config_prefixes()} model config file (YAML or JSON, as the format's own code "
         "writes it) to use instead of the one found with the checkpoint (based: a config.json "
-        "with `fla_version`, see the README's model table)"
+        "with `fla_version`, see docs/models.md)"
     )
 
 

@@ -1,12 +1,12 @@
-"""Every shell example of README.md and of every `--help` epilog, run.
+"""Every shell example of README.md, of each page of docs/ and of every `--help` epilog, run.
 
 Each example runs in a fresh copy of a temporary tree holding everything the examples name:
 complete small runs under `runs/demo`, `runs/pile` and `runs/pythia` (one real run, made here by
 `arslice run` on the standard library), the files the examples read (`val.jsonl.zst`,
 `pile/train/*.jsonl.zst`, `data.parquet`, `train.bin`, Pythia-style `pythia/document.bin` with
 its `.idx` and its 21 shards, `tokenizer.json`, small `transformers` checkpoints `pythia-70m/`
-and `my-model/` with the run's tokenizer, the demo's `demo-models/`), and the README's
-`# NAME.toml` blocks as files.
+and `my-model/` with the run's tokenizer, the demo's `demo-models/`), and the `# NAME.toml`
+blocks of the README and the docs as files.
 Before a command that writes `--out DIR` runs, DIR is removed, so the example computes it anew.
 
   * `arslice ...` runs in this process, and must exit 0;
@@ -45,7 +45,7 @@ NEEDS = re.compile(
     r"#.*\bneeds (the hub|a GPU|a Ray cluster|the Pile|a published checkpoint)", re.IGNORECASE
 )
 ASSIGNMENT = re.compile(r"^([A-Z_][A-Z0-9_]*)=(.*)$")
-# what a README transcript makes (`python tests/make_tiny_run.py runs/tiny`); in the tree for
+# what a transcript of the docs makes (`python tests/make_tiny_run.py runs/tiny`); in the tree for
 # the examples that use it
 TRANSCRIPTS_MAKE = ("runs/tiny",)
 # `arslice train` examples train for hundreds of steps (minutes on a CPU); here they stop after
@@ -61,7 +61,7 @@ MQAR_TINY += ["--batch-tokens", "64", "--eval-every", "3", "--workers", "1"]
 
 @dataclasses.dataclass
 class Example:
-    where: str  # README.md:LINE or `arslice CMD --help`
+    where: str  # README.md:LINE, docs/PAGE.md:LINE or `arslice CMD --help`
     text: str  # the command (continuation lines joined), or a whole block
     kind: str  # "shell", "python" or "transcript"
     context: tuple[str, ...] = ()  # variable assignments before it in its block
@@ -103,9 +103,13 @@ def _shell_examples(where: str, lines: list[tuple[int, str]]) -> list[Example]:
     return examples
 
 
-def readme_examples() -> tuple[list[Example], dict[str, str]]:
-    """The README's shell, python and transcript examples, and its `# NAME` files."""
-    lines = (REPO / "README.md").read_text().splitlines()
+# the README and every page of docs/ (the pages it links to, and the tables runs wrote there)
+DOC_PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md"))]
+
+
+def page_examples(page: str) -> tuple[list[Example], dict[str, str]]:
+    """One page's shell, python and transcript examples, and its `# NAME` files."""
+    lines = (REPO / page).read_text().splitlines()
     examples, files, i = [], {}, 0
     while i < len(lines):
         m = re.match(r"^```(\w*)\s*$", lines[i])
@@ -119,7 +123,7 @@ def readme_examples() -> tuple[list[Example], dict[str, str]]:
         body = lines[start:i]
         i += 1
         first = next((b for b in body if b.strip()), "")
-        where = f"README.md:{start + 1}"
+        where = f"{page}:{start + 1}"
         if lang == "python":
             examples.append(Example(where, "\n".join(body), "python"))
         elif lang == "toml" and first.startswith("# "):
@@ -127,7 +131,19 @@ def readme_examples() -> tuple[list[Example], dict[str, str]]:
         elif first.startswith("$ "):
             examples.append(Example(where, "\n".join(body), "transcript"))
         elif lang in ("bash", "sh", "") and re.match(r"\s*(arslice|make|\.venv/|python|#)", first):
-            examples += _shell_examples("README.md", list(enumerate(body, start + 1)))
+            examples += _shell_examples(page, list(enumerate(body, start + 1)))
+    return examples, files
+
+
+def doc_examples() -> tuple[list[Example], dict[str, str]]:
+    """The examples and `# NAME` files of every page of DOC_PAGES; a name two pages give must
+    name the same text (the tree holds one file of it)."""
+    examples, files = [], {}
+    for page in DOC_PAGES:
+        found, named = page_examples(page)
+        examples += found
+        for name, text in named.items():
+            assert files.setdefault(name, text) == text, f"{page}: another {name} than before"
     return examples, files
 
 
@@ -146,7 +162,7 @@ def help_examples() -> list[Example]:
     return examples
 
 
-README, README_FILES = readme_examples()
+DOCS, DOC_FILES = doc_examples()
 HELP = help_examples()
 
 
@@ -260,7 +276,7 @@ def example_tree(tmp_path_factory, stdlib_texts) -> Path:
         (tree / name).symlink_to(REPO / name)
     # the demo's prebuilt models, copied (an example may write a folder of its own there)
     shutil.copytree(REPO / "demo-models", tree / "demo-models")
-    for name, text in README_FILES.items():
+    for name, text in DOC_FILES.items():
         (tree / name).write_text(text)
     tiny = subprocess.run(
         [sys.executable, "tests/make_tiny_run.py", "runs/tiny"], cwd=tree, capture_output=True
@@ -429,19 +445,93 @@ def run_example(example: Example, tree: Path, monkeypatch) -> None:
 
 
 def test_the_examples_are_found():
-    """The extraction sees the examples it is meant to (so a test per example is not vacuous)."""
-    readme = " ".join(e.text for e in README)
-    for needle in ("arslice tag", "arslice eval", "arslice query", "open_run", "make install"):
-        assert needle in readme, needle
-    assert any(e.kind == "transcript" for e in README) and "my-run.toml" in README_FILES
+    """The extraction sees the examples it is meant to (so a test per example is not vacuous):
+    the README's own (install, the demo, the test command CI runs, evaluating a checkpoint) and
+    those of the pages it moved to docs/."""
+    readme = [e for e in DOCS if e.where.startswith("README.md:")]
+    texts = " ".join(e.text for e in readme)
+    for needle in ("make install", "make all", "make test", "arslice eval", "open_run"):
+        assert needle in texts, needle
+    assert "my-run.toml" in page_examples("README.md")[1]
+    pages = {e.where.split(":")[0] for e in DOCS}
+    assert {"docs/stages.md", "docs/results.md", "docs/cluster.md"} <= pages
+    docs = " ".join(e.text for e in DOCS)
+    for needle in ("arslice tag", "arslice count", "arslice query", "arslice train", "ray start"):
+        assert needle in docs, needle
+    assert any(e.kind == "transcript" for e in DOCS)
     helps = {e.where.split(":")[0] for e in HELP}
     assert {"arslice --help", "arslice tokenize --help", "arslice query --help"} <= helps
-    assert all(e.context for e in HELP + README if "$STDLIB" in e.text)  # defined where used
-    assert len([e for e in HELP + README if e.needs]) >= 10
+    assert all(e.context for e in HELP + DOCS if "$STDLIB" in e.text)  # defined where used
+    assert len([e for e in HELP + DOCS if e.needs]) >= 10
 
 
-@pytest.mark.parametrize("example", _params(README))
-def test_readme_example(example, tree, monkeypatch):
+def test_the_readme_links_every_page():
+    """A page of docs/ (a file with a `# ` title; the others are tables a run wrote) is reached
+    from the README, and every page the README links exists."""
+    readme = (REPO / "README.md").read_text()
+    linked = set(re.findall(r"\]\((docs/[^)#]+\.md)(?:#[^)]*)?\)", readme))
+    pages = {p for p in DOC_PAGES[1:] if (REPO / p).read_text().startswith("# ")}
+    assert pages <= linked, sorted(pages - linked)
+    assert all((REPO / p).is_file() for p in linked), sorted(linked)
+    assert {"docs/design.md", "docs/demo.md", "docs/stages.md"} <= pages
+
+
+def _anchors(page: Path) -> set[str]:
+    """The anchors of a page's headings, as GitHub makes them (lower case, punctuation dropped,
+    spaces as hyphens)."""
+    prose = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)  # not `# comments`
+    titles = re.findall(r"^#+ (.+)$", prose, re.M)
+    return {re.sub(r"[^\w\- ]", "", t.strip().lower()).replace(" ", "-") for t in titles}
+
+
+def test_every_link_between_the_pages_resolves():
+    """A relative link of the README or of a page of docs/ names a file that exists and, with a
+    `#anchor`, a heading of that file: text moved between pages leaves no link behind."""
+    broken = []
+    for page in DOC_PAGES:
+        text = (REPO / page).read_text()
+        for target, anchor in re.findall(r"\]\(([^)#:\s]*)(?:#([^)\s]+))?\)", text):
+            path = (REPO / page).parent / target if target else REPO / page
+            if not path.exists():
+                broken.append(f"{page}: {target}")
+            elif anchor and anchor not in _anchors(path):
+                broken.append(f"{page}: {target}#{anchor}")
+    assert not broken, broken
+
+
+def _assigned(path: Path, name: str) -> str:
+    """The string a module assigns to NAME at its top level."""
+    import ast
+
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and [t.id for t in node.targets] == [name]:
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{path} assigns no {name}")
+
+
+def test_generated_sections_are_where_their_writers_look():
+    """`make readme-demo` rewrites each demo's table in the page the Makefile's DEMO_DOC names,
+    from docs/<run>-table1.md, and a full `benchmarks/gpu_eval.py` the gpu-eval section of its
+    PILE_PAGE: each section is there, and a demo's table is the one its table file holds."""
+    page = re.search(r"^DEMO_DOC = (\S+)$", (REPO / "Makefile").read_text(), re.M)
+    assert page, "the Makefile names no DEMO_DOC"
+    text = (REPO / page[1]).read_text()
+    for run in ("demo", "demo-stdlib"):
+        table = (REPO / "docs" / f"{run}-table1.md").read_text().split("\n", 2)[2].strip()
+        name = re.escape(run)
+        section = re.search(
+            rf"<!-- {name}-table:start[^>]*-->\n(.*?)\n<!-- {name}-table:end -->", text, re.S
+        )
+        assert section, f"{page[1]} has no {run}-table section"
+        assert section[1] == table, f"{page[1]}'s {run} table is not docs/{run}-table1.md's"
+    pile = _assigned(REPO / "benchmarks" / "gpu_eval.py", "PILE_PAGE")
+    assert re.search(
+        r"<!-- gpu-eval:start[^>]*-->\n.*?\n<!-- gpu-eval:end -->", (REPO / pile).read_text(), re.S
+    )
+
+
+@pytest.mark.parametrize("example", _params(DOCS))
+def test_doc_example(example, tree, monkeypatch):
     run_example(example, tree, monkeypatch)
 
 

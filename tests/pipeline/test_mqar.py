@@ -438,8 +438,8 @@ def test_two_layer_attention_solves_mqar_at_length_64_after_two_pairs_at_32(one_
     """The task is solvable by the project's own attention and trainer (Zoology Figure 2), with
     the sweep's defaults: d_model 128 with rotary positions finds the recall circuit at length 32
     (2 pairs), then recalls at 64 (4 pairs) within a few hundred steps; from the start at 64 the
-    same width stayed near chance for 20000 steps (README). One thread, as each sweep worker runs
-    (~1.5 min; it stops at 99%)."""
+    same width stayed near chance for 20000 steps (docs/mqar-probe.md). One thread, as each sweep
+    worker runs (~1.5 min; it stops at 99%)."""
     cfg = MqarConfig(out="unused")
     lr, _ = cell_runs(cfg, 128)[0]  # the sweep's first run: 1.5e-3
     cell = train_cell(cfg, "attention", 128, 64, lr)
@@ -453,7 +453,7 @@ def test_rotary_attention_solved_at_length_64_recalls_at_128(one_torch_thread):
     """The curriculum with positions that carry over: d_model 32 at its sweep rate solves length
     64 (4 pairs) after its stage at 32 and then recalls at 128 (8 pairs) with at most a few
     hundred steps there (~2.5 min, one thread). From the start at 128 attention stays near
-    chance (README)."""
+    chance (docs/mqar-probe.md)."""
     cfg = MqarConfig(out="unused")
     lr, _ = cell_runs(cfg, 32)[0]  # 6e-3
     cell = train_cell(cfg, "attention", 32, 128, lr)
