@@ -104,13 +104,14 @@ from ar_slicing.io import (
     write_json_atomic,
 )
 from ar_slicing.layout import MQAR_CELLS_DIR, MQAR_CSV_NAME, MQAR_FIGURE, MQAR_MD_NAME, meta_path
+from pipeline.architectures import MQAR_ARCHITECTURES, MQAR_DEFAULT, described
 from pipeline.config import Command, say
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = ["attention", "base_conv", "hyena", "rwkv", "based"]
-# trained only when --archs names them: the default sweep stays the one docs/ shows
-MORE_ARCHITECTURES = ["h3", "long_conv", "implicit_long_conv", "retnet"]
+# --archs' choices and its default sweep (the one docs/ shows): pipeline/architectures.py
+ARCHITECTURES = MQAR_DEFAULT
+MORE_ARCHITECTURES = [a for a in MQAR_ARCHITECTURES if a not in MQAR_DEFAULT]
 IGNORE = -100  # target of every position that is not a query (Zoology's ignore index)
 # Settings a cell's result depends on (the sweep's plan): a sweep made with others is refused.
 CELL_SETTINGS = (
@@ -136,8 +137,8 @@ class MqarConfig:
     archs: list[str] = field(
         default_factory=lambda: list(ARCHITECTURES),
         metadata={
-            "help": "sequence mixers to train",
-            "choices": ARCHITECTURES + MORE_ARCHITECTURES,
+            "help": "sequence mixers to train: " + described(MQAR_ARCHITECTURES),
+            "choices": MQAR_ARCHITECTURES,
         },
     )
     d_models: list[int] = field(
@@ -667,11 +668,10 @@ def run_mqar(cfg: MqarConfig) -> dict:
     and meta.json."""
     from ar_slicing.plan import StagePlan, open_stage
 
-    unknown = sorted(set(cfg.archs) - set(ARCHITECTURES + MORE_ARCHITECTURES))
+    unknown = sorted(set(cfg.archs) - set(MQAR_ARCHITECTURES))
     if unknown:
         raise ArSliceError(
-            f"--archs: unknown {', '.join(unknown)}; choose from "
-            f"{', '.join(ARCHITECTURES + MORE_ARCHITECTURES)}"
+            f"--archs: unknown {', '.join(unknown)}; choose from {', '.join(MQAR_ARCHITECTURES)}"
         )
     bad = cfg.steps <= 0 or cfg.restarts < 1 or cfg.lr_reference_width < 0
     if not cfg.lrs or not cfg.d_models or not cfg.seq_lens or bad:

@@ -6,18 +6,13 @@ import logging
 from dataclasses import dataclass, field
 
 from ar_slicing.layout import TRAIN_STATE_DIR
+from pipeline.architectures import TRAIN_ARCHITECTURES, described
 
 log = logging.getLogger(__name__)
 
 
-# The sequence mixers of `models/`, plus "transformer_pp": attention in the Transformer++ recipe
-# (rotary, SwiGLU, RMSNorm, no biases; `pipeline.train.model.TRANSFORMER_PP`), the attention
-# baseline HazyResearch/based and later gated-convolution papers compare against.
-# The paper's other rows: H3, Long Conv (explicit or implicit filters) and RetNet's retention.
-ARCHITECTURES = [
-    "attention", "base_conv", "hyena", "rwkv", "transformer_pp",
-    "h3", "long_conv", "implicit_long_conv", "retnet",
-]  # fmt: skip
+# `--arch`'s choices: pipeline/architectures.py (the one table the trainer and mqar read)
+ARCHITECTURES = TRAIN_ARCHITECTURES
 STATE_DIR = TRAIN_STATE_DIR
 # Fields that change how a run is executed or reported but not what it computes, so a run may
 # be resumed after changing them.
@@ -37,8 +32,7 @@ _RESUMABLE_CHANGES = {
 class TrainConfig:
     arch: str = field(
         metadata={
-            "help": "sequence mixer of the model (transformer_pp: attention with rotary, "
-            "SwiGLU, RMSNorm and no biases)",
+            "help": "sequence mixer of the model: " + described(TRAIN_ARCHITECTURES),
             "choices": ARCHITECTURES,
         }
     )
