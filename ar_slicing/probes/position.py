@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from ar_slicing.errors import ArSliceError
-from ar_slicing.metrics import SLICES
+from ar_slicing.slices import TABLE1_SLICES
 from ar_slicing.probes.intervals import bootstrap_interval, frame
 
 # Olsson et al. 2022's positions of the in-context learning score, in their 2048-token context
@@ -38,11 +38,15 @@ def icl_positions(window: int) -> tuple[int, int]:
     return early, late
 
 
+# Table 1's slices: their predicates read `is_ar_hit` only, which the probes' inputs hold
+SLICES = tuple(s.name for s in TABLE1_SLICES)
+
+
 def _slice_masks() -> dict:
-    """Each slice of `ar_slicing.metrics.SLICES` as a polars expression over `is_ar_hit`."""
+    """Each of `SLICES` as a polars expression: its predicate (`ar_slicing.slices`) as written."""
     import polars as pl
 
-    return {"all": pl.lit(True), "ar": pl.col("is_ar_hit"), "other": ~pl.col("is_ar_hit")}
+    return {s.name: pl.sql_expr(s.where) for s in TABLE1_SLICES}
 
 
 def _models(df) -> list:
