@@ -13,6 +13,7 @@ import torch
 
 from ar_slicing.errors import ArSliceError
 from models import load_model
+from models.nll import per_token_nll
 from tests import UPSTREAM
 
 # tiny tensors: one intra-op thread avoids OpenMP stalls on a busy machine
@@ -304,10 +305,16 @@ def test_safari_state_dict_without_recomputable_buffers(tmp_path):
 
 
 def safari_error(loaded, case: str) -> float:
-    """Largest |Δ nll| against the losses safari's own code gave for `case`'s weights."""
-    from tests.models.test_upstream_fixtures import max_nll_error
+    """Largest |Δ nll| against the fixture `case` as it loads from its own layout (which
+    test_upstream_fixtures holds to safari's losses), in this process: the same weights in another
+    layout must give the same losses under the same kernels."""
+    from tests.models.upstream_losses import expected, load_case, max_nll_error
 
-    windows = json.loads((UPSTREAM / case / "expected.json").read_text())["windows"]
+    windows = expected(case)["windows"]
+    reference = load_case(case)
+    for window in windows:
+        inputs, targets = torch.tensor([window["inputs"]]), torch.tensor([window["targets"]])
+        window["nll"] = per_token_nll(reference, inputs, targets)[0].tolist()
     return max_nll_error(loaded, windows)
 
 
