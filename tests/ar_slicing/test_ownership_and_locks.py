@@ -139,7 +139,25 @@ def start_stopped_when(argv, ready, timeout: float = 120.0) -> subprocess.Popen:
         assert time.time() < deadline, "the first writer never started writing"
         time.sleep(0.002)
     proc.send_signal(signal.SIGSTOP)
+    wait_stopped(proc.pid)
     return proc
+
+
+def wait_stopped(pid: int, timeout: float = 30.0) -> None:
+    """Wait until every thread of `pid` is stopped: kill() returns before a thread running on
+    another core has stopped, and a writer thread's next file would land after the snapshot."""
+    deadline = time.time() + timeout
+    while True:
+        states = set()
+        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+            try:
+                states.add(stat.read_text().rsplit(")", 1)[1].split()[0])
+            except (OSError, IndexError):
+                continue  # a thread that has just exited
+        if states <= {"T", "t"}:
+            return
+        assert time.time() < deadline, f"pid {pid} did not stop: thread states {states}"
+        time.sleep(0.002)
 
 
 def finished(proc: subprocess.Popen) -> subprocess.CompletedProcess:
