@@ -12,15 +12,14 @@ head, where every MKL instruction-set branch of this machine agrees with safari'
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import torch
 
-from models import cpu_kernels, load_model
+from models import load_model
 from models.nll import per_token_nll
-from tests import REPO, UPSTREAM
+from tests import UPSTREAM
+from tests.unpinned import run_unpinned
 
 CASES = sorted(p.parent.name for p in UPSTREAM.glob("*/expected.json"))
 
@@ -55,14 +54,7 @@ def max_nll_error(loaded, windows) -> float:
 def errors_unpinned(cases) -> dict[str, float]:
     """`max_nll_error` of each case against its upstream losses, from a child process without the
     kernel pin (see the module's docstring)."""
-    env = {k: v for k, v in os.environ.items() if k not in cpu_kernels.PIN}
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.models.upstream_losses", *cases],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    if done.returncode != 0:
-        raise AssertionError(f"tests.models.upstream_losses failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.splitlines()[-1])
+    return run_unpinned("tests.models.upstream_losses", *cases)
 
 
 def main(cases) -> None:
