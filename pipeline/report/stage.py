@@ -42,7 +42,7 @@ from pipeline.report.tables import (
     table1_text,
     write_csv,
 )
-from pipeline.wiring import LOSSES, REPORT, TAGS, Wiring
+from pipeline.wiring import LOSSES, PROBES, REPORT, TAGS, Wiring
 
 log = logging.getLogger(__name__)
 
@@ -357,7 +357,7 @@ COMMAND = Command(
   arslice report --run runs/demo --bootstrap 0 --overwrite""",
     pipeline=Wiring(
         table="report",
-        reads=(TAGS, LOSSES),
+        reads=(TAGS, LOSSES, PROBES),
         writes=REPORT,
         defaults=lambda run, table: {"run": run.layout.run_dir},
         output_of=lambda cfg: RunLayout(cfg.run).report,
