@@ -103,6 +103,9 @@ COPY_LENGTH_FIGURE = "copy_length.png"
 SLICE_BARS_FIGURE = "slice_bars.png"
 RECALL_GAIN_FIGURE = "recall_gain.png"
 EMERGENCE_FIGURE = "emergence.png"  # only in a run that evaluated checkpoints
+PROBES_FIGURE = "probes.png"  # only in a run with probes (`arslice probe`)
+# ... with checkpoints too: the probes beside the recall gain along training
+PROBES_TRAINING_FIGURE = "probes_training.png"
 TABLE_CSV = "{}.csv"  # one per table: table1, copy_length and each query of queries/
 # the MQAR probe
 MQAR_CELLS_DIR = "cells"

@@ -291,3 +291,40 @@ def test_the_run_prints_each_model_s_scores(probed, capsys):
     out = capsys.readouterr().out
     assert "probe copier: " in out and "already complete; skipped" in out
     assert np.isfinite(table(probed["run"], "copier", "induction_score.parquet")["score"][0])
+
+
+def test_the_report_shows_the_probes_beside_the_recall_gain(probed):
+    import csv
+
+    run = probed["run"]
+    report = run / "report"
+    with open(report / "probes.csv") as f:
+        rows = {r["model"]: r for r in csv.DictReader(f)}
+    assert sorted(rows) == MODELS
+    with open(report / "emergence.csv") as f:
+        points = {r["checkpoint"]: r for r in csv.DictReader(f)}
+    for model in MODELS:
+        score = table(run, model, "induction_score.parquet")["score"][0]
+        assert float(rows[model]["induction_score"]) == pytest.approx(score, rel=1e-8)
+        by_k = table(run, model, "recall_by_k.parquet")
+        assert float(rows[model]["recall_accuracy"]) == pytest.approx(by_k["accuracy"].mean())
+        if model in points:  # a point of the recall emergence: its gain, with its interval
+            for key in ("recall_gain", "recall_gain_lo", "recall_gain_hi"):
+                assert rows[model][key] == points[model][key]
+    assert rows["attention@step2"]["step"] == "2" and rows["attention@step2"]["of_model"] == (
+        "attention"
+    )
+    # the copier is no point of the emergence: its gain is recall_gain.csv's, without interval
+    with open(report / "recall_gain.csv") as f:
+        gain = next(
+            r for r in csv.DictReader(f) if r["model"] == "copier" and r["bucket_label"] == "all"
+        )
+    assert rows["copier"]["recall_gain"] == gain["gain"] and rows["copier"]["recall_gain_lo"] == ""
+    md = (report / "report.md").read_text()
+    section = md.split("## Probes: induction, zero-shot recall and loss by position")[1]
+    assert "![probes](probes.png)" in section
+    assert "![probes along training](probes_training.png)" in section
+    assert all(f"| {m} |" in section for m in MODELS)
+    assert (report / "probes.png").read_bytes()[:4] == b"\x89PNG"
+    assert (report / "probes_training.png").read_bytes()[:4] == b"\x89PNG"
+    assert 'alt="probes along training"' in (report / "report.html").read_text()
