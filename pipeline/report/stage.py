@@ -415,7 +415,8 @@ COMMAND = Command(
         "Build RUN/results.duckdb and RUN/report/ (report.md, report.html, frequency_curve.png, "
         "slice_bars.png, CSVs) from the run's tags and every complete losses/<model>/; with "
         "checkpoints along training (losses/<model>@step<n>/), the recall emergence too "
-        "(its table, emergence.csv, emergence.png)."
+        "(its table, emergence.csv, emergence.png); with probes (probes/<model>/), their table, "
+        "probes.csv, probes.png and, along training, probes_training.png."
     ),
     examples="""\
   arslice report --run runs/pile
