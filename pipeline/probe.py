@@ -153,6 +153,23 @@ def _complete_meta(path: Path, what: str, fix: str) -> dict:
     return read_json(path / META_NAME)
 
 
+def check_losses_of_tags(losses: Path, meta: dict, tags) -> None:
+    """The losses were made on the windows of these tags (their length and number), and with
+    the store's tokens."""
+    made = (meta.get("window"), meta.get("windows_total"))
+    if made != (tags.window, tags.n_windows):
+        raise BadInput(
+            f"losses {losses}: made on {made[1]} windows of {made[0]} tokens, but tags "
+            f"{tags.dir} hold {tags.n_windows} of {tags.window}; give the losses `arslice eval` "
+            "wrote on these tags"
+        )
+    if meta.get("fingerprint") not in (None, tags.store.fingerprint):
+        raise BadInput(
+            f"losses {losses}: made from a token store of another tokenizer than the tags' "
+            f"({tags.store.path}); give the losses `arslice eval` wrote on these tags"
+        )
+
+
 def probe_prefix(losses_meta: dict) -> int | None:
     """The token read before each probe sequence: none with fixed windows (the model read its
     windows without one), the eval's prefix token with rolling ones."""
@@ -214,6 +231,7 @@ def run_probe(cfg: ProbeConfig) -> dict:
     tags = open_tags(cfg.tags)
     losses = Path(cfg.losses)
     losses_meta = _complete_meta(losses, "losses", "run `arslice eval` for this model first")
+    check_losses_of_tags(losses, losses_meta, tags)
     plan = StagePlan(
         "probe",
         settings=probe_settings(cfg),

@@ -277,6 +277,21 @@ def test_losses_not_finished_are_refused_naming_them(probed, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_losses_of_other_windows_are_refused_naming_both(probed, tmp_path):
+    import json
+
+    run = probed["run"]
+    losses = tmp_path / "losses"
+    shutil.copytree(run / "losses/attention", losses)
+    meta = json.loads((losses / "meta.json").read_text())
+    meta["window"] = 16
+    (losses / "meta.json").write_text(json.dumps(meta))
+    cfg = dataclasses.replace(_config(run, "attention", tmp_path / "out"), losses=str(losses))
+    with pytest.raises(BadInput, match=r"windows of 16 tokens, but tags .* hold \d+ of 32"):
+        run_probe(cfg)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_sequence_longer_than_the_model_reads_is_refused(probed, tmp_path):
     run = probed["run"]
     cfg = _config(run, "copier", tmp_path / "out", induction_length=40)  # reads 80 tokens > 64
