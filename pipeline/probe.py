@@ -282,7 +282,9 @@ def _probe(stage, cfg: ProbeConfig, name: str, tags, losses: Path, losses_meta: 
             _write(files["induction"][0], table)
             _write(files["induction"][1], _one_row(summary))
             _write(files["induction"][2], induction_curve(table))
-            facts["induction"] = {"rows": table.num_rows, **summary}
+            # (no interval without resamples: null, not NaN, in the ledger and meta.json)
+            plain = {k: None if v != v else v for k, v in summary.items()}
+            facts["induction"] = {"rows": table.num_rows, **plain}
             stage.record("induction", files["induction"], **facts["induction"])
         if facts["recall"] is None:
             table = recall_table([(part, *score(part.tokens)) for part in seqs.recall])
@@ -290,7 +292,11 @@ def _probe(stage, cfg: ProbeConfig, name: str, tags, losses: Path, losses_meta: 
             _write(files["recall"][0], table)
             _write(files["recall"][1], by_k)
             _write(files["recall"][2], recall_by_distance(table))
-            facts["recall"] = {"rows": table.num_rows, "accuracy": by_k["accuracy"].to_list()}
+            facts["recall"] = {
+                "rows": table.num_rows,
+                "k": by_k["k"].to_list(),
+                "accuracy": by_k["accuracy"].to_list(),
+            }
             stage.record("recall", files["recall"], **facts["recall"])
     if facts["position"] is None:
         per_token = token_losses(tags.dir, losses)
@@ -307,11 +313,13 @@ def _probe(stage, cfg: ProbeConfig, name: str, tags, losses: Path, losses_meta: 
     meta = stage.finish(
         _meta(cfg, name, tags, losses, losses_meta, prefix, facts, loaded, vocab, seqs, t0)
     )
-    ind = facts["induction"]
+    ind, recall = facts["induction"], facts["recall"]
+    interval = (
+        f" [{ind['score_lo']:.3f}, {ind['score_hi']:.3f}]" if ind["score_lo"] is not None else ""
+    )
     say(
-        f"probe {name}: induction score {ind['score']:.3f} nats "
-        f"[{ind['score_lo']:.3f}, {ind['score_hi']:.3f}], recall accuracy by k "
-        + ", ".join(f"{k}: {a:.2f}" for k, a in zip(cfg.recall_pairs, facts["recall"]["accuracy"]))
+        f"probe {name}: induction score {ind['score']:.3f} nats{interval}, recall accuracy by k "
+        + ", ".join(f"{k}: {a:.2f}" for k, a in zip(recall["k"], recall["accuracy"]))
         + f" -> {out} ({meta['wall_time_s']:.1f} s)"
     )
     return {"out": str(out), "name": name, "induction_score": ind["score"]}
@@ -388,7 +396,7 @@ def _meta(cfg, name, tags, losses, losses_meta, prefix, facts, loaded, vocab, se
         vocabulary_digest=vocab.digest,
         sequences_digest=seqs.digest,
         induction_score={k: ind[k] for k in ("score", "score_lo", "score_hi", "second_accuracy")},
-        recall_accuracy=dict(zip(map(str, cfg.recall_pairs), facts["recall"]["accuracy"])),
+        recall_accuracy=dict(zip(map(str, facts["recall"]["k"]), facts["recall"]["accuracy"])),
         files=[f for names in PROBE_FILES.values() for f in names],
     )
 

@@ -343,3 +343,17 @@ def test_the_report_shows_the_probes_beside_the_recall_gain(probed):
     assert (report / "probes.png").read_bytes()[:4] == b"\x89PNG"
     assert (report / "probes_training.png").read_bytes()[:4] == b"\x89PNG"
     assert 'alt="probes along training"' in (report / "report.html").read_text()
+
+
+def test_without_resamples_no_interval_and_any_order_of_k(probed, tmp_path):
+    run = probed["run"]
+    out = tmp_path / "out"
+    run_probe(_config(run, "attention", out, bootstrap=0, recall_pairs=[4, 1, 2]))
+    meta = read_json(out / "meta.json")
+    assert (
+        meta["induction_score"]["score_lo"] is None and meta["induction_score"]["score"] is not None
+    )
+    by_k = pl.read_parquet(out / "recall_by_k.parquet")
+    assert by_k["k"].to_list() == [1, 2, 4]
+    assert meta["recall_accuracy"] == dict(zip(["1", "2", "4"], by_k["accuracy"].to_list()))
+    assert "NaN" not in (out / "meta.json").read_text()
