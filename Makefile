@@ -26,7 +26,7 @@ RUNFLAGS := $(if $(OVERWRITE),--redo-changed,) $(if $(DEMO_TRAIN),--train-here,)
 DEMO_MODELS ?= $(or $(shell sed -n 's/^prebuilt *= *"\([^"]*\)".*/\1/p' $(call shell_word,$(CONFIG)) 2>/dev/null),demo-models)
 STAGE = $(ARSLICE) run --config $(call shell_word,$(CONFIG)) $(RUNFLAGS) --stage
 
-.PHONY: FORCE install install-browser test test-slow test-demo test-gpu lint format bench bench-scale bench-gpu all tokenizer tokenize counts tags train eval report verify readme-demo mqar demo-models clean-run
+.PHONY: FORCE install install-browser test test-slow test-demo test-gpu lint format bench bench-scale bench-gpu all tokenizer tokenize counts tags train eval probe report verify readme-demo mqar demo-models clean-run
 
 install:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -81,7 +81,7 @@ bench-gpu:
 # $(RUN)/.settings/<stage>.json only when they change, and the stage rules below (file names from
 # the run layout) to $(RUN)/.settings/stages.mk. A stage target depends on its settings file and
 # on the markers of the stages it reads, so editing the config reruns exactly what it changed.
-PIPELINE_GOALS := all tokenizer tokenize counts tags train eval report readme-demo
+PIPELINE_GOALS := all tokenizer tokenize counts tags train eval probe report readme-demo
 ifneq ($(filter $(PIPELINE_GOALS),$(MAKECMDGOALS)),)
 ifeq ($(RUN),)
 $(error CONFIG=$(CONFIG): no such file, or no `run_dir = "runs/<name>"` line in it)
@@ -101,6 +101,7 @@ counts: $(MARK_count)
 tags: $(MARK_tag)
 train: $(MARK_train)
 eval: $(MARK_eval)
+probe: $(MARK_probe)
 report: $(MARK_report)
 
 FORCE:

@@ -83,11 +83,14 @@ class Run:
     def _view_files(self) -> list[str]:
         """Every file the views of results.duckdb read, as the views name them."""
         from ar_slicing.layout import BIGRAMS_NAME
+        from ar_slicing.results import probe_files
 
         layout, checked = self.layout, self.checked
         files = [layout.windows, *layout.tag_parts()]
         for name in [*checked.models, *checked.checkpoints]:
             files += layout.loss_parts(name)
+        for name in checked.probes:
+            files += probe_files(layout, name)
         if checked.counts_dir is not None:
             files.append(checked.counts_dir / BIGRAMS_NAME)
         return [str(f) for f in files]
@@ -245,6 +248,33 @@ class Run:
         }
         values = [[_none_if_nan(r[c]) for c in schema] for r in rows]
         return pl.DataFrame(values, schema=schema, orient="row")
+
+    @property
+    def probed(self) -> tuple[str, ...]:
+        """The probed models and checkpoints (probes folder names), in name order."""
+        return tuple(sorted(self.checked.probes))
+
+    def probes(self, table: str = "scores", **params: Any):
+        """The probes of the run's models and checkpoints (docs/design.md, "Probes of a
+        checkpoint") as a polars DataFrame: `scores` (the default), one row per probed model or
+        checkpoint, by model and step, as `queries/probe_scores.sql` gives it (the induction
+        score with its interval, recall accuracy over k, the in-context learning scores);
+        `recall` (per k, with the baselines; `model=` one of them) and `position` (the loss by
+        window position; `slice=` all, ar or other) as their queries give them; or any view of
+        the probes by its name (`induction`, `induction_curve`, `recall_by_distance`, `icl`,
+        ...: `probe_<table>`). Empty for a run without `arslice probe`."""
+        from ar_slicing.errors import BadInput
+        from ar_slicing.results import PROBE_VIEWS
+
+        if table in ("scores", "recall", "position"):
+            return self.query(f"probe_{table}", **params)
+        view = f"probe_{table}"
+        if view not in PROBE_VIEWS:
+            names = ["scores", "recall", "position", *(v[len("probe_") :] for v in PROBE_VIEWS)]
+            raise BadInput(f"probes({table!r}): no such table; one of {', '.join(names)}")
+        if params:
+            raise BadInput(f"probes({table!r}) takes no parameters, not {', '.join(params)}")
+        return self.sql(f"SELECT * FROM {view} ORDER BY ALL")
 
     def checkpoint_token_losses(self):
         """A polars LazyFrame like `token_losses()` for the points of the models' training

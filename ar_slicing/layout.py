@@ -13,6 +13,8 @@
                                  checkpoints/step-<n>/ along its training (`keep_checkpoints`)
       losses/<model>/            losses-*.parquet, meta.json (one folder per evaluated model,
                                  and `<model>@step<n>` per evaluated checkpoint)
+      probes/<model>/            the probes of each evaluated model and checkpoint: induction,
+                                 recall and position Parquet files with their summaries, meta.json
       results.duckdb             views over all of the above
       report/                    report.md, report.html, *.png, *.csv, meta.json
       mqar/                      `arslice mqar` (optional): cells/, mqar.csv, mqar.md, mqar.png
@@ -50,6 +52,7 @@ COUNTS_DIR = "counts"
 TAGS_DIR = "tags"
 MODELS_DIR = "models"
 LOSSES_DIR = "losses"
+PROBES_DIR = "probes"
 # token stores
 TOKENS_NAME = "tokens.bin"
 DOCS_NAME = "docs.parquet"
@@ -68,6 +71,14 @@ TAG_PART_GLOB = "tags-*.parquet"
 # losses
 LOSS_PART = "losses-{:05d}.parquet"
 LOSS_PART_GLOB = "losses-*.parquet"
+# probes (`arslice probe`, docs/design.md "Probes of a checkpoint"): per model, the per-position
+# tables of the two probes on random tokens, the loss by position on the run's windows, and a
+# summary of each
+PROBE_FILES = {
+    "induction": ("induction.parquet", "induction_score.parquet", "induction_curve.parquet"),
+    "recall": ("recall.parquet", "recall_by_k.parquet", "recall_by_distance.parquet"),
+    "position": ("position.parquet", "icl.parquet"),
+}
 # a trained model, in this project's checkpoint format (`models.checkpoints.native`)
 MODEL_CONFIG_NAME = "config.json"
 MODEL_WEIGHTS_NAME = "model.safetensors"
@@ -92,6 +103,9 @@ COPY_LENGTH_FIGURE = "copy_length.png"
 SLICE_BARS_FIGURE = "slice_bars.png"
 RECALL_GAIN_FIGURE = "recall_gain.png"
 EMERGENCE_FIGURE = "emergence.png"  # only in a run that evaluated checkpoints
+PROBES_FIGURE = "probes.png"  # only in a run with probes (`arslice probe`)
+# ... with checkpoints too: the probes beside the recall gain along training
+PROBES_TRAINING_FIGURE = "probes_training.png"
 TABLE_CSV = "{}.csv"  # one per table: table1, copy_length and each query of queries/
 # the MQAR probe
 MQAR_CELLS_DIR = "cells"
@@ -295,6 +309,17 @@ class RunLayout:
     def loss_parts(self, name: str) -> list[Path]:
         """The Parquet parts of `losses/<name>/`, in order."""
         return sorted(self.losses(name).glob(LOSS_PART_GLOB))
+
+    @property
+    def probes_root(self) -> Path:
+        return self.run_dir / PROBES_DIR
+
+    def probes(self, name: str) -> Path:
+        return self.probes_root / name
+
+    def probe_folders(self) -> Folders:
+        """Every probes/<model>/ folder: one per probed model (or checkpoint)."""
+        return stage_folders(self.probes_root)
 
     @property
     def results(self) -> Path:

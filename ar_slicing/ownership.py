@@ -463,12 +463,16 @@ def _stage_owns(folder: Path, stage: str) -> tuple[str, ...]:
 
 def run_outputs(layout: RunLayout) -> dict[Path, str]:
     """The stage folders of a run directory, with the stage that writes each: the fixed ones of
-    the layout and every model folder under models/ and losses/."""
+    the layout and every model folder under models/, losses/ and probes/."""
     outs = {layout.store(part): "tokenize" for part in STORE_PARTS}
     outs.update(
         {layout.counts: "count", layout.tags: "tag", layout.report: "report", layout.mqar: "mqar"}
     )
-    for root, stage in ((layout.models, "train"), (layout.losses_root, "eval")):
+    for root, stage in (
+        (layout.models, "train"),
+        (layout.losses_root, "eval"),
+        (layout.probes_root, "probe"),
+    ):
         if root.is_dir() and not root.is_symlink():
             outs.update({d: stage for d in sorted(root.iterdir()) if d.is_dir()})
     return outs
@@ -483,7 +487,7 @@ def foreign_in_run(layout: RunLayout, outputs: dict[Path, str] | None = None) ->
     if not run_dir.is_dir():
         return [run_dir]
     outs = {**run_outputs(layout), **(outputs or {})}
-    containers = [layout.tokens_root, layout.models, layout.losses_root]
+    containers = [layout.tokens_root, layout.models, layout.losses_root, layout.probes_root]
     top = [
         *RUN_FILES,
         *(f"{p.relative_to(run_dir)}/*" for p in [*outs, *containers] if p.is_relative_to(run_dir)),

@@ -26,6 +26,22 @@ and, for the recall emergence (`ar_slicing.emergence`; empty in a run without ch
 
 A checkpoint is not a model of Table 1: `losses`, `token_losses` and `models` hold the models
 only, and a checkpoint scored on part of the windows restricts no other view.
+
+and, for the probes (`arslice probe`; docs/design.md, "Probes of a checkpoint"; empty in a run
+without them), one row set per complete probes/<name>/ folder of a model or checkpoint above
+whose losses it was made from, `model` holding the folder name (`<model>@step<n>` for a
+checkpoint):
+
+  probes                    table: one row per probed model or checkpoint: model, checkpoint_of,
+                            step, tokens_seen, spec, prefix_token, head_rows, drawable_ids,
+                            sequences_digest (equal: the same sequences), probes_dir
+  probe_induction           the induction probe's rows (seq_id, pos, token, copy, scored, nll,
+                            argmax); probe_induction_scores and probe_induction_curve summarise them
+  probe_recall              the zero-shot recall rows (seq_id, k, pos, token, role, pair,
+                            distance, nll, argmax); probe_recall_by_k (with the baselines) and
+                            probe_recall_by_distance summarise them
+  probe_position            the loss by window position per slice (slice, pos, tokens, mean_nll)
+  probe_icl                 the in-context learning score per slice, with its positions
   run_info      table: key/value facts about the run (directories, window, threshold,
                 fingerprint, default reference, the plan the file was built with and its digest,
                 `signature`)
@@ -124,6 +140,9 @@ class CheckedRun:
     partial_models: dict[str, int] = field(default_factory=dict)  # name -> windows it scored
     # complete losses folders of checkpoints along a model's training (`checkpoint_of`), by name
     checkpoints: list[str] = field(default_factory=list)
+    # complete probes folders made from the losses of a model or checkpoint above, by name
+    probes: list[str] = field(default_factory=list)
+    skipped_probes: dict[str, str] = field(default_factory=dict)  # folder name -> why
 
 
 def find_run(run_dir: str | os.PathLike) -> CheckedRun:
@@ -193,6 +212,7 @@ def find_run(run_dir: str | os.PathLike) -> CheckedRun:
             ", ".join(f"{k}: {n} windows" for k, n in sorted(run.partial_models.items())),
             run.scored_windows - 1,
         )
+    _find_probes(run)
     if not run.models:
         losses_root = layout.losses_root
         raise BadInput(
@@ -200,6 +220,28 @@ def find_run(run_dir: str | os.PathLike) -> CheckedRun:
             f"--out {losses_root}/NAME` for at least one model"
         )
     return run
+
+
+def _find_probes(run: CheckedRun) -> None:
+    """The complete probes folders of the run's models and checkpoints, each made from the
+    losses folder of its name as it is now (probes of losses since redone are left out)."""
+    from ar_slicing.plan import identity
+
+    layout = run.layout
+    evaluated = set(run.models) | set(run.checkpoints)
+    for d in layout.probe_folders().complete:
+        meta = read_json(meta_path(d))
+        made_from = (meta.get("plan") or {}).get("inputs", {}).get("losses")
+        if d.name not in evaluated:
+            run.skipped_probes[d.name] = f"no complete losses/{d.name}/ in the run"
+        elif made_from != identity(layout.losses(d.name)):
+            run.skipped_probes[d.name] = (
+                f"made from other losses than losses/{d.name}/ holds now; rerun `arslice probe`"
+            )
+        else:
+            run.probes.append(d.name)
+    for name, why in sorted(run.skipped_probes.items()):
+        log.warning("probes/%s skipped: %s", name, why)
 
 
 def check_losses_belong(losses_dir: Path, meta: dict, run: CheckedRun) -> None:
@@ -278,6 +320,11 @@ def results_plan(run: CheckedRun) -> dict:
         inputs["checkpoints"] = {
             name: folder_input(layout.losses(name), layout.loss_parts(name))
             for name in run.checkpoints
+        }
+    if run.probes:  # (likewise)
+        inputs["probes"] = {
+            name: folder_input(layout.probes(name), probe_files(layout, name))
+            for name in run.probes
         }
     settings = {"definitions": definitions_digest()}
     return StagePlan("results", settings=settings, inputs=inputs).as_json()
@@ -483,6 +530,7 @@ def _write_results(con, run: CheckedRun, rows: list[tuple], reference: str, plan
     tags = run.tags_meta
     create_definitions(con, tags.get("threshold"))
     _write_emergence(con, run)
+    _write_probes(con, run)
     info = {
         "run_dir": str(layout.run_dir),
         "tags_dir": str(layout.tags),
@@ -581,6 +629,102 @@ def _write_emergence(con, run: CheckedRun) -> None:
         JOIN checkpoints AS c ON c.checkpoint = l.checkpoint
         """
     )
+
+
+# The probes' views: each reads one file of every probes folder (`PROBE_FILES`), with these
+# columns after `model`, in order, with their DuckDB types.
+PROBE_VIEWS: dict[str, tuple[str, tuple[tuple[str, str], ...]]] = {
+    "probe_induction": (
+        "induction.parquet",
+        (("seq_id", "INTEGER"), ("pos", "INTEGER"), ("token", "INTEGER"), ("copy", "TINYINT"),
+         ("scored", "BOOLEAN"), ("nll", "FLOAT"), ("argmax", "INTEGER")),
+    ),
+    "probe_induction_scores": (
+        "induction_score.parquet",
+        (("sequences", "BIGINT"), ("n", "BIGINT"), ("first_nll", "DOUBLE"),
+         ("second_nll", "DOUBLE"), ("score", "DOUBLE"), ("score_lo", "DOUBLE"),
+         ("score_hi", "DOUBLE"), ("second_accuracy", "DOUBLE")),
+    ),
+    "probe_induction_curve": (
+        "induction_curve.parquet",
+        (("pos", "INTEGER"), ("copy", "TINYINT"), ("sequences", "BIGINT"),
+         ("mean_nll", "DOUBLE"), ("accuracy", "DOUBLE")),
+    ),
+    "probe_recall": (
+        "recall.parquet",
+        (("seq_id", "INTEGER"), ("k", "INTEGER"), ("pos", "INTEGER"), ("token", "INTEGER"),
+         ("role", "VARCHAR"), ("pair", "INTEGER"), ("distance", "INTEGER"), ("nll", "FLOAT"),
+         ("argmax", "INTEGER")),
+    ),
+    "probe_recall_by_k": (
+        "recall_by_k.parquet",
+        (("k", "BIGINT"), ("sequences", "BIGINT"), ("queries", "BIGINT"), ("accuracy", "DOUBLE"),
+         ("accuracy_lo", "DOUBLE"), ("accuracy_hi", "DOUBLE"), ("nll", "DOUBLE"),
+         ("nll_lo", "DOUBLE"), ("nll_hi", "DOUBLE"), ("pair_value_nll", "DOUBLE"),
+         ("chance_accuracy", "DOUBLE"), ("chance_nll", "DOUBLE"), ("guess_accuracy", "DOUBLE"),
+         ("guess_nll", "DOUBLE")),
+    ),
+    "probe_recall_by_distance": (
+        "recall_by_distance.parquet",
+        (("k", "INTEGER"), ("distance", "INTEGER"), ("queries", "BIGINT"),
+         ("accuracy", "DOUBLE"), ("nll", "DOUBLE")),
+    ),
+    "probe_position": (
+        "position.parquet",
+        (("slice", "VARCHAR"), ("pos", "INTEGER"), ("tokens", "BIGINT"), ("mean_nll", "DOUBLE")),
+    ),
+    "probe_icl": (
+        "icl.parquet",
+        (("slice", "VARCHAR"), ("early", "BIGINT"), ("late", "BIGINT"), ("windows", "BIGINT"),
+         ("tokens_early", "BIGINT"), ("tokens_late", "BIGINT"), ("nll_early", "DOUBLE"),
+         ("nll_late", "DOUBLE"), ("score", "DOUBLE"), ("score_lo", "DOUBLE"),
+         ("score_hi", "DOUBLE")),
+    ),
+}  # fmt: skip
+# The `probes` table's columns, in order, with their DuckDB types (from each folder's meta.json).
+PROBE_COLUMNS = (
+    ("model", "VARCHAR"),
+    ("checkpoint_of", "VARCHAR"),
+    ("step", "BIGINT"),
+    ("tokens_seen", "BIGINT"),
+    ("spec", "VARCHAR"),
+    ("prefix_token", "INTEGER"),
+    ("head_rows", "INTEGER"),
+    ("drawable_ids", "INTEGER"),
+    ("sequences_digest", "VARCHAR"),
+    ("probes_dir", "VARCHAR"),
+)
+
+
+def probe_files(layout: RunLayout, name: str) -> list[Path]:
+    """The Parquet files of `probes/<name>/` the views read."""
+    return [layout.probes(name) / file for file, _columns in PROBE_VIEWS.values()]
+
+
+def _write_probes(con, run: CheckedRun) -> None:
+    """The probes' table and views (module docstring), into `con`."""
+    layout = run.layout
+    rows = []
+    for name in sorted(run.probes):
+        meta = read_json(meta_path(layout.probes(name)))
+        recorded = [meta.get(c) for c, _t in PROBE_COLUMNS[1:-1]]
+        rows.append((name, *recorded, str(layout.probes(name))))
+    con.execute(f"CREATE TABLE probes ({', '.join(f'{c} {t}' for c, t in PROBE_COLUMNS)})")
+    if rows:
+        marks = ", ".join("?" for _ in PROBE_COLUMNS)
+        con.executemany(f"INSERT INTO probes VALUES ({marks})", rows)
+    for view, (file, columns) in PROBE_VIEWS.items():
+        typed = ", ".join(f"{c}::{t} AS {c}" for c, t in columns)
+        selects = [
+            f"SELECT {sql_string(name)} AS model, {typed} "
+            f"FROM read_parquet({sql_string(layout.probes(name) / file)})"
+            for name in sorted(run.probes)
+        ] or [
+            "SELECT NULL::VARCHAR AS model, "
+            + ", ".join(f"NULL::{t} AS {c}" for c, t in columns)
+            + " WHERE false"
+        ]
+        con.execute(f"CREATE VIEW {view} AS " + "\nUNION ALL\n".join(selects))
 
 
 def _remove_sidecars(db: Path) -> None:

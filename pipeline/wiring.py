@@ -53,6 +53,11 @@ LOSSES = Output(
     lambda layout: [layout.losses_root / META_NAME],
     root=lambda layout: layout.losses_root,
 )
+PROBES = Output(
+    "probes",
+    lambda layout: [layout.probes_root / META_NAME],
+    root=lambda layout: layout.probes_root,
+)
 REPORT = Output("report", lambda layout: [layout.report / META_NAME])
 
 

@@ -15,8 +15,8 @@ import math
 import numpy as np
 
 from ar_slicing.errors import ArSliceError
-from ar_slicing.slices import TABLE1_SLICES
 from ar_slicing.probes.intervals import bootstrap_interval, frame
+from ar_slicing.slices import TABLE1_SLICES
 
 # Olsson et al. 2022's positions of the in-context learning score, in their 2048-token context
 OLSSON_WINDOW, OLSSON_EARLY, OLSSON_LATE = 2048, 50, 500

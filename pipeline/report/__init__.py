@@ -1,6 +1,6 @@
 """`arslice report`: Table 1, Figure 1 and a browsable HTML report of a run.
 
-Reads the run's tags and every complete `losses/<model>/` (through `results.duckdb`, built or
+Reads the run's tags, every complete `losses/<model>/` and `probes/<model>/` (through `results.duckdb`, built or
 refreshed first) and writes, under `<run>/report/`:
 
   report.md            Table-1-style summary: per model, parameters, perplexity on all tokens /
@@ -15,7 +15,12 @@ refreshed first) and writes, under `<run>/report/`:
   slice_bars.png       perplexity per slice per model with the bootstrap intervals
   emergence.png        in a run with checkpoints along training: the recall gain against the
                        training tokens seen, one line per model (with its table in report.md)
-  *.csv                every table: table1, and one per query of queries/ (and emergence)
+  probes.png           in a run with probes (`arslice probe`): the induction loss by position,
+                       zero-shot recall accuracy against k and the loss by window position per
+                       slice, one colour per model (with the probes' table in report.md)
+  probes_training.png  with probed checkpoints too: the induction score, zero-shot recall and the
+                       recall gain against the training tokens seen
+  *.csv                every table: table1, and one per query of queries/ (and emergence, probes)
   meta.json            written last (inputs signature, resolved config, counts, timings)
 
 Every table except Table 1 is the result of the same `queries/*.sql` file that `arslice query`

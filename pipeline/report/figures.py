@@ -271,3 +271,97 @@ def emergence_png(rows: list[dict]) -> bytes:
         ax.legend(fontsize=8, title="model (95% bands)", title_fontsize=8)
     fig.tight_layout()
     return _png(fig)
+
+
+def probes_png(curve: list[dict], by_k: list[dict], position: list[dict]) -> bytes:
+    """The probes of the run's models (`probe_induction_curve`, `probe_recall_by_k` and
+    `probe_position` rows of the models, not their checkpoints): the induction loss by position
+    on repeated random tokens (the second copy starts after the dotted line), zero-shot recall
+    accuracy against k pairs in context (with the 1/k guess, dotted), and the loss by window
+    position on the run's text, all tokens solid and AR hits dashed (log position axis)."""
+    import numpy as np
+
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2), dpi=110)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    models = list(dict.fromkeys(r["model"] for r in (*curve, *by_k, *position)))
+    ax_ind, ax_rec, ax_pos = axes
+    for i, model in enumerate(models):
+        colour = colours[i % len(colours)]
+        pts = sorted((r["pos"], r["mean_nll"]) for r in curve if r["model"] == model)
+        if pts:
+            ax_ind.plot(*zip(*pts), color=colour, lw=1.2, label=model)
+        ks = sorted((r["k"], r["accuracy"]) for r in by_k if r["model"] == model)
+        if ks:
+            ax_rec.plot(*zip(*ks), marker="o", ms=4, color=colour, label=model)
+        for slice_name, style in (("all", "-"), ("ar", "--")):
+            pts = sorted(
+                (r["pos"], r["mean_nll"])
+                for r in position
+                if r["model"] == model and r["slice"] == slice_name
+            )
+            if pts:
+                ax_pos.plot(*zip(*pts), style, color=colour, lw=1.0,
+                            label=model if slice_name == "all" else None)  # fmt: skip
+    n = max((r["pos"] for r in curve), default=0) // 2
+    if n:
+        ax_ind.axvline(n + 0.5, color="k", lw=0.8, ls=":")
+    ax_ind.set_xlabel("position in x + x (random tokens)")
+    ax_ind.set_ylabel("mean NLL (nats)")
+    ax_ind.set_title("Induction: loss by position", fontsize=10)
+    ks = sorted({r["k"] for r in by_k})
+    if ks:
+        ax_rec.plot(ks, 1 / np.array(ks, dtype=float), ":", color="grey", label="1/k guess")
+        ax_rec.set_xscale("log", base=2)
+        ax_rec.set_xticks(ks, [str(k) for k in ks])
+    ax_rec.set_ylim(-0.02, 1.02)
+    ax_rec.set_xlabel("key-value pairs in context (k)")
+    ax_rec.set_ylabel("accuracy at the queries")
+    ax_rec.set_title("Zero-shot key-value recall", fontsize=10)
+    ax_pos.set_xscale("log")
+    ax_pos.set_xlabel("position in the window")
+    ax_pos.set_ylabel("mean NLL (nats)")
+    ax_pos.set_title("Loss by position: all tokens solid, AR hits dashed", fontsize=10)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    if models:
+        ax_rec.legend(fontsize=8)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def probes_training_png(rows: list[dict]) -> bytes:
+    """The probes along training (the report's probes rows with `tokens_seen`): per model, the
+    induction score, zero-shot recall accuracy (mean over k) and the recall gain on the run's
+    text against the training tokens seen (log axis), side by side, so a rise of one can be read
+    against the others. Points at 0 tokens are in the table, not drawn."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2), dpi=110, sharex=True)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    models = list(dict.fromkeys(r["of_model"] for r in rows))
+    panels = (
+        ("induction_score", "induction score (nats)", "Induction score"),
+        ("recall_accuracy", "accuracy (mean over k)", "Zero-shot key-value recall"),
+        ("recall_gain", "recall gain (nats)", "In-context recall gain on the run's text"),
+    )
+    for i, model in enumerate(models):
+        colour = colours[i % len(colours)]
+        pts = sorted(
+            (r for r in rows if r["of_model"] == model and (r["tokens_seen"] or 0) > 0),
+            key=lambda r: r["tokens_seen"],
+        )
+        for ax, (key, _label, _title) in zip(axes, panels):
+            xy = [(r["tokens_seen"], r[key]) for r in pts if r[key] is not None]
+            if xy:
+                ax.plot(*zip(*xy), marker="o", ms=4, color=colour, label=model)
+    for ax, (_key, label, title) in zip(axes, panels):
+        ax.set_xscale("log")
+        ax.axhline(0, color="k", lw=0.8)
+        ax.set_xlabel("training tokens seen")
+        ax.set_ylabel(label)
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    if models:
+        axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    return _png(fig)

@@ -11,6 +11,8 @@ from ar_slicing.layout import (
     EMERGENCE_FIGURE,
     FREQUENCY_CURVE_FIGURE,
     MQAR_FIGURE,
+    PROBES_FIGURE,
+    PROBES_TRAINING_FIGURE,
     RECALL_GAIN_FIGURE,
     SLICE_BARS_FIGURE,
 )
@@ -114,6 +116,19 @@ EMERGENCE_TEXT = (
     "point of a model. Table 1 holds the models alone, on every window "
     "(`queries/recall_emergence.sql` without intervals; docs/design.md, Recall emergence)."
 )
+PROBES_TITLE = "Probes: induction, zero-shot recall and loss by position"
+PROBES_TEXT = (
+    "Each model and each checkpoint along its training on the probes of docs/design.md (Probes "
+    "of a checkpoint): the induction score on repeated random tokens (mean NLL on the first copy "
+    "minus the second, nats; brackets: 95% bootstrap over sequences) and the argmax accuracy on "
+    "the second copy; zero-shot key-value recall accuracy (argmax = the value at its query) "
+    "averaged over the k probed and at the largest k; the in-context learning score on the "
+    "run's windows (mean NLL at the late position minus the early one; negative: later tokens "
+    "are predicted better); and the in-context recall gain on the run's text at the same point "
+    "(the recall emergence's, with its interval, where there is one). Every model of one "
+    "vocabulary reads the same sequences (`queries/probe_scores.sql`, `probe_recall.sql`, "
+    "`probe_position.sql`)."
+)
 FIGURE_TITLES = {
     FREQUENCY_CURVE_FIGURE: "frequency curve",
     COPY_LENGTH_FIGURE: "copy-length curve",
@@ -140,6 +155,11 @@ def render_markdown(context: dict, t1: Table1Text, tables: dict) -> str:
             "",
             f"![recall emergence]({EMERGENCE_FIGURE})\n",
         ]
+    if context.get("probes"):
+        parts += [f"## {PROBES_TITLE}", "", PROBES_TEXT, "", markdown_table(*context["probes"])]
+        parts += ["", f"![probes]({PROBES_FIGURE})\n"]
+        if context.get("probes_training"):
+            parts += [f"![probes along training]({PROBES_TRAINING_FIGURE})\n"]
     copies = context.get("copy_length")
     if copies:
         parts += [f"## {COPY_TITLE}", "", COPY_TEXT, "", markdown_table(*copies["table"]), ""]
@@ -180,6 +200,12 @@ def render_html(context, t1, tables, figures, passages, order, vmax) -> str:
         ]
         body += [_scroll(html_table(*context["emergence"], "emergence"))]
         body += [_img(figures[EMERGENCE_FIGURE], "recall emergence")]
+    if context.get("probes"):
+        body += [f"<h2>{html.escape(PROBES_TITLE)}</h2>", f"<p>{inline_html(PROBES_TEXT)}</p>"]
+        body += [_scroll(html_table(*context["probes"], "probes"))]
+        body += [_img(figures[PROBES_FIGURE], "probes")]
+        if PROBES_TRAINING_FIGURE in figures:
+            body += [_img(figures[PROBES_TRAINING_FIGURE], "probes along training")]
     copies = context.get("copy_length")
     if copies:
         body += [f"<h2>{inline_html(COPY_TITLE)}</h2>", f"<p>{inline_html(COPY_TEXT)}</p>"]

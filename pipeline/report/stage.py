@@ -13,6 +13,8 @@ from ar_slicing.layout import (
     EMERGENCE_FIGURE,
     FREQUENCY_CURVE_FIGURE,
     MQAR_FIGURE,
+    PROBES_FIGURE,
+    PROBES_TRAINING_FIGURE,
     RECALL_GAIN_FIGURE,
     REPORT_HTML_NAME,
     REPORT_MD_NAME,
@@ -28,6 +30,8 @@ from pipeline.report.figures import (
     copy_length_png,
     emergence_png,
     frequency_curve_png,
+    probes_png,
+    probes_training_png,
     recall_gain_png,
     slice_bars_png,
 )
@@ -39,10 +43,11 @@ from pipeline.report.tables import (
     delta_header,
     emergence_text,
     ppl_header,
+    probes_text,
     table1_text,
     write_csv,
 )
-from pipeline.wiring import LOSSES, REPORT, TAGS, Wiring
+from pipeline.wiring import LOSSES, PROBES, REPORT, TAGS, Wiring
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +132,8 @@ def _report_from(cfg: ReportConfig, checked, t0: float) -> dict:
         }
         if checked.checkpoints:  # (a run without checkpoints keeps the plan it had)
             inputs["checkpoints"] = {n: identity(layout.losses(n)) for n in checked.checkpoints}
+        if checked.probes:  # (likewise, a run without probes)
+            inputs["probes"] = {n: identity(layout.probes(n)) for n in checked.probes}
         mqar = mqar_results(layout.mqar)
         if mqar is not None:  # (a run without the probe keeps the plan it had)
             inputs["mqar"] = identity(layout.mqar)
@@ -144,7 +151,7 @@ def _report_from(cfg: ReportConfig, checked, t0: float) -> dict:
 
 
 # Every file the report may write (the emergence only for a run with checkpoints, the MQAR
-# figure only beside a complete probe).
+# figure only beside a complete MQAR sweep, the probes' only in a run with probes).
 REPORT_FILES = (
     REPORT_MD_NAME,
     REPORT_HTML_NAME,
@@ -154,7 +161,9 @@ REPORT_FILES = (
     RECALL_GAIN_FIGURE,
     MQAR_FIGURE,
     EMERGENCE_FIGURE,
-    *(TABLE_CSV.format(n) for n in (*QUERY_TABLES, "table1", "copy_length", "emergence")),
+    PROBES_FIGURE,
+    PROBES_TRAINING_FIGURE,
+    *(TABLE_CSV.format(n) for n in (*QUERY_TABLES, "table1", "copy_length", "emergence", "probes")),
 )
 
 
@@ -189,7 +198,8 @@ def _write_report(stage, cfg, con, checked, info, reference, t0, mqar=None) -> d
     if mqar is not None:  # the probe's table and figure, as `arslice mqar` wrote them
         figures[MQAR_FIGURE] = mqar.figure.read_bytes()
         write_bytes_atomic(out / MQAR_FIGURE, figures[MQAR_FIGURE])
-    emergence = _emergence(con, cfg, out, figures) if checked.checkpoints else None
+    emergence, points = _emergence(con, cfg, out, figures) if checked.checkpoints else (None, [])
+    probes = _probes(con, out, figures, points, tables["recall_gain"]) if checked.probes else None
 
     passages = load_passages(con, checked, choose_windows(con, reference, cfg.passages), t1.order)
 
@@ -209,6 +219,8 @@ def _write_report(stage, cfg, con, checked, info, reference, t0, mqar=None) -> d
         "mqar": mqar,
         "copy_length": copies,
         "emergence": emergence,
+        "probes": probes,
+        "probes_training": PROBES_TRAINING_FIGURE in figures,
     }
     write_bytes_atomic(out / REPORT_MD_NAME, render_markdown(context, text, tables).encode())
     page = render_html(context, text, tables, figures, passages, t1.order, vmax)
@@ -264,9 +276,9 @@ def _copy_length(con, cfg, out) -> dict:
     }
 
 
-def _emergence(con, cfg, out, figures: dict) -> tuple[list[str], list[list[str]]]:
+def _emergence(con, cfg, out, figures: dict) -> tuple[tuple[list[str], list[list[str]]], list]:
     """The recall emergence (a run with checkpoints): emergence.csv, emergence.png (added to
-    `figures`) and the table's text."""
+    `figures`), the table's text and its rows."""
     from ar_slicing.emergence import emergence_rows
 
     rows = emergence_rows(con, n_bootstrap=cfg.bootstrap, seed=cfg.seed)
@@ -274,7 +286,61 @@ def _emergence(con, cfg, out, figures: dict) -> tuple[list[str], list[list[str]]
     write_csv(out / TABLE_CSV.format("emergence"), columns, [tuple(r.values()) for r in rows])
     figures[EMERGENCE_FIGURE] = emergence_png(rows)
     write_bytes_atomic(out / EMERGENCE_FIGURE, figures[EMERGENCE_FIGURE])
-    return emergence_text(rows)
+    return emergence_text(rows), rows
+
+
+def probe_rows(con, points: list[dict], recall_gain) -> list[dict]:
+    """`queries/probe_scores.sql`'s rows with the recall gain of each model or checkpoint on the
+    run's text beside them: its point of the recall emergence (with its interval), else, for a
+    model without one, its gain in `recall_gain` (the query's (columns, rows): no interval)."""
+    from ar_slicing.sql import run_named_query
+
+    columns, rows = run_named_query(con, "probe_scores", {})
+    by_point = {p["checkpoint"]: p for p in points}
+    cols = list(recall_gain[0])
+    plain = {
+        r[cols.index("model")]: r[cols.index("gain")]
+        for r in recall_gain[1]
+        if r[cols.index("bucket_label")] == "all"
+    }
+    out = []
+    for row in rows:
+        r = dict(zip(columns, row))
+        point = by_point.get(r["model"])
+        if point is not None:
+            r.update({k: point[k] for k in ("recall_gain", "recall_gain_lo", "recall_gain_hi")})
+        else:
+            r.update(recall_gain=plain.get(r["model"]), recall_gain_lo=None, recall_gain_hi=None)
+        out.append(r)
+    return out
+
+
+def _probes(con, out, figures: dict, points: list, recall_gain) -> tuple[list[str], list]:
+    """The probes (a run with `arslice probe`): probes.csv, probes.png and, with checkpoints,
+    probes_training.png (added to `figures`), and the table's text."""
+    rows = probe_rows(con, points, recall_gain)
+    columns = list(rows[0]) if rows else ["model"]
+    write_csv(out / TABLE_CSV.format("probes"), columns, [tuple(r.values()) for r in rows])
+    models = sorted({r["model"] for r in rows if r["model"] == r["of_model"]})
+
+    def of_models(view: str) -> list[dict]:
+        cur = con.execute(
+            f"SELECT * FROM {view} WHERE list_contains($models, model) ORDER BY ALL",
+            {"models": models},
+        )
+        names = [d[0] for d in cur.description]
+        return [dict(zip(names, r)) for r in cur.fetchall()]
+
+    figures[PROBES_FIGURE] = probes_png(
+        of_models("probe_induction_curve"),
+        of_models("probe_recall_by_k"),
+        of_models("probe_position"),
+    )
+    write_bytes_atomic(out / PROBES_FIGURE, figures[PROBES_FIGURE])
+    if any(r["model"] != r["of_model"] for r in rows):  # checkpoints along training
+        figures[PROBES_TRAINING_FIGURE] = probes_training_png(rows)
+        write_bytes_atomic(out / PROBES_TRAINING_FIGURE, figures[PROBES_TRAINING_FIGURE])
+    return probes_text(rows)
 
 
 def coverage_notes(checked) -> list[str]:
@@ -349,7 +415,8 @@ COMMAND = Command(
         "Build RUN/results.duckdb and RUN/report/ (report.md, report.html, frequency_curve.png, "
         "slice_bars.png, CSVs) from the run's tags and every complete losses/<model>/; with "
         "checkpoints along training (losses/<model>@step<n>/), the recall emergence too "
-        "(its table, emergence.csv, emergence.png)."
+        "(its table, emergence.csv, emergence.png); with probes (probes/<model>/), their table, "
+        "probes.csv, probes.png and, along training, probes_training.png."
     ),
     examples="""\
   arslice report --run runs/pile
@@ -357,7 +424,7 @@ COMMAND = Command(
   arslice report --run runs/demo --bootstrap 0 --overwrite""",
     pipeline=Wiring(
         table="report",
-        reads=(TAGS, LOSSES),
+        reads=(TAGS, LOSSES, PROBES),
         writes=REPORT,
         defaults=lambda run, table: {"run": run.layout.run_dir},
         output_of=lambda cfg: RunLayout(cfg.run).report,

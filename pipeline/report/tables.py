@@ -252,3 +252,43 @@ def emergence_text(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
             ]
         )
     return header, out
+
+
+# ---- probes ------------------------------------------------------------------------------------
+
+
+def probes_text(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """The probes' table (`probe_rows`): per model and checkpoint, the induction score with its
+    interval and second-copy accuracy, zero-shot recall accuracy over k and at the largest k,
+    the in-context learning score (all tokens, AR hits), and the recall gain at that point."""
+    header = [
+        "model",
+        "step",
+        "induction score (nats)",
+        "2nd-copy acc.",
+        "recall acc. (mean over k)",
+        "recall acc. (largest k)",
+        "ICL score all",
+        "ICL score AR",
+        "recall gain (nats)",
+    ]
+
+    def num(v, digits: int) -> str:
+        return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
+
+    out = []
+    for r in rows:
+        out.append(
+            [
+                r["model"],
+                "—" if r["step"] is None else f"{r['step']:,}",
+                fmt_ci(r["induction_score"], r["induction_score_lo"], r["induction_score_hi"], 3),
+                num(r["second_accuracy"], 3),
+                num(r["recall_accuracy"], 3),
+                f"{num(r['recall_accuracy_max_k'], 3)} (k={r['max_k']})",
+                num(r["icl_all"], 3),
+                num(r["icl_ar"], 3),
+                fmt_ci(r["recall_gain"], r["recall_gain_lo"], r["recall_gain_hi"], 3),
+            ]
+        )
+    return header, out

@@ -20,6 +20,7 @@ MODULES: dict[str, str] = {
     "tag": "pipeline.tag",
     "train": "pipeline.train",
     "eval": "pipeline.eval",
+    "probe": "pipeline.probe",
     "report": "pipeline.report",
     "query": "pipeline.query",
     "verify": "pipeline.verify",

@@ -74,6 +74,11 @@ def test_query_is_what_arslice_query_prints(tiny_run, capsys, name):  # noqa: F8
         from tests.ar_slicing.test_emergence import add_tiny_checkpoint
 
         add_tiny_checkpoint(tiny_run)
+    if name.startswith("probe_"):  # (its rows are probes': the tiny run gets two)
+        from tests.queries.test_probe_queries import write_probes
+
+        write_probes(tiny_run, "attention")
+        write_probes(tiny_run, "hyena", shift=1.0)
     assert cli("query", name, "--run", str(tiny_run), "--format", "csv", *flags) == 0
     printed = csv_rows(capsys.readouterr().out)
     got = open_run(tiny_run).query(name, **params)

@@ -320,13 +320,14 @@ def test_a_run_dry_run_lists_every_missing_input_at_once(tmp_path, capsys):
     cfg.write_text(text + f'\n[eval.models.ext]\nmodel = "native:{gone / "ckpt"}"\n')
     assert cli("run", "--config", cfg, "--dry-run") == 2
     err = capsys.readouterr().err
-    assert f"{cfg}: 5 problems, found before anything ran:" in err, err
+    assert f"{cfg}: 6 problems, found before anything ran:" in err, err
     for line in (
         f"[tokenizer]: source {gone / 'corpus'}: no such file or directory",
         f"[tokenize.train]: source {gone / 'corpus'}: no such file or directory",
         f"[tokenize.val]: source {gone / 'corpus'}: no such file or directory",
         f"[tag]: --counts {gone / 'counts'}: no such file or directory",
         f"[eval.models.ext]: --model {gone / 'ckpt'}: no such file or directory",
+        f"[probe] ext: --model {gone / 'ckpt'}: no such file or directory",  # (it probes it too)
     ):
         assert line in err, (line, err)
     assert not (tmp_path / "run").exists()

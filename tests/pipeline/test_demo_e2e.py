@@ -71,7 +71,7 @@ def test_make_all_runs_the_whole_analysis(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
     # every stage ran, in order, through the Makefile's targets
-    for stage in ["tokenizer", "tokenize", "count", "tag", "train", "eval", "report"]:
+    for stage in ["tokenizer", "tokenize", "count", "tag", "train", "eval", "probe", "report"]:
         assert f"--stage {stage}" in proc.stdout
     # it ends with the Table-1 summary and the report's path
     assert "ppl AR hits" in proc.stdout and "AR share of gap" in proc.stdout

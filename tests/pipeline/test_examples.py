@@ -361,7 +361,17 @@ def run_make(argv: list[str], example: Example, tree: Path) -> None:
     assert (REPO / config).is_file(), config
     if example.needs:
         return
-    pipeline_goals = {"all", "tokenizer", "tokenize", "counts", "tags", "train", "eval", "report"}
+    pipeline_goals = {
+        "all",
+        "tokenizer",
+        "tokenize",
+        "counts",
+        "tags",
+        "train",
+        "eval",
+        "probe",
+        "report",
+    }
     if set(targets) & pipeline_goals:
         from pipeline.cli import main
 

@@ -20,7 +20,7 @@ from pipeline.runner.config_file import dumps_toml
 from tests import REPO
 from tests.conftest import small_pipeline_config, stdlib_files
 
-STAGES = ["tokenizer", "tokenize", "count", "tag", "train", "eval", "report"]
+STAGES = ["tokenizer", "tokenize", "count", "tag", "train", "eval", "probe", "report"]
 NEEDS_HUB = re.compile(r"#.*\bneeds the hub", re.IGNORECASE)
 
 

@@ -46,21 +46,31 @@ def test_editing_the_config_reruns_exactly_what_it_changed(tmp_path):
     run = tmp_path / "run"
     first = make("all", config=cfg)
     assert first.returncode == 0, first.stderr
-    assert stages_run(first) == ["tokenizer", "tokenize", "count", "tag", "train", "eval", "report"]
+    assert stages_run(first) == [
+        "tokenizer",
+        "tokenize",
+        "count",
+        "tag",
+        "train",
+        "eval",
+        "probe",
+        "report",
+    ]
     assert make("all", config=cfg).stdout.count("[1/1]") == 0  # nothing is stale
 
-    # a new [eval.models] table: that model is evaluated, the report rebuilt, nothing else
+    # a new [eval.models] table: that model is evaluated and probed, the report rebuilt, nothing
+    # else
     upstream = {p: p.read_bytes() for p in run.glob("*/meta.json") if p.parent.name != "report"}
     vocab_size = read_json(run / "tokens/val/meta.json")["tokenizer"]["vocab_size"]
     model = save_neox(tmp_path / "mine", vocab_size, max_position_embeddings=64)
     cfg.write_text(cfg.read_text() + f'\n[eval.models.mine]\nmodel = "hf:{model}"\n')
     second = make("all", config=cfg)
     assert second.returncode == 0, second.stderr
-    assert stages_run(second) == ["eval", "report"]
+    assert stages_run(second) == ["eval", "probe", "report"]
     assert read_json(run / "losses/mine/meta.json")["spec"] == f"hf:{model}"
     assert "mine" in (run / "report/table1.csv").read_text()
-    assert {p: p.read_bytes() for p in upstream if p.parent.name != "losses"} == {
-        p: b for p, b in upstream.items() if p.parent.name != "losses"
+    assert {p: p.read_bytes() for p in upstream if p.parent.name not in ("losses", "probes")} == {
+        p: b for p, b in upstream.items() if p.parent.name not in ("losses", "probes")
     }
 
     # another threshold on finished tags: refused before anything runs, naming both values,
@@ -77,7 +87,7 @@ def test_editing_the_config_reruns_exactly_what_it_changed(tmp_path):
     losses = (run / "losses/attention/meta.json").read_bytes()
     third = make("all", config=cfg, OVERWRITE="1")
     assert third.returncode == 0, third.stderr
-    assert stages_run(third) == ["tag", "eval", "report"]
+    assert stages_run(third) == ["tag", "eval", "probe", "report"]
     assert read_json(run / "tags/meta.json")["threshold"] == 3
     assert (run / "losses/attention/meta.json").read_bytes() == losses
     assert "skipped" in third.stdout
@@ -145,7 +155,7 @@ def test_dry_run_of_a_good_config_prints_every_stage(tmp_path):
     cfg.write_text(small_pipeline_config(tmp_path))
     done = run_subprocess("run", "--config", cfg, "--dry-run")
     assert done.returncode == 0, done.stderr
-    for stage in ("tokenizer", "tokenize", "count", "tag", "train", "eval", "report"):
+    for stage in ("tokenizer", "tokenize", "count", "tag", "train", "eval", "probe", "report"):
         assert f"# [{stage}]" in done.stdout
     assert not (tmp_path / "run").exists()
 

@@ -125,7 +125,7 @@ def test_a_new_stage_is_one_module_and_one_line(toy_stage, tiny_run, tmp_path, c
 def test_every_stage_reads_only_what_an_earlier_stage_writes():
     stages = registry.pipeline_stages()
     names = list(stages)
-    assert names == ["tokenizer", "tokenize", "count", "tag", "train", "eval", "report"]
+    assert names == ["tokenizer", "tokenize", "count", "tag", "train", "eval", "probe", "report"]
     for name, stage in stages.items():
         assert all(names.index(b) < names.index(name) for b in registry.after(stage, stages))
     assert {n: registry.after(s, stages) for n, s in stages.items()} == {
@@ -135,7 +135,8 @@ def test_every_stage_reads_only_what_an_earlier_stage_writes():
         "tag": ["tokenize", "count"],
         "train": ["tokenize"],
         "eval": ["tag", "train"],
-        "report": ["tag", "eval"],
+        "probe": ["tag", "train", "eval"],
+        "report": ["tag", "eval", "probe"],
     }
 
 
@@ -160,6 +161,7 @@ def test_the_make_rules_are_the_ones_the_stage_table_gave(tmp_path):
         MARK_tag := {run}/tags/meta.json
         MARK_train := {run}/models/meta.json
         MARK_eval := {run}/losses/meta.json
+        MARK_probe := {run}/probes/meta.json
         MARK_report := {run}/report/meta.json
         """)
     assert body.startswith(expected)

@@ -411,6 +411,9 @@ def test_every_query_file_runs_and_is_tested():
         "examples",
         "frequency_curve",
         "gap_vs_reference",
+        "probe_position",  # tests/queries/test_probe_queries.py
+        "probe_recall",  # tests/queries/test_probe_queries.py
+        "probe_scores",  # tests/queries/test_probe_queries.py
         "recall_emergence",  # tests/ar_slicing/test_emergence.py
         "recall_gain",  # tests/queries/test_recall_gain.py
         "slice_perplexity",
