@@ -142,6 +142,7 @@ readme-demo: all
 	cp $(RUN)/report/recall_gain.png docs/$(DOCS_NAME)-recall-gain.png
 	cp $(RUN)/report/emergence.png docs/$(DOCS_NAME)-emergence.png
 	cp $(RUN)/report/copy_length.png docs/$(DOCS_NAME)-copy-length.png
+	for f in probes probes_training; do test ! -f $(RUN)/report/$$f.png || cp $(RUN)/report/$$f.png docs/$(DOCS_NAME)-$$(echo $$f | tr _ -).png; done
 	$(PY) -c 'import re, sys, pathlib; n = sys.argv[1]; r = pathlib.Path(sys.argv[2]); t = pathlib.Path(f"docs/{n}-table1.md").read_text().split("\n", 2)[2].strip(); new, k = re.subn(rf"(<!-- {re.escape(n)}-table:start[^>]*-->\n).*?(\n<!-- {re.escape(n)}-table:end -->)", lambda m: m.group(1) + t + m.group(2), r.read_text(), flags=re.S); k or sys.exit(f"{r} has no <!-- {n}-table:start --> section for {n}"); r.write_text(new)' $(DOCS_NAME) $(DEMO_DOC)
 	@echo "docs/$(DOCS_NAME)-table1.md, docs/$(DOCS_NAME)-*.png and $(DEMO_DOC)'s $(DOCS_NAME) table updated from $(RUN)"
 
