@@ -49,8 +49,8 @@ def write_raw_store(path: Path, fill, n_tokens: int, name: str) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from ar_slicing.io import build_meta, is_complete, write_meta
-    from ar_slicing.store import docs_schema
+    from ar_slicing.data.store import docs_schema
+    from ar_slicing.machinery.io import build_meta, is_complete, write_meta
 
     if is_complete(path):
         return path
@@ -299,7 +299,7 @@ def measure_lookups(counts_dir: Path, store: Path, n_queries: int) -> dict:
     """`BigramCounts.lookup` of the stream's own pairs vs numpy searchsorted on the sorted keys."""
     import pyarrow.parquet as pq
 
-    from ar_slicing.counts import BigramCounts
+    from ar_slicing.algorithms.counts import BigramCounts
 
     tokens = np.memmap(store / "tokens.bin", dtype="<u2", mode="r")
     prev = np.asarray(tokens[:n_queries])
@@ -351,7 +351,7 @@ def main() -> None:
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from ar_slicing.executor import default_workers
+    from ar_slicing.machinery.executor import default_workers
 
     workers = args.workers or default_workers()
     if args.engine:
@@ -360,7 +360,7 @@ def main() -> None:
     n = 5_000_000 if args.quick else args.tokens
     big = 0 if args.quick else args.big_tokens
     DATA.mkdir(parents=True, exist_ok=True)
-    from ar_slicing.counts.kernels import warm_kernels
+    from ar_slicing.algorithms.counts.kernels import warm_kernels
 
     warm_kernels()  # numba compiles once into its on-disk cache; the timed runs load it
     print(

@@ -99,7 +99,7 @@ def measure(method: str, root: Path, batch_size: str) -> dict:
     """One method in this (fresh) process: loop seconds, end-to-end seconds, peak RSS; losses saved."""
     import pyarrow.parquet as pq
 
-    from ar_slicing.io import read_json
+    from ar_slicing.machinery.io import read_json
     from pipeline.eval import EvalConfig, open_tags, run_eval
 
     tags = open_tags(root / "tags")

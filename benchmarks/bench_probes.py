@@ -3,7 +3,7 @@
 
 Both go through `pipeline.eval.forward.score_rows` with the same model, one torch thread, fp32:
 
-  * probes  `ar_slicing.probes.run_probes` (drawing the sequences, scoring them, building the
+  * probes  `ar_slicing.analysis.probes.run_probes` (drawing the sequences, scoring them, building the
             tables) and the statistics the report reads (`induction_score`, `recall_by_k`,
             `recall_by_distance`, 1000 bootstrap resamples each);
   * eval    the same number of tokens in rows of the run's window (256), as the eval stage scores
@@ -44,7 +44,7 @@ def main() -> None:
 
     import torch
 
-    from ar_slicing.probes import (
+    from ar_slicing.analysis.probes import (
         ProbeSizes,
         induction_score,
         probe_vocabulary,

@@ -29,8 +29,8 @@ VOCAB = 50_304
 
 
 def zipf_store(n_tokens: int) -> Path:
-    from ar_slicing.io import is_complete
-    from ar_slicing.store import write_token_store
+    from ar_slicing.data.store import write_token_store
+    from ar_slicing.machinery.io import is_complete
 
     path = DATA / f"zipf-{n_tokens}"
     if is_complete(path):
@@ -65,8 +65,8 @@ def main() -> None:
 
     import ray
 
-    from ar_slicing.executor import LocalExecutor
-    from ar_slicing.ray_executor import RayExecutor
+    from ar_slicing.machinery.executor import LocalExecutor
+    from ar_slicing.machinery.ray_executor import RayExecutor
     from pipeline.count import count_stores
 
     n_tokens = 4_000_000 if args.quick else 50_000_000

@@ -1,6 +1,6 @@
 """Report-stage benchmark: the window bootstrap and the slice query, each against a plain baseline.
 
-1. Bootstrap of every Table-1 statistic (`ar_slicing.metrics.bootstrap`: per-window sums, one
+1. Bootstrap of every Table-1 statistic (`ar_slicing.analysis.metrics.bootstrap`: per-window sums, one
    matrix product per chunk of replicates) vs the textbook loop: per replicate, gather the tokens
    of the resampled windows and recompute the slice means. Same draws, same numbers (checked).
    The baseline runs a subset of the replicates; the figure compared is seconds per replicate.
@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ar_slicing.metrics import WindowSums, bootstrap  # noqa: E402
+from ar_slicing.analysis.metrics import WindowSums, bootstrap  # noqa: E402
 from tests.handmade import write_handmade_meta  # noqa: E402
 
 MODELS = ("attention", "hyena", "rwkv")
@@ -188,7 +188,7 @@ def main() -> None:
         import duckdb
         import polars as pl
 
-        from ar_slicing.results import ensure_results
+        from ar_slicing.analysis.results import ensure_results
 
         t = time.perf_counter()
         checked, _ = ensure_results(root)

@@ -162,8 +162,8 @@ def write_val_store(out: Path, raw: Path, ends: np.ndarray, tokenizer_info: dict
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from ar_slicing.io import build_meta, is_complete, write_meta
-    from ar_slicing.store import docs_schema
+    from ar_slicing.data.store import docs_schema
+    from ar_slicing.machinery.io import build_meta, is_complete, write_meta
 
     if is_complete(out):
         return
@@ -282,10 +282,10 @@ def stage_out(root: Path, stage: str) -> Path:
 def span_count_only(root: Path, workers: int) -> dict:
     """The tag stage's span n-gram steps alone, as `run_tag` takes them: find the long copies of
     every part and gather their n-grams, then count those over the training stores."""
-    from ar_slicing.io import read_json
-    from ar_slicing.store import TokenStore
-    from ar_slicing.tags import warm
-    from ar_slicing.windows import n_windows
+    from ar_slicing.algorithms.tags import warm
+    from ar_slicing.algorithms.windows import n_windows
+    from ar_slicing.data.store import TokenStore
+    from ar_slicing.machinery.io import read_json
     from pipeline.tag import (
         TagConfig,
         _count_span_ngrams,
@@ -443,7 +443,7 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    from ar_slicing.executor import default_workers
+    from ar_slicing.machinery.executor import default_workers
 
     workers = args.workers or default_workers()
     if args.child:
@@ -464,8 +464,8 @@ def main() -> None:
             dst.write(src.read(2 * (n_train // 10)))
         os.replace(small.with_suffix(".tmp"), small)
 
-    from ar_slicing.counts.kernels import warm_kernels
-    from ar_slicing.tags import warm
+    from ar_slicing.algorithms.counts.kernels import warm_kernels
+    from ar_slicing.algorithms.tags import warm
 
     warm_kernels()  # numba compiles once into its on-disk cache; the measured stages load it
     warm()

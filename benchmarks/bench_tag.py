@@ -47,7 +47,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from ar_slicing.executor import default_workers  # noqa: E402
+from ar_slicing.machinery.executor import default_workers  # noqa: E402
 
 DATA = REPO / "bench-data" / "tag"
 VOCAB = 50304  # GPT-2's vocabulary padded to a multiple of 64, as the Pythia models use
@@ -93,8 +93,8 @@ def synthetic_documents(n_tokens: int, seed: int) -> tuple[list[np.ndarray], lis
 
 
 def make_store(path: Path, n_tokens: int, seed: int):
-    from ar_slicing.io import is_complete
-    from ar_slicing.store import TokenStore, write_token_store
+    from ar_slicing.data.store import TokenStore, write_token_store
+    from ar_slicing.machinery.io import is_complete
 
     if is_complete(path):
         return TokenStore.open(path)
@@ -115,7 +115,7 @@ def prepare(n_tokens: int, workers: int) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from ar_slicing.io import atomic_path, is_complete
+    from ar_slicing.machinery.io import atomic_path, is_complete
     from pipeline.count import count_stores
 
     root = DATA / f"v2-n{n_tokens}"
@@ -213,11 +213,11 @@ def copy_length_cost(
     finds the long copies and gathers their n-grams (`long_spans` and `NgramTable.add`, once per
     run, before the n-grams are counted in training). Times are this thread's CPU time, so that
     other processes on a shared machine count as little as they can."""
-    from ar_slicing.counts import BigramCounts
-    from ar_slicing.counts.ngrams import NgramTable
-    from ar_slicing.store import TokenStore
-    from ar_slicing.tags import DocTable, column_buffers, long_spans, tag_windows, warm
-    from ar_slicing.windows import stream_range
+    from ar_slicing.algorithms.counts import BigramCounts
+    from ar_slicing.algorithms.counts.ngrams import NgramTable
+    from ar_slicing.algorithms.tags import DocTable, column_buffers, long_spans, tag_windows, warm
+    from ar_slicing.algorithms.windows import stream_range
+    from ar_slicing.data.store import TokenStore
     from pipeline.tag import BATCH_TOKENS
 
     warm()
@@ -411,7 +411,7 @@ def compare(ours: Path, duck: Path) -> tuple[bool, str]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from ar_slicing.tags import TAG_COLUMNS
+    from ar_slicing.algorithms.tags import TAG_COLUMNS
 
     parts = sorted(ours.glob("tags-*.parquet"))
     for name in TAG_COLUMNS[:10]:  # the formulation's columns (copy lengths are ours alone)

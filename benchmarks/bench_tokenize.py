@@ -28,8 +28,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from ar_slicing.executor import default_workers  # noqa: E402
-from ar_slicing.store import TokenStore  # noqa: E402
+from ar_slicing.data.store import TokenStore  # noqa: E402
+from ar_slicing.machinery.executor import default_workers  # noqa: E402
 from pipeline.tokenize import TokenizeConfig, run_tokenize  # noqa: E402
 from pipeline.train_tokenizer import train_bpe  # noqa: E402
 

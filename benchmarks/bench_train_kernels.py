@@ -57,8 +57,8 @@ def settings() -> dict[str, dict[str, str]]:
 def store() -> Path:
     import numpy as np
 
-    from ar_slicing.io import is_complete
-    from ar_slicing.store import write_token_store
+    from ar_slicing.data.store import write_token_store
+    from ar_slicing.machinery.io import is_complete
 
     path = DATA / "random"
     if not is_complete(path):

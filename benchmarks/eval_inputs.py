@@ -19,8 +19,8 @@ def build_tagged_text(root: Path, n_windows: int, window: int, vocab_size: int, 
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from ar_slicing.store import write_token_store
-    from ar_slicing.tokenizer import describe
+    from ar_slicing.data.store import write_token_store
+    from ar_slicing.data.tokenizer import describe
     from pipeline.count import CountConfig, run_count
     from pipeline.tag import TagConfig, run_tag
 

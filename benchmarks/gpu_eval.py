@@ -216,7 +216,7 @@ def stage_once(spec: str, root: Path, out: str, device: str, dtype: str) -> dict
     """One `run_eval`; returns its meta.json with the loop's wall time (warm-up included)."""
     import torch
 
-    from ar_slicing.io import read_json
+    from ar_slicing.machinery.io import read_json
     from pipeline.eval import EvalConfig, run_eval
 
     if device == "cuda":
@@ -242,7 +242,7 @@ def plain_loop(case: Case, spec: str, root: Path, device: str, batch: int) -> di
     import torch
     import torch.nn.functional as F
 
-    from ar_slicing.store import TokenStore
+    from ar_slicing.data.store import TokenStore
     from models.checkpoints.registry import spec_path
 
     path = spec_path(spec)

@@ -45,7 +45,7 @@ def top_level_help() -> str:
     return "\n".join(lines) + "\n\n" + EPILOG
 
 
-# what every command that writes an output says in its --help (`ar_slicing.ownership`)
+# what every command that writes an output says in its --help (`ar_slicing.machinery.ownership`)
 OUTPUTS_NOTE = """\
 outputs:
   One writer at a time: a second arslice writing the same output is refused at once (it does

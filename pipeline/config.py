@@ -49,12 +49,12 @@ class Command:
     `validate(cfg)` checks what can be checked from the config alone (ranges, names, specs,
     sources that must already exist) and raises ArSliceError; `--dry-run` and `arslice run` call
     it before anything runs. A stage with outputs says what decides them: `plan_settings(cfg)` is
-    the settings part of its plan (`ar_slicing.plan`) for the output `cfg.out`, which `arslice
+    the settings part of its plan (`ar_slicing.machinery.plan`) for the output `cfg.out`, which `arslice
     run` compares with a complete output's before the first stage starts. `inputs(cfg)` lists
     the files and folders it reads, as (flag, path): `--dry-run` refuses the missing ones, all
     at once, and so does `arslice run` for those no earlier stage of the run writes.
     (An input may add its kind, (flag, path, "dir") or "file": one of the other kind is refused
-    too.) `hub_names(cfg, table)` lists what it would fetch from a hub, as `ar_slicing.hub.require`
+    too.) `hub_names(cfg, table)` lists what it would fetch from a hub, as `ar_slicing.machinery.hub.require`
     takes them, so `arslice run` stops before anything is written when the hub is unreachable.
     `pipeline` (`pipeline.wiring.Wiring`) is how `arslice run` runs it from a config table.
     `out_is_file`: its `--out` is one file (a tokenizer), not a folder (a variant of a stage
@@ -81,7 +81,7 @@ def missing_inputs(command: Command, cfg: Any, made: Iterable[str] = ()) -> list
     checkpoint the train stage keeps in its model folder); `--flag PATH: a file, not a folder`
     for one there of the other kind than it declares ("dir" or "file"), and the same for its
     output (`cfg.out`), which `--dry-run` refuses as the stage itself would."""
-    from ar_slicing.plan.stage_dir import output_kind_problem
+    from ar_slicing.machinery.plan.stage_dir import output_kind_problem
 
     made = [os.path.abspath(os.path.expanduser(p)) for p in made]
 
@@ -373,7 +373,7 @@ def normalize_glob(cfg: Any) -> None:
     """In a frozen config's `__post_init__`: one pattern given as a string becomes a list of
     one, so `glob="*.py"` and `--glob '*.py'` make the same config (and the same stage plan);
     a pattern that names no file (`glob = ""`) is refused."""
-    from ar_slicing.readers.files import check_glob
+    from ar_slicing.data.readers.files import check_glob
 
     if isinstance(cfg.glob, str):
         object.__setattr__(cfg, "glob", [cfg.glob])
@@ -390,14 +390,14 @@ def reader_options(cfg: Any) -> dict[str, Any]:
 
 
 def read_documents(cfg: Any, stats) -> Any:
-    """`ar_slicing.readers.iter_documents` over `cfg.source` with the config's reader options."""
-    from ar_slicing.readers import iter_documents
+    """`ar_slicing.data.readers.iter_documents` over `cfg.source` with the config's reader options."""
+    from ar_slicing.data.readers import iter_documents
 
     return iter_documents(cfg.source, **reader_options(cfg), max_docs=cfg.max_docs, stats=stats)
 
 
 def on_bad_record_option():
-    from ar_slicing.readers import BAD_RECORD_POLICIES
+    from ar_slicing.data.readers import BAD_RECORD_POLICIES
 
     return dataclasses.field(
         default="error",

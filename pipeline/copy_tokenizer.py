@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ar_slicing.errors import BadInput
-from ar_slicing.io import atomic_path, build_meta
+from ar_slicing.machinery.io import atomic_path, build_meta
 from pipeline.config import Command, say
 
 
@@ -23,8 +23,8 @@ class CopyTokenizerConfig:
 
 def copy_pretrained_tokenizer(cfg: CopyTokenizerConfig) -> dict:
     """Copy the tokenizer `cfg.pretrained` to `cfg.out` (same name and fingerprint: skipped)."""
-    from ar_slicing.plan import StagePlan, open_stage
-    from ar_slicing.tokenizer import describe, load_tokenizer
+    from ar_slicing.data.tokenizer import describe, load_tokenizer
+    from ar_slicing.machinery.plan import StagePlan, open_stage
 
     tok = load_tokenizer(cfg.pretrained)
     info = describe(tok, cfg.pretrained)
@@ -76,7 +76,7 @@ def pretrained_table(values: dict, where: str) -> bool:
 
 
 def hub_names(cfg: CopyTokenizerConfig, where: str) -> list[tuple[str, str, str]]:
-    from ar_slicing import hub
+    from ar_slicing.machinery import hub
 
     if not hub.is_hub_name(cfg.pretrained):
         return []

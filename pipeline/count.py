@@ -5,7 +5,7 @@ Reads one or more token stores (of one tokenizer) and writes into `--out`:
   meta.json         fingerprint, total_pairs, distinct_bigrams, unit, sources (written last)
 
 Stores given together are counted as their concatenation (the pair across two stores counts;
-see `ar_slicing.counts.keys` for what a unit counts). The work is shaped for a distributed
+see `ar_slicing.algorithms.counts.keys` for what a unit counts). The work is shaped for a distributed
 engine: every task is a picklable function of plain arguments that reads and writes files, so
 results may arrive in any order:
 
@@ -19,8 +19,8 @@ results may arrive in any order:
 Memory does not grow with the corpus: a map task holds one shard, a reduce task a bounded number
 of partial entries, and the driver only file names and Parquet footers. An interrupted run
 resumes from its finished shards and ranges under `--out/.work`. The tasks are planned and run
-by `ar_slicing.counts.tasks`; `--only-bigrams-of` counts only the evaluated stores' bigrams
-(`ar_slicing.counts.restricted`), and `--import` reads published counts instead
+by `ar_slicing.algorithms.counts.tasks`; `--only-bigrams-of` counts only the evaluated stores' bigrams
+(`ar_slicing.algorithms.counts.restricted`), and `--import` reads published counts instead
 (`pipeline.count_import`).
 """
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ar_slicing.errors import BadInput
-from ar_slicing.layout import BIGRAMS_NAME, STORE_PARTS
+from ar_slicing.machinery.layout import BIGRAMS_NAME, STORE_PARTS
 from pipeline.config import (
     Command,
     config_to_dict,
@@ -114,8 +114,8 @@ def count_settings(unit: str, shard_tokens: int, only_bigrams_of=None) -> dict:
 
 def open_evaluated(paths, stores) -> list:
     """The evaluated stores of a restricted count, of the training stores' tokenizer."""
-    from ar_slicing.store import TokenStore
-    from ar_slicing.tokenizer import require_same_fingerprint
+    from ar_slicing.data.store import TokenStore
+    from ar_slicing.data.tokenizer import require_same_fingerprint
 
     evaluated = [TokenStore.open(p) for p in paths or ()]
     for store in evaluated:
@@ -130,8 +130,8 @@ def open_evaluated(paths, stores) -> list:
 
 def open_stores(store_paths) -> list:
     """The token stores to count, all of one tokenizer, with at least one pair among them."""
-    from ar_slicing.store import TokenStore
-    from ar_slicing.tokenizer import require_same_fingerprint
+    from ar_slicing.data.store import TokenStore
+    from ar_slicing.data.tokenizer import require_same_fingerprint
 
     if not store_paths:
         raise BadInput("count: no token stores given (--tokens STORE [STORE ...])")
@@ -153,7 +153,7 @@ def open_stores(store_paths) -> list:
 
 
 def open_count_stage(stores, out, unit: str, shard_tokens: int, overwrite: bool, evaluated=()):
-    from ar_slicing.plan import StagePlan, identity, open_stage
+    from ar_slicing.machinery.plan import StagePlan, identity, open_stage
 
     inputs = {"stores": [identity(s.path) for s in stores]}
     if evaluated:
@@ -185,13 +185,13 @@ def count_stores(
     """Count the bigrams of the concatenation of `store_paths` into `out`. Returns its meta.json.
 
     With `only_bigrams_of` (store paths), only the bigrams occurring in those stores are
-    counted (`ar_slicing.counts.restricted`). Resumable: partials of finished shards (and
+    counted (`ar_slicing.algorithms.counts.restricted`). Resumable: partials of finished shards (and
     finished reduce ranges) under `out/.work` are reused by a rerun with the same inputs and
     settings.
     """
     import time
 
-    from ar_slicing.counts.keys import parse_unit
+    from ar_slicing.algorithms.counts.keys import parse_unit
 
     t0 = time.time()
     row = parse_unit(unit)
@@ -229,11 +229,11 @@ def _count(
 ):
     import time
 
-    from ar_slicing.counts.kernels import warm_kernels
-    from ar_slicing.counts.keys import key_shift_for
-    from ar_slicing.counts.tasks import count_full, make_work_dir, stream_pairs
-    from ar_slicing.executor import LocalExecutor
-    from ar_slicing.io import build_meta
+    from ar_slicing.algorithms.counts.kernels import warm_kernels
+    from ar_slicing.algorithms.counts.keys import key_shift_for
+    from ar_slicing.algorithms.counts.tasks import count_full, make_work_dir, stream_pairs
+    from ar_slicing.machinery.executor import LocalExecutor
+    from ar_slicing.machinery.io import build_meta
 
     out = stage.out
     shift = max(key_shift_for(s.dtype) for s in stores + evaluated)
@@ -248,7 +248,7 @@ def _count(
     args = (stage, stores, work, row, shard_tokens, shift, executor, progress)
     restriction = {}
     if evaluated:
-        from ar_slicing.counts.restricted import count_restricted_stores, restriction_of
+        from ar_slicing.algorithms.counts.restricted import count_restricted_stores, restriction_of
 
         restriction = {"only_bigrams_of": [restriction_of(s) for s in evaluated]}
         done = count_restricted_stores(*args, evaluated=evaluated, groups=workers)
@@ -284,7 +284,7 @@ def _count(
 
 
 def validate_count(cfg: CountConfig) -> None:
-    from ar_slicing.counts.keys import parse_unit
+    from ar_slicing.algorithms.counts.keys import parse_unit
 
     _check_shard_tokens(cfg.shard_tokens)
     if cfg.workers < 0:
@@ -320,7 +320,7 @@ def _plan_settings(cfg: CountConfig) -> dict:
 
 
 def run_count(cfg: CountConfig) -> dict:
-    from ar_slicing.executor import default_workers, get_executor
+    from ar_slicing.machinery.executor import default_workers, get_executor
 
     validate_count(cfg)
     if cfg.import_parquet:
@@ -364,7 +364,7 @@ def run_count(cfg: CountConfig) -> dict:
 
 
 def _run_import(cfg: CountConfig) -> dict:
-    from ar_slicing.executor import default_workers, get_executor
+    from ar_slicing.machinery.executor import default_workers, get_executor
     from pipeline.count_import import import_counts
 
     executor = None

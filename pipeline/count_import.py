@@ -1,6 +1,6 @@
 """`arslice count --import`: published bigram counts (Parquet id0, id1, count) -> a counts directory.
 
-The files are mapped into partials (`ar_slicing.counts.imported`) and reduced as a count's are,
+The files are mapped into partials (`ar_slicing.algorithms.counts.imported`) and reduced as a count's are,
 so `bigrams.parquet` is sorted and written like any count's; the result is refused, and
 bigrams.parquet removed, when two files list the same pair. `meta.json` names the files (with
 their sha256), the tokenizer's fingerprint and the unit the counts were made in, as stated.
@@ -12,9 +12,9 @@ import logging
 import shutil
 from pathlib import Path
 
-from ar_slicing.counts.keys import parse_unit
+from ar_slicing.algorithms.counts.keys import parse_unit
 from ar_slicing.errors import BadInput
-from ar_slicing.layout import BIGRAMS_NAME
+from ar_slicing.machinery.layout import BIGRAMS_NAME
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +54,18 @@ def import_counts(
     """Published counts (Parquet files of id0, id1, count) -> a counts directory, checked."""
     import time
 
-    from ar_slicing.counts.imported import find_duplicate, import_part, plan_import_tasks
-    from ar_slicing.counts.partials import bucket_sizes
-    from ar_slicing.counts.tasks import make_work_dir, plan_reduce_tasks, run_map, run_reduce
-    from ar_slicing.executor import LocalExecutor
-    from ar_slicing.io import build_meta, sha256_file
-    from ar_slicing.plan import StagePlan, file_identity, open_stage
-    from ar_slicing.tokenizer import describe, load_tokenizer
+    from ar_slicing.algorithms.counts.imported import find_duplicate, import_part, plan_import_tasks
+    from ar_slicing.algorithms.counts.partials import bucket_sizes
+    from ar_slicing.algorithms.counts.tasks import (
+        make_work_dir,
+        plan_reduce_tasks,
+        run_map,
+        run_reduce,
+    )
+    from ar_slicing.data.tokenizer import describe, load_tokenizer
+    from ar_slicing.machinery.executor import LocalExecutor
+    from ar_slicing.machinery.io import build_meta, sha256_file
+    from ar_slicing.machinery.plan import StagePlan, file_identity, open_stage
 
     t0 = time.time()
     check_import(paths, tokenizer, unit)

@@ -26,8 +26,8 @@ class ExportConfig:
 def run_export(cfg: ExportConfig) -> dict:
     """Write every [train] model of `cfg.config` (each complete, trained here with saved_dtype
     bf16) to `cfg.out`, with the README.md saying how they were made."""
-    from ar_slicing.io import read_json
-    from ar_slicing.layout import META_NAME
+    from ar_slicing.machinery.io import read_json
+    from ar_slicing.machinery.layout import META_NAME
     from pipeline.runner.config_file import load_pipeline_config
     from pipeline.runner.stages_run import Pipeline
     from pipeline.train.prebuilt import export_models, folder_bytes, made_by, without_prebuilt

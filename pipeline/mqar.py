@@ -76,7 +76,7 @@ steps at its own length and in its curriculum, and how many runs it took), `mqar
 model dimension, one panel per sequence length) and `meta.json`, written last. `mqar_results(DIR)`
 reads them back for the report.
 
-The sweep is a stage under the plan (`ar_slicing.plan`): its settings are the ones a cell's result
+The sweep is a stage under the plan (`ar_slicing.machinery.plan`): its settings are the ones a cell's result
 depends on (`CELL_SETTINGS`), so a sweep made with others is refused, naming each field with both
 values, unless `--overwrite`; the grid (architectures, dimensions, lengths, rates) is the plan's
 scope (with the number of restarts), so finished runs are kept when it changes: an interrupted
@@ -95,7 +95,7 @@ from pathlib import Path
 import numpy as np
 
 from ar_slicing.errors import ArSliceError
-from ar_slicing.io import (
+from ar_slicing.machinery.io import (
     atomic_path,
     build_meta,
     is_complete,
@@ -103,7 +103,13 @@ from ar_slicing.io import (
     write_bytes_atomic,
     write_json_atomic,
 )
-from ar_slicing.layout import MQAR_CELLS_DIR, MQAR_CSV_NAME, MQAR_FIGURE, MQAR_MD_NAME, meta_path
+from ar_slicing.machinery.layout import (
+    MQAR_CELLS_DIR,
+    MQAR_CSV_NAME,
+    MQAR_FIGURE,
+    MQAR_MD_NAME,
+    meta_path,
+)
 from pipeline.architectures import MQAR_ARCHITECTURES, MQAR_DEFAULT, described
 from pipeline.config import Command, say
 
@@ -666,7 +672,7 @@ def figure_png(rows: list[dict]) -> bytes:
 def run_mqar(cfg: MqarConfig) -> dict:
     """Train every cell of the sweep the ledger does not hold, then write the table, the figure
     and meta.json."""
-    from ar_slicing.plan import StagePlan, open_stage
+    from ar_slicing.machinery.plan import StagePlan, open_stage
 
     unknown = sorted(set(cfg.archs) - set(MQAR_ARCHITECTURES))
     if unknown:
@@ -709,7 +715,7 @@ def _run_sweep(stage, cfg: MqarConfig) -> dict:
 
     from tqdm.auto import tqdm
 
-    from ar_slicing.executor import process_pool
+    from ar_slicing.machinery.executor import process_pool
 
     t0 = time.time()
     out = stage.out

@@ -1,7 +1,7 @@
 """`arslice probe`: the probes of one model (docs/design.md, "Probes of a checkpoint").
 
 Reads the model, the tags and the model's losses (the eval stage's output); writes into `--out`:
-  induction.parquet           the induction probe's table (`ar_slicing.probes.induction_schema`)
+  induction.parquet           the induction probe's table (`ar_slicing.analysis.probes.induction_schema`)
   induction_score.parquet     one row: the induction score and its bootstrap interval
   induction_curve.parquet     the loss curve by position of the repeated random tokens
   recall.parquet              the zero-shot key-value recall table (`recall_schema`)
@@ -29,10 +29,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ar_slicing.analysis.probes import ProbeSizes
 from ar_slicing.errors import ArSliceError, BadInput
-from ar_slicing.io import atomic_path, build_meta, read_json
-from ar_slicing.layout import LOSS_PART_GLOB, META_NAME, PROBE_FILES, TAG_PART_GLOB
-from ar_slicing.probes import ProbeSizes
+from ar_slicing.machinery.io import atomic_path, build_meta, read_json
+from ar_slicing.machinery.layout import LOSS_PART_GLOB, META_NAME, PROBE_FILES, TAG_PART_GLOB
 from pipeline.config import Command, say
 from pipeline.wiring import LOSSES, MODELS, PROBES, TAGS, Fanned, Run, Table, Wiring
 
@@ -182,8 +182,8 @@ def probe_prefix(losses_meta: dict) -> int | None:
 def drawable_vocabulary(store, head_rows: int):
     """The probes' ids: the store's tokenizer less its special tokens, capped at the model's
     head; a store without its tokenizer (a raw import): its ids less its EOS."""
-    from ar_slicing.layout import TOKENIZER_NAME
-    from ar_slicing.probes import probe_vocabulary, tokenizer_probe_vocabulary
+    from ar_slicing.analysis.probes import probe_vocabulary, tokenizer_probe_vocabulary
+    from ar_slicing.machinery.layout import TOKENIZER_NAME
 
     if (Path(store.path) / TOKENIZER_NAME).is_file():
         return tokenizer_probe_vocabulary(store.load_tokenizer(), head_rows=head_rows)
@@ -220,7 +220,7 @@ def _write(path: Path, table) -> None:
 
 def run_probe(cfg: ProbeConfig) -> dict:
     """Probe `cfg.model`; write the probes' files and meta.json to `cfg.out`."""
-    from ar_slicing.plan import StagePlan, identity, open_stage
+    from ar_slicing.machinery.plan import StagePlan, identity, open_stage
     from models.checkpoints.registry import spec_identity
     from pipeline.eval.inputs import model_name_from_spec, open_tags
 
@@ -256,7 +256,7 @@ def run_probe(cfg: ProbeConfig) -> dict:
 
 
 def _probe(stage, cfg: ProbeConfig, name: str, tags, losses: Path, losses_meta: dict, model, t0):
-    from ar_slicing.probes import (
+    from ar_slicing.analysis.probes import (
         icl_positions,
         icl_score,
         induction_curve,
@@ -333,7 +333,7 @@ def _one_row(summary: dict):
 
 def _load(cfg: ProbeConfig, name: str, tags, settings: dict, prefix: int | None):
     """The model, its drawable ids and the sequences it reads (checked before any is run)."""
-    from ar_slicing.probes import probe_sequences
+    from ar_slicing.analysis.probes import probe_sequences
     from models import load_model
 
     loaded = load_model(

@@ -1,13 +1,13 @@
 """`arslice query`: run one SQL question from `queries/` against a run's results.duckdb.
 
 Each `queries/<name>.sql` is plain DuckDB SQL over the views of `results.duckdb` (see
-`ar_slicing/results.py`), with values bound as `$name` parameters, so the same file runs
+`ar_slicing/analysis/results.py`), with values bound as `$name` parameters, so the same file runs
 unchanged from Python (`ar_slicing.open_run(RUN).query(NAME, **params)`, or DuckDB itself)::
 
     con = duckdb.connect("runs/pile/results.duckdb", read_only=True)
     con.execute(open("queries/gap_vs_reference.sql").read(), {"reference": "attention"}).fetchall()
 
-Loading and running the files is `ar_slicing.sql`'s; this module parses `--param NAME=VALUE`
+Loading and running the files is `ar_slicing.analysis.sql`'s; this module parses `--param NAME=VALUE`
 flags and prints the result as a table, CSV or JSON.
 """
 
@@ -21,8 +21,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from ar_slicing.analysis.sql import available_queries, load_query, run_named_query
 from ar_slicing.errors import ArSliceError
-from ar_slicing.sql import available_queries, load_query, run_named_query
 from pipeline.config import Command
 
 FORMATS = ("table", "csv", "json")
@@ -120,8 +120,8 @@ FORMATTERS = {"table": format_table, "csv": format_csv, "json": format_json}
 
 def run_query(cfg: QueryConfig) -> dict:
     """Print the result of `queries/<cfg.name>.sql` on the run `cfg.run`."""
-    from ar_slicing.ownership import results_lock
-    from ar_slicing.results import open_results
+    from ar_slicing.analysis.results import open_results
+    from ar_slicing.machinery.ownership import results_lock
 
     if cfg.format not in FORMATTERS:
         raise ArSliceError(f"--format {cfg.format!r}: choose one of {', '.join(FORMATS)}")

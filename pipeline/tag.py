@@ -7,11 +7,11 @@ Reads a validation token store and the training bigram counts; writes into `--ou
   meta.json              parameters, input fingerprints, counts overall and per subset (last)
 
 Copy spans (docs/copy-length.md): with `--span-order K` >= 2 the windows are read twice. The
-first pass only finds the long copies (`ar_slicing.tags.long_spans`: match_len capped at K, no
+first pass only finds the long copies (`ar_slicing.algorithms.tags.long_spans`: match_len capped at K, no
 columns) and gathers the n-grams of orders 3..K+1 that end at them (for a repeat with match_len
 m >= 2, those of orders 3..min(m, K)+1), keeping for each long copy the row of its span n-gram;
 the training stores the bigram counts were made from are then read once to count exactly those
-(`ar_slicing.counts.ngrams`), and the tagging pass writes the parts, handed each batch's span
+(`ar_slicing.algorithms.counts.ngrams`), and the tagging pass writes the parts, handed each batch's span
 counts in the order it meets the long copies. Both full and restricted bigram counts name their
 training stores in their meta.json; counts imported from elsewhere do not, and need
 `--span-order 1` (span count = the bigram's count).
@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from ar_slicing.errors import ArSliceError
-from ar_slicing.io import read_json
-from ar_slicing.layout import META_NAME, TAG_PART
+from ar_slicing.machinery.io import read_json
+from ar_slicing.machinery.layout import META_NAME, TAG_PART
 from pipeline.config import Command, say
 from pipeline.wiring import COUNTS, STORES, TAGS, Wiring
 
@@ -115,15 +115,15 @@ def _opened(kind: str, path: str):
     key = f"{kind}:{path}"
     if key not in _OPEN:
         if kind == "store":
-            from ar_slicing.store import TokenStore
+            from ar_slicing.data.store import TokenStore
 
             _OPEN[key] = TokenStore.open(path)
         elif kind == "docs":
-            from ar_slicing.tags import DocTable
+            from ar_slicing.algorithms.tags import DocTable
 
             _OPEN[key] = DocTable.from_store(_opened("store", path))
         else:
-            from ar_slicing.counts import BigramCounts
+            from ar_slicing.algorithms.counts import BigramCounts
 
             _OPEN[key] = BigramCounts.open(path)
     return _OPEN[key]
@@ -138,7 +138,7 @@ _SPANS: dict[str, object] = {}
 def _batches(task: PartTask):
     """(first window, stream) of each batch of a part's windows: both passes take a part in the
     same batches, so a batch's long copies are the same in each."""
-    from ar_slicing.windows import stream_range
+    from ar_slicing.algorithms.windows import stream_range
 
     store = _opened("store", task.tokens)
     L = task.window
@@ -158,7 +158,7 @@ def batch_targets(window: int, n_tokens: int) -> int:
 
 def _buffers(task: PartTask) -> dict[str, np.ndarray]:
     """Column memory reused by every batch of every part this worker tags."""
-    from ar_slicing.tags import column_buffers
+    from ar_slicing.algorithms.tags import column_buffers
 
     n_tokens = _opened("store", task.tokens).n_tokens
     size = batch_targets(task.window, n_tokens)
@@ -170,8 +170,8 @@ def _buffers(task: PartTask) -> dict[str, np.ndarray]:
 def span_grams_of_part(task: PartTask) -> tuple[np.ndarray, list[np.ndarray]]:
     """The distinct n-grams a part's long copies need counted (rows like `NgramTable.grams`)
     and, per batch, the row among them of each long copy's span n-gram, in order."""
-    from ar_slicing.counts.ngrams import NgramTable
-    from ar_slicing.tags import long_spans
+    from ar_slicing.algorithms.counts.ngrams import NgramTable
+    from ar_slicing.algorithms.tags import long_spans
 
     store = _opened("store", task.tokens)
     docs = _opened("docs", task.tokens)
@@ -195,7 +195,7 @@ def span_grams_of_part(task: PartTask) -> tuple[np.ndarray, list[np.ndarray]]:
 
 
 def count_spans(task) -> np.ndarray:
-    from ar_slicing.counts.ngrams import count_span_task
+    from ar_slicing.algorithms.counts.ngrams import count_span_task
 
     return count_span_task(task, _SPANS["table"])
 
@@ -203,18 +203,18 @@ def count_spans(task) -> np.ndarray:
 def tag_part(task: PartTask) -> dict:
     """Tag one part's windows in batches and write its Parquet file atomically.
 
-    Returns per-subset counts (see `ar_slicing.tags.slice_counts`) and the number of targets.
+    Returns per-subset counts (see `ar_slicing.algorithms.tags.slice_counts`) and the number of targets.
     """
     import pyarrow.parquet as pq
 
-    from ar_slicing.io import atomic_path
-    from ar_slicing.tags import (
+    from ar_slicing.algorithms.tags import (
         PARQUET_OPTIONS,
         arrow_write_schema,
         slice_counts,
         tag_windows,
         to_arrow,
     )
+    from ar_slicing.machinery.io import atomic_path
 
     store = _opened("store", task.tokens)
     docs = _opened("docs", task.tokens)
@@ -270,7 +270,7 @@ def run_tag(cfg: TagConfig) -> dict:
 
 
 def validate_tag(cfg: TagConfig) -> None:
-    from ar_slicing.windows import check_window
+    from ar_slicing.algorithms.windows import check_window
 
     check_window(cfg.window)
     if cfg.threshold < 0:
@@ -317,8 +317,8 @@ def span_training_stores(
 ) -> tuple[list, int | None]:
     """The training token stores the counts were made from (and their counting unit's row
     length), opened, for counting span n-grams the same way; none for span order 1."""
-    from ar_slicing.counts.keys import parse_unit
-    from ar_slicing.store import TokenStore
+    from ar_slicing.algorithms.counts.keys import parse_unit
+    from ar_slicing.data.store import TokenStore
 
     if span_order < 2:
         return [], None
@@ -352,9 +352,9 @@ def span_training_stores(
 def _require_memory(cfg: TagConfig, n_tokens: int) -> None:
     """Refuse, before any work, a window whose batches hold more than this machine's memory
     (the counts' own table, loaded once and shared, is not counted)."""
-    from ar_slicing.executor import default_workers
-    from ar_slicing.limits import require_memory
-    from ar_slicing.tags import row_bytes
+    from ar_slicing.algorithms.tags import row_bytes
+    from ar_slicing.machinery.executor import default_workers
+    from ar_slicing.machinery.limits import require_memory
 
     rows = batch_targets(cfg.window, n_tokens)
     workers = cfg.workers or default_workers()
@@ -367,10 +367,10 @@ def _require_memory(cfg: TagConfig, n_tokens: int) -> None:
 
 def _run_tag(cfg: TagConfig) -> dict:
 
-    from ar_slicing.counts.restricted import check_covers
-    from ar_slicing.plan import StagePlan, identity, open_stage
-    from ar_slicing.store import TokenStore
-    from ar_slicing.tokenizer import require_same_fingerprint
+    from ar_slicing.algorithms.counts.restricted import check_covers
+    from ar_slicing.data.store import TokenStore
+    from ar_slicing.data.tokenizer import require_same_fingerprint
+    from ar_slicing.machinery.plan import StagePlan, identity, open_stage
 
     t0 = time.time()
     validate_tag(cfg)
@@ -418,8 +418,8 @@ def _count_span_ngrams(cfg: TagConfig, parts: list[PartTask], training, workers:
     the training stores (split among all of --workers), and leave in `_SPANS` what the tagging
     workers need: the counts, and per part and batch the rows of its long copies. Returns what
     meta.json records, and the times taken."""
-    from ar_slicing.counts.ngrams import NgramTable, span_count_tasks
-    from ar_slicing.executor import LocalExecutor, default_workers
+    from ar_slicing.algorithms.counts.ngrams import NgramTable, span_count_tasks
+    from ar_slicing.machinery.executor import LocalExecutor, default_workers
 
     stores, row = training
     t0 = time.time()
@@ -458,12 +458,12 @@ def _count_span_ngrams(cfg: TagConfig, parts: list[PartTask], training, workers:
 def _tag_into(
     stage, cfg: TagConfig, store, counts_meta: dict, training, warnings: list[str], t0: float
 ):
-    from ar_slicing.counts import BigramCounts
-    from ar_slicing.executor import default_workers
-    from ar_slicing.io import build_meta
-    from ar_slicing.layout import WINDOWS_NAME
-    from ar_slicing.tags import DocTable, warm
-    from ar_slicing.windows import window_table, write_window_table
+    from ar_slicing.algorithms.counts import BigramCounts
+    from ar_slicing.algorithms.tags import DocTable, warm
+    from ar_slicing.algorithms.windows import window_table, write_window_table
+    from ar_slicing.machinery.executor import default_workers
+    from ar_slicing.machinery.io import build_meta
+    from ar_slicing.machinery.layout import WINDOWS_NAME
 
     out = stage.out
     # The counts' table is read and built on a thread (Parquet decoding and the build kernel
@@ -566,7 +566,7 @@ def _tag_parts(stage, todo: list[PartTask], results: dict, workers: int, n_targe
     in `results` as it finishes; the seconds it took."""
     from tqdm import tqdm
 
-    from ar_slicing.executor import LocalExecutor
+    from ar_slicing.machinery.executor import LocalExecutor
 
     t0 = time.time()
     with tqdm(total=n_targets, unit="tok", unit_scale=True, desc="tag", disable=None) as bar:

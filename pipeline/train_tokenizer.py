@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ar_slicing.data.readers import ReadStats, check_sources, check_split_options
 from ar_slicing.errors import ArSliceError
-from ar_slicing.io import atomic_path
-from ar_slicing.readers import ReadStats, check_sources, check_split_options
+from ar_slicing.machinery.io import atomic_path
 from pipeline.config import (
     READER_FIELDS,
     Command,
@@ -112,7 +112,7 @@ def train_tokenizer_settings(cfg: TrainTokenizerConfig) -> dict:
 
 
 def run_train_tokenizer(cfg: TrainTokenizerConfig) -> dict:
-    from ar_slicing.plan import StagePlan, open_stage
+    from ar_slicing.machinery.plan import StagePlan, open_stage
     from pipeline.tokenize.shards import source_identity
 
     validate_train_tokenizer(cfg)
@@ -132,8 +132,8 @@ def run_train_tokenizer(cfg: TrainTokenizerConfig) -> dict:
 
 
 def _train(stage, cfg: TrainTokenizerConfig) -> dict:
-    from ar_slicing.io import build_meta
-    from ar_slicing.tokenizer import fingerprint
+    from ar_slicing.data.tokenizer import fingerprint
+    from ar_slicing.machinery.io import build_meta
 
     out = stage.out
     t0 = time.time()

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ar_slicing.errors import BadInput
-from ar_slicing.layout import META_NAME, STORE_PARTS, RunLayout
+from ar_slicing.machinery.layout import META_NAME, STORE_PARTS, RunLayout
 
 # ---- the run-layout outputs ------------------------------------------------------------------
 

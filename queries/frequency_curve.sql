@@ -1,7 +1,7 @@
 -- Zoology Figure 1: mean loss per decade bucket of the bigram's training count, repeats vs
 -- non-repeats, per model. Buckets: 0 (never seen in training), 1-9, 10-99, 100-999, ...
 -- `bucket` is the number of decimal digits of train_count (0 for a count of 0): results.duckdb's
--- macro count_bucket, with count_bucket_lo/_hi/_label (ar_slicing/slices.py).
+-- macro count_bucket, with count_bucket_lo/_hi/_label (ar_slicing/analysis/slices.py).
 -- Parameters: none.
 WITH bucketed AS (
     SELECT

@@ -3,7 +3,7 @@
 -- ar_share_of_gap = sum over AR hits of (nll_model - nll_reference) / the same sum over all tokens
 -- (a fraction: 1.0 = 100%; it may exceed 1 or be negative; NULL where the total gap is exactly 0).
 -- Both models score the same tokens (one loss per tag row), so the paired sums are differences of sums.
--- The slices T are Table 1's (ar_slicing/slices.py), from which results.duckdb's table macro
+-- The slices T are Table 1's (ar_slicing/analysis/slices.py), from which results.duckdb's table macro
 -- `gap_vs_reference(reference)` is made.
 -- $reference  the reference model, a losses folder name; `arslice query` uses the run's
 --             default reference (its attention model) when it is not given

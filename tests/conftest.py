@@ -106,7 +106,7 @@ def engine(request, monkeypatch):
 @pytest.fixture
 def make_store(tmp_path):
     """make_store(documents, vocab_size=..., eos_id=..., fingerprint=..., subsets=...) -> TokenStore."""
-    from ar_slicing.store import write_token_store
+    from ar_slicing.data.store import write_token_store
 
     counter = {"n": 0}
 

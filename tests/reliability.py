@@ -105,8 +105,8 @@ def final_files(out: Path) -> dict[str, Path]:
 def as_killed(out: Path) -> dict:
     """Turn the complete output `out` into what a kill just before its meta.json leaves: its
     plan and its ledger (every finished part), no meta.json. Returns the meta.json it had."""
-    from ar_slicing.io import read_json
-    from ar_slicing.plan import StagePlan, open_stage
+    from ar_slicing.machinery.io import read_json
+    from ar_slicing.machinery.plan import StagePlan, open_stage
 
     meta = read_json(out / "meta.json")
     stage = open_stage(out, StagePlan(**meta["plan"]))

@@ -497,7 +497,7 @@ def resolve_files(target: str, spec: str, revision: str | None = None) -> tuple[
 
 
 def _download(repo_id: str, spec: str, revision: str | None) -> Path:
-    from ar_slicing import hub
+    from ar_slicing.machinery import hub
 
     patterns = [CONFIG_NAME, *WEIGHT_NAMES, "*.json"]
     instead = "a local directory holding its config.json and pytorch_model.bin"
@@ -509,7 +509,7 @@ def load_based(
 ):
     """(LanguageModel with the checkpoint's weights, directory to look for a tokenizer in).
     `model_config`: a config.json to read instead of the published one (e.g. with `fla_version`)."""
-    from ar_slicing.io import read_json
+    from ar_slicing.machinery.io import read_json
     from models.backbone import LanguageModel
     from models.checkpoints.io import load_state_dict_checked, read_checkpoint, state_dict_from
     from models.checkpoints.mamba_ssm import is_mamba_ssm_config

@@ -264,7 +264,7 @@ def weights_file_of(target: str, spec: str, is_hub: bool, revision: str | None) 
 
     path = Path(target).expanduser()
     if is_hub and not path.exists():
-        from ar_slicing import hub
+        from ar_slicing.machinery import hub
 
         patterns = ["*.pt", "*.json", "*.yaml"]
         path = hub.fetch(target, revision, patterns, spec, "the downloaded model.pt")

@@ -150,7 +150,7 @@ def _load_transformers(spec: str, target: str, dtype, commit: str | None, trust:
     `trust`: run the checkpoint's own code (given explicitly, so transformers never asks)."""
     import torch
 
-    from ar_slicing import hub
+    from ar_slicing.machinery import hub
 
     remote = {"trust_remote_code": trust, **hub.files_only()}
     try:
@@ -200,7 +200,7 @@ TOKENIZER_FILES = [
 def _hub_tokenizer_dir(name: str, commit: str | None) -> Path | None:
     """The local folder holding the tokenizer files of hub repo `name` at `commit` (fetched when
     the hub answers, else from the cache), or None when it has none."""
-    from ar_slicing import hub
+    from ar_slicing.machinery import hub
 
     try:
         from huggingface_hub import snapshot_download

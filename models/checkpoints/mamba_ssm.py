@@ -216,7 +216,7 @@ def _find_file(target: str, local: bool, names, revision: str | None = None) -> 
         try:
             from huggingface_hub import hf_hub_download
 
-            from ar_slicing import hub
+            from ar_slicing.machinery import hub
 
             return hf_hub_download(target, name, revision=revision, **hub.files_only())
         except Exception as e:  # not in the repo, or the hub unreachable: try the next name

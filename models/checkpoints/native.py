@@ -17,8 +17,8 @@ import shutil
 from pathlib import Path
 
 from ar_slicing.errors import ArSliceError
-from ar_slicing.io import atomic_path, os_errors_of, read_json, write_json_atomic
-from ar_slicing.layout import (
+from ar_slicing.machinery.io import atomic_path, os_errors_of, read_json, write_json_atomic
+from ar_slicing.machinery.layout import (
     META_NAME,
     MODEL_CONFIG_NAME,
     MODEL_WEIGHTS_NAME,

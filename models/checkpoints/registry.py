@@ -206,7 +206,7 @@ def hub_target(spec: str) -> tuple[str, str, str | None, bool]:
     """(prefix, target, revision, whether target is a hub id) of a spec: `PREFIX:ID@REVISION`
     names a branch, tag or commit of a hub repo where the format reads the hub; a local path is
     never a hub id."""
-    from ar_slicing import hub
+    from ar_slicing.machinery import hub
 
     prefix, target = parse_spec(spec)
     found = checkpoint_format(prefix)
@@ -231,9 +231,9 @@ def spec_identity(spec: str) -> dict:
     this project wrote by its meta.json's digest, other local files by size and modification
     time, a hub id by the commit its revision (default: the hub's default branch) resolves to,
     so a hub model that changed under the same name is a changed input."""
-    from ar_slicing import hub
-    from ar_slicing.layout import META_NAME
-    from ar_slicing.plan import file_identity, identity
+    from ar_slicing.machinery import hub
+    from ar_slicing.machinery.layout import META_NAME
+    from ar_slicing.machinery.plan import file_identity, identity
 
     prefix, target, revision, is_hub = hub_target(spec)
     if is_hub:
@@ -265,7 +265,7 @@ def load_model(
     formats that read one. `trust_remote_code` lets a checkpoint's own Python run (an hf: config
     with `auto_map`); without it such a checkpoint is refused and none of its code runs.
     """
-    from ar_slicing import hub
+    from ar_slicing.machinery import hub
     from models.precision import torch_dtype
 
     prefix, target, revision, is_hub = hub_target(spec)
@@ -374,7 +374,7 @@ def loaded_language_model(
 
 def fingerprint_near(path) -> str | None:
     """Fingerprint of a tokenizer stored with a checkpoint (tokenizer.json or transformers files)."""
-    from ar_slicing.tokenizer import fingerprint, load_tokenizer
+    from ar_slicing.data.tokenizer import fingerprint, load_tokenizer
 
     if path is None:
         return None

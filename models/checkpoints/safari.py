@@ -339,7 +339,7 @@ def _weights_file(target: str, revision: str | None = None) -> Path:
 
     path = Path(target).expanduser()
     if not path.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", target):
-        from ar_slicing import hub
+        from ar_slicing.machinery import hub
 
         patterns = ["*.pt", "*.pth", "*.bin", "*.ckpt", "*.safetensors", "*.json", "*.yaml"]
         path = hub.fetch(

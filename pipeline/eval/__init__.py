@@ -22,7 +22,7 @@ How it runs:
 Windowing:
   * `fixed` (default, the paper's): the model reads the tag windows themselves, `S[w*L : w*L+n]`,
     so a target's context is every earlier token of its window, across document boundaries.
-  * `rolling`: lm-evaluation-harness `loglikelihood_rolling` per document (`ar_slicing.rolling`):
+  * `rolling`: lm-evaluation-harness `loglikelihood_rolling` per document (`ar_slicing.algorithms.rolling`):
     each document is read on its own, after one prefix token, in windows of at most `L`
     predictions. The prefix is lm-eval's `prefix_token_id`: the model tokenizer's BOS when it
     declares one, else its EOS (the store's when the model's tokenizer declares neither);

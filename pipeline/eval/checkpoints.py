@@ -10,7 +10,7 @@ the recall emergence (docs/design.md, "Recall emergence"):
     checkpoints = ["step0", "step512", "step1000"]   # hub revisions: hf:ID@step512, ...
     tokens_per_step = 2097152       # tokens one training step saw (1024 rows of 2048)
 
-Each checkpoint is evaluated into `losses/<model>@step<n>` (`ar_slicing.layout.CHECKPOINT_LOSSES`)
+Each checkpoint is evaluated into `losses/<model>@step<n>` (`ar_slicing.machinery.layout.CHECKPOINT_LOSSES`)
 with `checkpoint_of`, `step`, `tokens_seen` and `window_subset` set; a trained model's checkpoint
 records its own tokens seen (its meta.json). These keys belong to the pipeline, not to the eval
 stage's config: `[eval]`'s are its wiring's `pipeline_keys`, a model table's are taken out here.
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ar_slicing.errors import BadInput
-from ar_slicing.layout import CHECKPOINT_LOSSES, KEPT_CHECKPOINTS_DIR, kept_checkpoint
+from ar_slicing.machinery.layout import CHECKPOINT_LOSSES, KEPT_CHECKPOINTS_DIR, kept_checkpoint
 from pipeline.wiring import Fanned, Table, model_tables
 
 CHECKPOINT_KEYS = ("checkpoints", "checkpoint_windows", "tokens_per_step")

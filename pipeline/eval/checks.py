@@ -6,8 +6,8 @@ import logging
 
 import numpy as np
 
+from ar_slicing.data.tokenizer import require_same_fingerprint
 from ar_slicing.errors import ArSliceError
-from ar_slicing.tokenizer import require_same_fingerprint
 from pipeline.eval.config import EvalConfig
 from pipeline.eval.inputs import TagsInput
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ar_slicing.algorithms.windows import window_bounds
+from ar_slicing.data.tokenizer import require_same_fingerprint
 from ar_slicing.errors import BadInput
-from ar_slicing.io import META_NAME, is_complete, read_json
-from ar_slicing.layout import TAG_PART_GLOB, WINDOWS_NAME
-from ar_slicing.parts import part_rows
-from ar_slicing.tokenizer import require_same_fingerprint
-from ar_slicing.windows import window_bounds
+from ar_slicing.machinery.io import META_NAME, is_complete, read_json
+from ar_slicing.machinery.layout import TAG_PART_GLOB, WINDOWS_NAME
+from ar_slicing.machinery.parts import part_rows
 from pipeline.eval.config import CHECKPOINT_SUFFIXES
 
 
@@ -26,7 +26,7 @@ class TagsInput:
     window: int  # L
     starts: np.ndarray  # (W,) int64
     n_targets: np.ndarray  # (W,) int64
-    store: object  # ar_slicing.store.TokenStore
+    store: object  # ar_slicing.data.store.TokenStore
     n_tag_rows: int
 
     @property
@@ -39,8 +39,8 @@ def open_tags(tags_dir: str | Path, tokens: str | None = None) -> TagsInput:
     one per target, and a token store of the same tokenizer and length."""
     import pyarrow.parquet as pq
 
-    from ar_slicing.layout import where_is
-    from ar_slicing.store import TokenStore
+    from ar_slicing.data.store import TokenStore
+    from ar_slicing.machinery.layout import where_is
 
     tags_dir = Path(tags_dir)
     if tags_dir.is_file():
@@ -164,7 +164,7 @@ def fixed_sequences(tags: TagsInput, w0: int, w1: int) -> list[Sequence]:
 def rolling_sequences(
     tags: TagsInput, w0: int, w1: int, prefix: int | None = None, lead: tuple[int, ...] = ()
 ) -> list[Sequence]:
-    """Per-document rolling windows (ar_slicing.rolling) whose predictions fall in windows w0..w1-1,
+    """Per-document rolling windows (ar_slicing.algorithms.rolling) whose predictions fall in windows w0..w1-1,
     each document read after the token `prefix` (default: the store's EOS) and the tokens `lead`
     (the harness's `[BOS] + doc` token list for a tokenizer that adds BOS, `--harness-bos`; their
     predictions predict no stream token and are not scored).
@@ -174,7 +174,7 @@ def rolling_sequences(
     after the chunk's last target (a causal model's earlier outputs do not depend on later
     inputs) and the part before the chunk is left unscored; the neighbouring chunk scores it.
     """
-    from ar_slicing.rolling import rolling_windows
+    from ar_slicing.algorithms.rolling import rolling_windows
 
     store = tags.store
     lo = int(tags.starts[w0]) + 1  # first target stream index of the chunk

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from ar_slicing.errors import ArSliceError
-from ar_slicing.io import atomic_path
-from ar_slicing.layout import LOSS_PART
+from ar_slicing.machinery.io import atomic_path
+from ar_slicing.machinery.layout import LOSS_PART
 from pipeline.eval.config import EvalConfig
 from pipeline.eval.forward import BatchRunner, make_forward
 from pipeline.eval.inputs import TagsInput, fixed_sequences, open_tags, rolling_sequences

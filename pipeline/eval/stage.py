@@ -3,7 +3,7 @@
 A checkpoint along a model's training (`--checkpoint-of NAME`) is evaluated as any model, into
 a losses folder of its own; its plan also records its step and the tokens it had seen, and the
 window subset it was scored on (`--window-subset N`, evenly strided:
-`ar_slicing.windows.window_subset`), so another subset is a changed setting."""
+`ar_slicing.algorithms.windows.window_subset`), so another subset is a changed setting."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ar_slicing.errors import ArSliceError
-from ar_slicing.io import build_meta
+from ar_slicing.machinery.io import build_meta
 from models.kernels import paths_taken
 from models.precision import resolve_device, resolve_dtype, resolve_on_cluster, weights_dtype
 from pipeline.config import Command, say
@@ -161,8 +161,8 @@ def rolling_prefix(cfg: EvalConfig, loaded, store) -> tuple[int, str]:
     """The token before each document in rolling windows and where it came from: lm-eval's
     prefix_token_id over the model's tokenizer (its BOS, else its EOS; the store's EOS when the
     model's tokenizer declares neither), or --prefix-token."""
-    from ar_slicing.rolling import prefix_token
-    from ar_slicing.tokenizer import special_token_ids
+    from ar_slicing.algorithms.rolling import prefix_token
+    from ar_slicing.data.tokenizer import special_token_ids
 
     declared = special_token_ids(loaded.tokenizer_source) if loaded.tokenizer_source else {}
     eos = declared.get("eos_token_id")
@@ -180,7 +180,7 @@ def harness_lead(cfg: EvalConfig, loaded) -> tuple[tuple[int, ...], str | None]:
     """The tokens read between the prefix and each document with --harness-bos (what the model
     tokenizer's `encode` puts before a text, as lm-eval's tok_encode keeps them), and a line
     saying so; () without --harness-bos."""
-    from ar_slicing.tokenizer import special_token_ids
+    from ar_slicing.data.tokenizer import special_token_ids
 
     if not cfg.harness_bos:
         return (), None
@@ -283,7 +283,7 @@ def _device_and_dtype(cfg: EvalConfig):
     if cfg.executor == "local":
         device = resolve_device(cfg.device)
         return None, device, resolve_dtype(cfg.dtype, device)
-    from ar_slicing.executor import get_executor
+    from ar_slicing.machinery.executor import get_executor
 
     executor = get_executor(cfg.executor, address=cfg.ray_address)
     device = cfg.device if cfg.device != "auto" else "cuda" if executor.cluster_gpus else "cpu"
@@ -322,8 +322,8 @@ def _resolve(cfg, name, tags, windows, selected, executor, device, dtype, t0) ->
 
 def run_eval(cfg: EvalConfig) -> dict:
     """Evaluate `cfg.model` on the windows of `cfg.tags`; write losses and meta.json to `cfg.out`."""
-    from ar_slicing.plan import StagePlan, identity, open_stage
-    from ar_slicing.windows import window_subset
+    from ar_slicing.algorithms.windows import window_subset
+    from ar_slicing.machinery.plan import StagePlan, identity, open_stage
     from models.checkpoints.registry import spec_identity
 
     t0 = time.time()

@@ -69,7 +69,7 @@ def losses_entry(name: str, out: Path, meta: dict) -> dict:
 
 def eval_hub_names(cfg, where: str) -> list[tuple[str, str, str]]:
     """The model an evaluation would fetch from the hub."""
-    from ar_slicing import hub
+    from ar_slicing.machinery import hub
     from models.checkpoints.registry import parse_spec, reads_hub_models
 
     prefix, target = parse_spec(cfg.model)

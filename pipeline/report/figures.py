@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from ar_slicing.slices import TABLE1_SLICES
+from ar_slicing.analysis.slices import TABLE1_SLICES
 from pipeline.plotting import png_bytes as _png
 from pipeline.plotting import pyplot as _pyplot
 
@@ -103,7 +103,7 @@ def frequency_curve_png(columns: list[str], rows: list[tuple], reference: str) -
 
 
 def copy_length_png(rows: list[dict], reference: str) -> bytes:
-    """Mean NLL vs copy length (`ar_slicing.copy_length` rows, spans "novel_seen"): one panel per
+    """Mean NLL vs copy length (`ar_slicing.analysis.copy_length` rows, spans "novel_seen"): one panel per
     model as in Figure 1, copy-length buckets on a log axis, the copied span novel (training
     count 0) or seen; the dotted line is the model's non-repeats, the reference grey in the
     others. A point per bucket of at least 20 tokens."""
@@ -163,7 +163,7 @@ def copy_length_png(rows: list[dict], reference: str) -> bytes:
 
 
 def recall_gain_png(t1) -> bytes:
-    """The in-context recall gain per model (`ar_slicing.table1.Table1`), with its interval."""
+    """The in-context recall gain per model (`ar_slicing.analysis.table1.Table1`), with its interval."""
     import numpy as np
 
     plt = _pyplot()
@@ -235,7 +235,7 @@ def slice_bars_png(report, order: list[str]) -> bytes:
 
 
 def emergence_png(rows: list[dict]) -> bytes:
-    """Recall emergence (`ar_slicing.emergence` rows): the in-context recall gain against the
+    """Recall emergence (`ar_slicing.analysis.emergence` rows): the in-context recall gain against the
     training tokens seen (log axis), one line per model with its 95% band, and the gain at
     training count 0 dashed in the same colour. A point at 0 tokens (the initial weights) has no
     place on a log axis: it is in the table, not drawn."""

@@ -47,7 +47,7 @@ class Passage:
 
 def choose_windows(con, reference: str, n: int) -> list[tuple[int, str]]:
     """(window_id, why) of the windows to show: where models lose most to the reference on AR hits."""
-    from ar_slicing.sql import run_named_query
+    from ar_slicing.analysis.sql import run_named_query
 
     if n <= 0:
         return []
@@ -80,9 +80,9 @@ def choose_windows(con, reference: str, n: int) -> list[tuple[int, str]]:
 
 
 def load_passages(con, checked, windows: list[tuple[int, str]], models: list[str]) -> list[Passage]:
-    """The `windows` of the run `checked` (`ar_slicing.results.CheckedRun`), token by token."""
-    from ar_slicing.layout import TOKENIZER_NAME
-    from ar_slicing.tokenizer import fingerprint, load_tokenizer
+    """The `windows` of the run `checked` (`ar_slicing.analysis.results.CheckedRun`), token by token."""
+    from ar_slicing.data.tokenizer import fingerprint, load_tokenizer
+    from ar_slicing.machinery.layout import TOKENIZER_NAME
 
     tokenizer = None
     for candidate in [

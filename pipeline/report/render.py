@@ -6,7 +6,7 @@ import base64
 import html
 import re
 
-from ar_slicing.layout import (
+from ar_slicing.machinery.layout import (
     COPY_LENGTH_FIGURE,
     EMERGENCE_FIGURE,
     FREQUENCY_CURVE_FIGURE,

@@ -6,9 +6,10 @@ import logging
 import math
 import time
 
+from ar_slicing.analysis.slices import AR, TABLE1_SLICES
 from ar_slicing.errors import ArSliceError
-from ar_slicing.io import build_meta, write_bytes_atomic
-from ar_slicing.layout import (
+from ar_slicing.machinery.io import build_meta, write_bytes_atomic
+from ar_slicing.machinery.layout import (
     COPY_LENGTH_FIGURE,
     EMERGENCE_FIGURE,
     FREQUENCY_CURVE_FIGURE,
@@ -22,7 +23,6 @@ from ar_slicing.layout import (
     TABLE_CSV,
     RunLayout,
 )
-from ar_slicing.slices import AR, TABLE1_SLICES
 from pipeline.config import Command, config_to_dict, say
 from pipeline.mqar import mqar_results
 from pipeline.report.config import QUERY_TABLES, ReportConfig
@@ -68,10 +68,10 @@ def require_bootstrap_fits(cfg: ReportConfig, layout: RunLayout) -> None:
     """Refuse, before anything is written, a `--bootstrap` that would run for more than a day
     here or hold more than this machine's memory, with the estimate: the time of one chunk of
     resamples of the run's windows, measured now, scaled to every resample of every table."""
-    from ar_slicing.io import read_json
-    from ar_slicing.layout import META_NAME
-    from ar_slicing.limits import require_memory, require_time
-    from ar_slicing.metrics import bootstrap_cost
+    from ar_slicing.analysis.metrics import bootstrap_cost
+    from ar_slicing.machinery.io import read_json
+    from ar_slicing.machinery.layout import META_NAME
+    from ar_slicing.machinery.limits import require_memory, require_time
 
     if cfg.bootstrap == 0 or not (layout.tags / META_NAME).is_file():
         return  # (no intervals; or no tags, which the run's own check names)
@@ -97,8 +97,8 @@ def report_settings(cfg: ReportConfig, reference: str | None = None) -> dict:
 
 def run_report(cfg: ReportConfig) -> dict:
     """Write results.duckdb and report/ for the run `cfg.run`; print Table 1 and the HTML path."""
-    from ar_slicing.ownership import refuse_not_owned, results_lock
-    from ar_slicing.results import ensure_results
+    from ar_slicing.analysis.results import ensure_results
+    from ar_slicing.machinery.ownership import refuse_not_owned, results_lock
 
     t0 = time.time()
     validate_report(cfg)
@@ -114,9 +114,9 @@ def run_report(cfg: ReportConfig) -> dict:
 def _report_from(cfg: ReportConfig, checked, t0: float) -> dict:
     import duckdb
 
-    from ar_slicing.plan import StagePlan, identity, open_stage
-    from ar_slicing.results import run_info
-    from ar_slicing.table1 import models_table, resolve_reference
+    from ar_slicing.analysis.results import run_info
+    from ar_slicing.analysis.table1 import models_table, resolve_reference
+    from ar_slicing.machinery.plan import StagePlan, identity, open_stage
 
     layout = checked.layout
     out = layout.report
@@ -168,8 +168,8 @@ REPORT_FILES = (
 
 
 def _write_report(stage, cfg, con, checked, info, reference, t0, mqar=None) -> dict:
-    from ar_slicing.sql import load_query, run_named_query
-    from ar_slicing.table1 import compute_table1
+    from ar_slicing.analysis.sql import load_query, run_named_query
+    from ar_slicing.analysis.table1 import compute_table1
 
     out = stage.out
     stage.expect(out / name for name in REPORT_FILES)
@@ -258,8 +258,8 @@ def _write_report(stage, cfg, con, checked, info, reference, t0, mqar=None) -> d
 def _copy_length(con, cfg, out) -> dict:
     """The copy-length table (with intervals), its rows per subset, and the figure's curve;
     copy_length.csv holds every (model, copy bucket, span bucket) cell with its interval."""
-    from ar_slicing.copy_length import CURVE_MAX_BUCKET, copy_length_rows
-    from ar_slicing.sql import run_named_query
+    from ar_slicing.analysis.copy_length import CURVE_MAX_BUCKET, copy_length_rows
+    from ar_slicing.analysis.sql import run_named_query
 
     boot = {"n_bootstrap": cfg.bootstrap, "seed": cfg.seed}
     split = copy_length_rows(con, **boot)
@@ -279,7 +279,7 @@ def _copy_length(con, cfg, out) -> dict:
 def _emergence(con, cfg, out, figures: dict) -> tuple[tuple[list[str], list[list[str]]], list]:
     """The recall emergence (a run with checkpoints): emergence.csv, emergence.png (added to
     `figures`), the table's text and its rows."""
-    from ar_slicing.emergence import emergence_rows
+    from ar_slicing.analysis.emergence import emergence_rows
 
     rows = emergence_rows(con, n_bootstrap=cfg.bootstrap, seed=cfg.seed)
     columns = list(rows[0]) if rows else ["model"]
@@ -293,7 +293,7 @@ def probe_rows(con, points: list[dict], recall_gain) -> list[dict]:
     """`queries/probe_scores.sql`'s rows with the recall gain of each model or checkpoint on the
     run's text beside them: its point of the recall emergence (with its interval), else, for a
     model without one, its gain in `recall_gain` (the query's (columns, rows): no interval)."""
-    from ar_slicing.sql import run_named_query
+    from ar_slicing.analysis.sql import run_named_query
 
     columns, rows = run_named_query(con, "probe_scores", {})
     by_point = {p["checkpoint"]: p for p in points}

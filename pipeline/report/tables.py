@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ar_slicing.io import write_bytes_atomic
-from ar_slicing.slices import TABLE1_SLICES, Slice
+from ar_slicing.analysis.slices import TABLE1_SLICES, Slice
+from ar_slicing.machinery.io import write_bytes_atomic
 from models.checkpoints.registry import fmt_params
 
 
@@ -113,7 +113,7 @@ def delta_header(s: Slice) -> str:
 
 
 # Table 1's columns as shown: (header, statistic, digits, as a percentage); None: a model field.
-# A slice's columns are named by its declaration (`ar_slicing.slices`).
+# A slice's columns are named by its declaration (`ar_slicing.analysis.slices`).
 TABLE1_COLUMNS = (
     ("model", None, 0, False),
     ("architecture", None, 0, False),
@@ -140,7 +140,7 @@ class Table1Text:
 
 
 def table1_text(t1) -> Table1Text:
-    """Table 1 (`ar_slicing.table1.Table1`) as text cells, and its CSV columns and rows."""
+    """Table 1 (`ar_slicing.analysis.table1.Table1`) as text cells, and its CSV columns and rows."""
     rows = []
     for rec in t1.records():
         is_ref = rec["model"] == t1.reference
@@ -167,7 +167,7 @@ def table1_text(t1) -> Table1Text:
 
 
 def copy_length_text(split: list[dict], merged: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """The copy-length table (`ar_slicing.copy_length` rows): one row per model and copy bucket,
+    """The copy-length table (`ar_slicing.analysis.copy_length` rows): one row per model and copy bucket,
     the ppl over every span count, then per span-count bucket, each with its interval and tokens."""
     spans = sorted({(r["span_bucket"], r["span_label"]) for r in split if r["copy_bucket"]})
     header = ["model", "copy length", "tokens", "ppl (every span)"]
@@ -217,7 +217,7 @@ def copy_length_by_subset_text(columns: list[str], rows: list[tuple]):
 
 
 def emergence_text(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """The recall-emergence table (`ar_slicing.emergence` rows): per model and point of its
+    """The recall-emergence table (`ar_slicing.analysis.emergence` rows): per model and point of its
     training, the tokens seen, the windows compared, and the recall gain, its part at training
     count 0 and the ppl on AR hits and other tokens, each with its interval."""
     header = [

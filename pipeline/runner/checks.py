@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 
 from ar_slicing.errors import ArSliceError, BadInput
-from ar_slicing.layout import file_meta_path
+from ar_slicing.machinery.layout import file_meta_path
 from pipeline.config import missing_inputs
 from pipeline.runner.registry import after
 from pipeline.runner.stages_run import Pipeline, StageConfig
@@ -20,7 +20,7 @@ def check(pipeline: Pipeline, chosen: list[str] | None = None) -> dict[str, list
     as it would run with its defaults: one that would not (its table is needed, or what it reads
     comes from no stage) is left out, so a config for some stages still runs them. Returns the
     configs by stage; refuses every problem found, in one message."""
-    from ar_slicing import hub
+    from ar_slicing.machinery import hub
 
     def optional(stage: str) -> bool:
         return chosen is not None and stage not in chosen and stage not in pipeline.config
@@ -84,7 +84,7 @@ def hub_names(all_configs: dict[str, list[StageConfig]]) -> list[tuple[str, str,
 def refuse_foreign(pipeline: Pipeline, all_configs: dict[str, list[StageConfig]]) -> None:
     """Refuse a run directory (or a stage output the configs name) holding files the project
     did not write: a run writes nowhere it could overwrite or remove a user's file."""
-    from ar_slicing.ownership import ForeignFiles, foreign_in_run
+    from ar_slicing.machinery.ownership import ForeignFiles, foreign_in_run
 
     outputs, files = {}, []
     for stage, configs in all_configs.items():
@@ -107,8 +107,8 @@ def refuse_foreign(pipeline: Pipeline, all_configs: dict[str, list[StageConfig]]
 def conflicts(pipeline: Pipeline, chosen, all_configs: dict[str, list[StageConfig]]) -> list[str]:
     """For each chosen stage whose complete output was made with other settings than the
     config now asks for: a line per differing setting (empty when every plan agrees), compared
-    as the stage's own plan check compares them (`ar_slicing.plan.settings_differences`)."""
-    from ar_slicing.plan import settings_differences
+    as the stage's own plan check compares them (`ar_slicing.machinery.plan.settings_differences`)."""
+    from ar_slicing.machinery.plan import settings_differences
 
     lines = []
     for stage in chosen:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ar_slicing.errors import BadInput
-from ar_slicing.io import text_of
+from ar_slicing.machinery.io import text_of
 from pipeline.runner.registry import stage_names
 
 # ---- reading the config -------------------------------------------------------------------------

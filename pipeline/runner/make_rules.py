@@ -12,7 +12,7 @@ the stage's settings file and on the markers of the stages it reads::
 
 from __future__ import annotations
 
-from ar_slicing.layout import RunLayout
+from ar_slicing.machinery.layout import RunLayout
 from pipeline.runner.registry import after, pipeline_stages
 
 
@@ -27,7 +27,7 @@ def make_rules(layout: RunLayout, stages: dict | None = None) -> str:
     stages = pipeline_stages() if stages is None else stages
     markers = {name: s.pipeline.writes.markers(layout) for name, s in stages.items()}
     lines = [
-        "# Written by `arslice run --make-rules` from the run layout (ar_slicing/layout.py) and",
+        "# Written by `arslice run --make-rules` from the run layout (ar_slicing/machinery/layout.py) and",
         "# the stages' declarations (pipeline/runner/registry.py); rewritten when they change.",
         "# Do not edit.",
         "",

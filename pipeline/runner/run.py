@@ -35,7 +35,7 @@ tables hold each stage's own config fields (the same names as its command-line f
     reference = "attention"
 
 Strings may use `{run_dir}` and `{stdlib}` (this Python's standard-library directory). Paths
-that follow the run layout (`ar_slicing.layout`: `tokens/train`, `counts`, `tags`,
+that follow the run layout (`ar_slicing.machinery.layout`: `tokens/train`, `counts`, `tags`,
 `models/<name>`, `losses/<name>`, ...) are filled in when a table leaves them out.
 
 Before the first stage starts, every stage's config is resolved and checked (keys, types,
@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ar_slicing.errors import ArSliceError
-from ar_slicing.layout import REPORT_HTML_NAME
+from ar_slicing.machinery.layout import REPORT_HTML_NAME
 from pipeline.config import Command, print_config, say
 from pipeline.runner.checks import check, conflicts
 from pipeline.runner.config_file import load_pipeline_config
@@ -138,9 +138,9 @@ def prepare_pipeline(cfg: RunConfig) -> tuple[Pipeline, dict, list[str]]:
 
 def run_pipeline(cfg: RunConfig) -> dict:
     """Run `cfg.stage` of the pipeline config `cfg.config`, in pipeline order."""
-    from ar_slicing.io import require_writable
-    from ar_slicing.ownership import output_lock
-    from ar_slicing.plan import PlanMismatch, redoing_changed
+    from ar_slicing.machinery.io import require_writable
+    from ar_slicing.machinery.ownership import output_lock
+    from ar_slicing.machinery.plan import PlanMismatch, redoing_changed
 
     pipeline, all_configs, chosen = prepare_pipeline(cfg)
     if not (cfg.overwrite or cfg.redo_changed):

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from ar_slicing.errors import ArSliceError
-from ar_slicing.io import atomic_path, build_meta, read_json, write_bytes_atomic
-from ar_slicing.layout import META_NAME, RunLayout
+from ar_slicing.machinery.io import atomic_path, build_meta, read_json, write_bytes_atomic
+from ar_slicing.machinery.layout import META_NAME, RunLayout
 from pipeline.config import Command, config_from_mapping, config_to_dict
 from pipeline.runner.config_file import dumps_toml
 from pipeline.runner.registry import pipeline_stages
@@ -145,7 +145,7 @@ class Pipeline:
         """The meta.json over every output of a stage of many configs (every model trained,
         every model evaluated): its plan is their identities, so it is rewritten when one of
         them is redone or added, and only touched otherwise (make then sees it up to date)."""
-        from ar_slicing.plan import StagePlan, identity, open_marker
+        from ar_slicing.machinery.plan import StagePlan, identity, open_marker
 
         wiring = self.stages[stage].pipeline
         entries = {
@@ -192,7 +192,7 @@ class Pipeline:
         return changed
 
     def write_resolved_config(self) -> Path:
-        from ar_slicing.ownership import RESOLVED_CONFIG_MARK
+        from ar_slicing.machinery.ownership import RESOLVED_CONFIG_MARK
 
         out = self.layout.config
         header = f"# Resolved from {self.config_path} {RESOLVED_CONFIG_MARK}; placeholders filled in.\n\n"

@@ -1,10 +1,10 @@
 """`arslice tokenize`: text sources (or pre-tokenized data) -> a token store (docs/design.md).
 
-Text sources are read in order by `ar_slicing.readers` and cut into shards of consecutive
+Text sources are read in order by `ar_slicing.data.readers` and cut into shards of consecutive
 documents (at most `shard_docs` documents or `shard_mb` MB of text, so the cut points depend only
 on the input). Worker processes encode each shard with the tokenizer's batched encoder and write
 its tokens (EOS after every document) and document table to `<out>/.parts/` atomically, and the
-driver records the shard in the stage's ledger (`ar_slicing.plan`). A final assembly concatenates the parts in shard
+driver records the shard in the stage's ledger (`ar_slicing.machinery.plan`). A final assembly concatenates the parts in shard
 order into `tokens.bin` and `docs.parquet`, writes `tokenizer.json`, `meta.json` last, and removes
 the parts. So the store's bytes do not depend on the worker count, and a killed run resumes at
 shard granularity (it re-reads the sources but encodes only the shards not yet done).

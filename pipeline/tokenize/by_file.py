@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ar_slicing.io import atomic_path
-from ar_slicing.readers import HF_PREFIX, DirectoryReader, ReadStats, iter_documents
+from ar_slicing.data.readers import HF_PREFIX, DirectoryReader, ReadStats, iter_documents
+from ar_slicing.machinery.io import atomic_path
 from pipeline.config import reader_options
 from pipeline.tokenize.shards import (
     cached_encoder,
@@ -59,7 +59,7 @@ class FileTask:
     dtype: str
     eos_id: int
     threads: int
-    encoder: str = "tokenizers"  # the backend (ar_slicing.encoders), chosen by the driver
+    encoder: str = "tokenizers"  # the backend (ar_slicing.data.encoders), chosen by the driver
 
     def documents(self, stats: ReadStats):
         # A directory source restricted to exactly this file keeps the split keys (paths
@@ -158,7 +158,7 @@ def encode_by_file(
     """Encode every input file of `cfg.source` into part `i` (i = its place in reading order),
     skipping the files the stage's ledger holds. Adds the read stats into `stats`, reports each
     file to `account({docs, tokens})`. Returns how many files were resumed."""
-    from ar_slicing.executor import default_workers
+    from ar_slicing.machinery.executor import default_workers
 
     units = input_files(list(cfg.source), cfg.glob)
     workers = getattr(executor, "workers", 1)

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ar_slicing.data.store import docs_schema, dtype_for_vocab
 from ar_slicing.errors import ArSliceError, BadInput
-from ar_slicing.io import atomic_path, build_meta
-from ar_slicing.layout import DOCS_NAME, TOKENIZER_NAME, TOKENS_NAME
-from ar_slicing.store import docs_schema, dtype_for_vocab
+from ar_slicing.machinery.io import atomic_path, build_meta
+from ar_slicing.machinery.layout import DOCS_NAME, TOKENIZER_NAME, TOKENS_NAME
 from pipeline.config import config_to_dict, say
 from pipeline.tokenize.config import _DOCS_BATCH, _IMPORT_CHUNK, TokenizeConfig
 from pipeline.tokenize.shards import load_tokenizer_info, source_identity
@@ -62,7 +62,7 @@ class _ImportSource:
 
 
 def _resolve_import_source(spec: str, source_format: str | None) -> _ImportSource:
-    from ar_slicing.megatron import bin_path_for, idx_path_for
+    from ar_slicing.data.megatron import bin_path_for, idx_path_for
 
     path = Path(spec)
     if source_format in (None, "megatron"):
@@ -89,7 +89,7 @@ def import_store(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict
     idx or from the EOS ids."""
     from tqdm import tqdm
 
-    from ar_slicing import megatron
+    from ar_slicing.data import megatron
 
     out = stage.out
     vocab, eos = int(info["vocab_size"]), int(info["eos_id"])

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ar_slicing.data.store import docs_schema
 from ar_slicing.errors import ArSliceError, BadInput
-from ar_slicing.io import atomic_path
-from ar_slicing.layout import DOCS_NAME, TOKENS_NAME
-from ar_slicing.store import docs_schema
+from ar_slicing.machinery.io import atomic_path
+from ar_slicing.machinery.layout import DOCS_NAME, TOKENS_NAME
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class ShardTask:
     dtype: str
     eos_id: int
     threads: int  # encoder threads inside the worker
-    encoder: str = "tokenizers"  # the backend (ar_slicing.encoders), chosen by the driver
+    encoder: str = "tokenizers"  # the backend (ar_slicing.data.encoders), chosen by the driver
 
 
 DOCS_PART_SUFFIX = ".docs.parquet"  # a shard's docs part; its tokens part ends in ".tokens"
@@ -76,9 +76,9 @@ _ENCODER_CACHE: dict[tuple, object] = {}
 
 
 def cached_encoder(path: str, backend: str):
-    """The encoder `backend` ("tokenizers" | "tiktoken", see `ar_slicing.encoders`) of the
+    """The encoder `backend` ("tokenizers" | "tiktoken", see `ar_slicing.data.encoders`) of the
     tokenizer at `path`, made once per process (the stage makes it before forking workers)."""
-    from ar_slicing.encoders import TokenizersEncoder, tiktoken_for
+    from ar_slicing.data.encoders import TokenizersEncoder, tiktoken_for
 
     tok = cached_tokenizer(path)
     key = (id(tok), backend)
@@ -149,7 +149,7 @@ def source_identity(spec: str, glob: str | list[str] | None = None) -> dict:
     """What identifies a source's content in the stage plan: a file's path, size and mtime; a
     directory's files matching `glob` (one pattern or several) likewise (so an edited file is a
     changed input); a hub dataset by its name."""
-    from ar_slicing.readers import DirectoryReader
+    from ar_slicing.data.readers import DirectoryReader
 
     p = Path(spec)
     if p.is_file():
@@ -180,7 +180,7 @@ def shard_documents(docs, shard_docs: int, shard_bytes: int) -> Iterator[tuple[i
 
 
 def load_tokenizer_info(cfg):
-    from ar_slicing.tokenizer import describe, load_tokenizer
+    from ar_slicing.data.tokenizer import describe, load_tokenizer
 
     tok = load_tokenizer(cfg.tokenizer)
     info = describe(tok, cfg.tokenizer, cfg.eos_token)

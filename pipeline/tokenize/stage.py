@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
+from ar_slicing.data.readers import check_sources, check_split_options, is_pretokenized
 from ar_slicing.errors import ArSliceError
-from ar_slicing.readers import check_sources, check_split_options, is_pretokenized
 from pipeline.config import Command, say
 from pipeline.tokenize.config import PARTS_FORMAT, PLAN_KEYS, TokenizeConfig
 from pipeline.wiring import STORES, TOKENIZER, Run, Table, Wiring, per_store
@@ -56,7 +56,7 @@ def tokenize_settings(cfg: TokenizeConfig) -> dict:
 
 
 def run_tokenize(cfg: TokenizeConfig) -> dict:
-    from ar_slicing.plan import StagePlan, open_stage
+    from ar_slicing.machinery.plan import StagePlan, open_stage
     from pipeline.tokenize.imports import import_store, import_tokenizer_info
     from pipeline.tokenize.shards import load_tokenizer_info, source_identity
     from pipeline.tokenize.text import encode_store
@@ -89,7 +89,7 @@ def run_tokenize(cfg: TokenizeConfig) -> dict:
 def tokenize_inputs(cfg: TokenizeConfig) -> list[tuple[str, str]]:
     """The tokenizer, when it is a local file or folder (its sources `validate_tokenize`
     checks; one on the hub, `tokenize_hub_names`)."""
-    from ar_slicing import hub
+    from ar_slicing.machinery import hub
 
     return (
         [("--tokenizer", cfg.tokenizer)]
@@ -100,8 +100,8 @@ def tokenize_inputs(cfg: TokenizeConfig) -> list[tuple[str, str]]:
 
 def tokenize_hub_names(cfg: TokenizeConfig, where: str) -> list[tuple[str, str, str]]:
     """The tokenizer and the datasets a store would fetch from the hub."""
-    from ar_slicing import hub
-    from ar_slicing.readers import HF_PREFIX, parse_hf_spec
+    from ar_slicing.data.readers import HF_PREFIX, parse_hf_spec
+    from ar_slicing.machinery import hub
 
     names = []
     if cfg.tokenizer and hub.is_hub_name(cfg.tokenizer):

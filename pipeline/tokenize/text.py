@@ -7,16 +7,16 @@ import logging
 import time
 from collections.abc import Iterator
 
-from ar_slicing.encoders import select_encoder
+from ar_slicing.data.encoders import select_encoder
+from ar_slicing.data.readers import ReadStats
+from ar_slicing.data.store import dtype_for_vocab
 from ar_slicing.errors import BadInput
-from ar_slicing.io import (
+from ar_slicing.machinery.io import (
     atomic_path,
     build_meta,
     write_bytes_atomic,
 )
-from ar_slicing.layout import DOCS_NAME, STORE_WORK_DIR, TOKENIZER_NAME, TOKENS_NAME
-from ar_slicing.readers import ReadStats
-from ar_slicing.store import dtype_for_vocab
+from ar_slicing.machinery.layout import DOCS_NAME, STORE_WORK_DIR, TOKENIZER_NAME, TOKENS_NAME
 from pipeline.config import config_to_dict, read_documents, say
 from pipeline.tokenize.config import TokenizeConfig
 from pipeline.tokenize.shards import (
@@ -38,7 +38,7 @@ def encode_store(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict
     """Tokenize text sources into the store `stage.out` (see the package docstring)."""
     from tqdm import tqdm
 
-    from ar_slicing.executor import default_workers, get_executor
+    from ar_slicing.machinery.executor import default_workers, get_executor
 
     out = stage.out
     encoder, encoder_why = select_encoder(tok, cfg.encoder)

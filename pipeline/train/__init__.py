@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ar_slicing.errors import ArSliceError
-from ar_slicing.io import build_meta, is_complete
+from ar_slicing.machinery.io import build_meta, is_complete
 from pipeline.config import Command, say
 from pipeline.train.config import (  # noqa: F401  (re-exported)
     _RESUMABLE_CHANGES,
@@ -94,7 +94,7 @@ def validate(cfg: TrainConfig) -> None:
 
 def train(cfg: TrainConfig) -> dict:
     """Train one model as `cfg` says; returns the summary written to `<out>/meta.json`."""
-    from ar_slicing.plan import StagePlan, identity, open_stage
+    from ar_slicing.machinery.plan import StagePlan, identity, open_stage
     from models import cpu_kernels
     from models.precision import resolve_device, resolve_dtype, torch_threads
 

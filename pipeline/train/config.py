@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from ar_slicing.layout import TRAIN_STATE_DIR
+from ar_slicing.machinery.layout import TRAIN_STATE_DIR
 from pipeline.architectures import TRAIN_ARCHITECTURES, described
 
 log = logging.getLogger(__name__)

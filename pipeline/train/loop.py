@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ar_slicing.data.store import TokenStore
+from ar_slicing.data.tokenizer import require_same_fingerprint
 from ar_slicing.errors import ArSliceError, BadInput
-from ar_slicing.layout import TOKENIZER_NAME
-from ar_slicing.store import TokenStore
-from ar_slicing.tokenizer import require_same_fingerprint
+from ar_slicing.machinery.layout import TOKENIZER_NAME
 from pipeline.train.config import TrainConfig
 from pipeline.train.model import sequence_loss
 from pipeline.train.schedule import BatchOrder, learning_rate, validation_rows

@@ -35,8 +35,14 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ar_slicing.errors import BadInput
-from ar_slicing.io import atomic_dir, atomic_path, read_json, to_jsonable, write_json_atomic
-from ar_slicing.layout import (
+from ar_slicing.machinery.io import (
+    atomic_dir,
+    atomic_path,
+    read_json,
+    to_jsonable,
+    write_json_atomic,
+)
+from ar_slicing.machinery.layout import (
     META_NAME,
     MODEL_CONFIG_NAME,
     MODEL_WEIGHTS_NAME,
@@ -118,7 +124,7 @@ def _compared(settings: Mapping | None, skip: tuple[str, ...] = ()) -> dict | No
 def _refuse_mismatch(cfg: TrainConfig, record: Mapping, asked: Mapping) -> None:
     """Refuse a prebuilt model made otherwise than `asked` (settings, and token streams when
     given), or whose folder lacks a kept checkpoint the run does not train itself."""
-    from ar_slicing.plan import differences
+    from ar_slicing.machinery.plan import differences
 
     skip = (_PIN,) if made_before_the_pin(record) else ()
     made = {k: _compared(record.get(k), skip) if k == "settings" else record.get(k) for k in asked}
@@ -148,7 +154,7 @@ def check_prebuilt_settings(cfg: TrainConfig, dtype: str | None = None) -> None:
 def folder_files(folder: Path) -> dict[str, str]:
     """The sha256 of every file under a prebuilt model's folder but its prebuilt.json, by path
     relative to it (POSIX separators)."""
-    from ar_slicing.io import sha256_file
+    from ar_slicing.machinery.io import sha256_file
 
     return {
         p.relative_to(folder).as_posix(): sha256_file(p)
@@ -404,7 +410,7 @@ def export_model(cfg: TrainConfig, folder: Path, made: dict) -> dict:
     """Write the model `cfg` trained (complete, trained here with `saved_dtype = "bf16"`, from
     the stores it names as they are now) to FOLDER/<name>/, replacing an earlier export of it;
     returns its prebuilt.json."""
-    from ar_slicing.plan import identity
+    from ar_slicing.machinery.plan import identity
     from pipeline.train.loop import TrainInputs
     from pipeline.train.state import steps_trained_here
 
@@ -541,7 +547,7 @@ def export_models(configs: Mapping[str, TrainConfig], folder: Path, made: dict) 
     demo-models` need train only the models added to the config."""
     import dataclasses
 
-    from ar_slicing.io import write_bytes_atomic
+    from ar_slicing.machinery.io import write_bytes_atomic
 
     folder.mkdir(parents=True, exist_ok=True)
     records = {}
@@ -559,7 +565,7 @@ def made_by(command: str, train_wall_time_s: float) -> dict:
     """How a folder's models were made: the command, the training's wall time, the versions."""
     import torch
 
-    from ar_slicing.io import git_hash
+    from ar_slicing.machinery.io import git_hash
     from models import cpu_kernels
 
     return {

@@ -39,7 +39,7 @@ def train_side_by_side(command: Command, configs: Mapping[str, Any], workers: in
     """
     from multiprocessing import get_context
 
-    from ar_slicing.executor import process_pool
+    from ar_slicing.machinery.executor import process_pool
 
     ctx = get_context("spawn")  # a fresh interpreter: no torch loaded, no thread pool inherited
     counter = ctx.Value("i", 0)

@@ -17,13 +17,13 @@ import math
 from pathlib import Path
 
 from ar_slicing.errors import ArSliceError
-from ar_slicing.io import (
+from ar_slicing.machinery.io import (
     atomic_dir,
     os_errors_of,
     read_json,
     write_json_atomic,
 )
-from ar_slicing.layout import (
+from ar_slicing.machinery.layout import (
     META_NAME,
     MODEL_CONFIG_NAME,
     MODEL_WEIGHTS_NAME,
@@ -31,7 +31,7 @@ from ar_slicing.layout import (
     kept_checkpoint,
     train_state,
 )
-from ar_slicing.limits import require_memory
+from ar_slicing.machinery.limits import require_memory
 from pipeline.config import config_to_dict
 from pipeline.train.config import _RESUMABLE_CHANGES, TrainConfig
 from pipeline.train.model import (
@@ -197,7 +197,7 @@ def load_state(state_dir: Path, model, optimizer, device: str) -> dict | None:
 def checkpoint(stage, model, optimizer, progress) -> None:
     """Save the run's checkpoint at `progress.step` and record it in the stage's ledger, then
     remove the checkpoints before it."""
-    from ar_slicing.ownership import remove_work
+    from ar_slicing.machinery.ownership import remove_work
 
     state_dir = train_state(stage.out, progress.step)
     save_state(state_dir, model, optimizer, progress.step, progress.saved())
@@ -223,7 +223,7 @@ def kept_record(cfg: TrainConfig, step: int, rows_per_epoch: int, stage) -> dict
     """A kept checkpoint's meta.json: where it stands along training (`step`, `tokens_seen`, as
     a trained model's meta.json says them; `models.checkpoints.native.training_point` reads
     both) and the plan of the run that kept it, which with the step identifies its weights."""
-    from ar_slicing.plan import digest
+    from ar_slicing.machinery.plan import digest
 
     return {
         "stage": "train",

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ar_slicing.errors import ArSliceError
-from ar_slicing.layout import (
+from ar_slicing.machinery.layout import (
     MODEL_CONFIG_NAME,
     MODEL_WEIGHTS_NAME,
     Folders,
@@ -31,7 +31,7 @@ def _outputs(
 ) -> Iterator[tuple[Path, dict]]:
     """Each complete folder of `found` with its meta.json, under `heading` (said when there is
     one), its fingerprint recorded as `what FOLDER`; each incomplete one is a note."""
-    from ar_slicing.io import read_json
+    from ar_slicing.machinery.io import read_json
 
     folders = _complete_dirs(found, checks, what)
     if folders:
@@ -54,7 +54,7 @@ def verify_run(cfg: VerifyConfig) -> dict:
 
     say(f"verify {run}")
     if layout.tokenizer.is_file():  # the run's own tokenizer, when the run trained one
-        from ar_slicing.tokenizer import fingerprint, load_tokenizer
+        from ar_slicing.data.tokenizer import fingerprint, load_tokenizer
 
         fingerprints[f"tokenizer {layout.tokenizer}"] = fingerprint(
             load_tokenizer(layout.tokenizer)

@@ -6,7 +6,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ar_slicing.layout import BIGRAMS_NAME, DOCS_NAME, TOKENIZER_NAME, TOKENS_NAME, meta_path
+from ar_slicing.machinery.layout import (
+    BIGRAMS_NAME,
+    DOCS_NAME,
+    TOKENIZER_NAME,
+    TOKENS_NAME,
+    meta_path,
+)
 from pipeline.verify.checks import BATCH_ROWS, Checks
 
 
@@ -14,8 +20,8 @@ def verify_store(path: Path, checks: Checks, scan_tokens: bool) -> dict | None:
     """Check one token store; returns its meta (None when it could not be read)."""
     import pyarrow.parquet as pq
 
-    from ar_slicing.io import read_json
-    from ar_slicing.tokenizer import fingerprint, load_tokenizer
+    from ar_slicing.data.tokenizer import fingerprint, load_tokenizer
+    from ar_slicing.machinery.io import read_json
 
     meta = read_json(meta_path(path))
     n_tokens, dtype = int(meta["n_tokens"]), np.dtype(meta["dtype"]).newbyteorder("<")
@@ -74,7 +80,7 @@ def verify_store(path: Path, checks: Checks, scan_tokens: bool) -> dict | None:
 def verify_counts(path: Path, checks: Checks) -> dict:
     import pyarrow.parquet as pq
 
-    from ar_slicing.io import read_json
+    from ar_slicing.machinery.io import read_json
 
     meta = read_json(meta_path(path))
     bigrams = path / BIGRAMS_NAME

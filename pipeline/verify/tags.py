@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ar_slicing.layout import (
+from ar_slicing.machinery.layout import (
     DOCS_NAME,
     LOSS_PART_GLOB,
     TAG_PART_GLOB,
@@ -14,7 +14,7 @@ from ar_slicing.layout import (
     WINDOWS_NAME,
     meta_path,
 )
-from ar_slicing.parts import damage
+from ar_slicing.machinery.parts import damage
 from pipeline.verify.checks import BATCH_ROWS, Checks
 
 
@@ -92,7 +92,7 @@ def expected_prev_pos(
 def expected_match_len(tokens, starts, n_targets, w0, w1, window, doc_offsets=None):
     """The copy length of every target of windows w0..w1-1, in order, recomputed from the stream
     by the level-by-level formulation (`copy_lengths_numpy`), not by the tag kernel."""
-    from ar_slicing.tags import copy_lengths_numpy
+    from ar_slicing.algorithms.tags import copy_lengths_numpy
 
     first = int(starts[w0])
     stream = np.asarray(tokens[first : int(starts[w1 - 1] + n_targets[w1 - 1]) + 1])
@@ -115,9 +115,9 @@ def verify_tags(
     import pyarrow.parquet as pq
     from tqdm import tqdm
 
-    from ar_slicing.io import read_json
-    from ar_slicing.tags import tags_schema
-    from ar_slicing.windows import read_window_table, window_table
+    from ar_slicing.algorithms.tags import tags_schema
+    from ar_slicing.algorithms.windows import read_window_table, window_table
+    from ar_slicing.machinery.io import read_json
 
     meta = read_json(meta_path(path))
     window = int(meta["window"])
@@ -155,7 +155,7 @@ def verify_tags(
         dtype = np.dtype(val_meta["dtype"]).newbyteorder("<")
         tokens = np.memmap(val_dir / TOKENS_NAME, dtype=dtype, mode="r")
     if scan_tokens and counts_dir is not None:
-        from ar_slicing.counts import BigramCounts
+        from ar_slicing.algorithms.counts import BigramCounts
 
         counts = BigramCounts.open(counts_dir)
     threshold = int(meta["threshold"])
@@ -264,7 +264,7 @@ def verify_tags(
 def verify_losses(path: Path, windows: dict, window: int, checks: Checks) -> dict:
     import pyarrow.parquet as pq
 
-    from ar_slicing.io import read_json
+    from ar_slicing.machinery.io import read_json
     from pipeline.eval.output import losses_schema
 
     meta = read_json(meta_path(path))
@@ -273,7 +273,7 @@ def verify_losses(path: Path, windows: dict, window: int, checks: Checks) -> dic
     scored = n_targets[:evaluated]
     subset = meta.get("window_subset")
     if subset is not None:  # a checkpoint scored on a subset: no row outside its windows
-        from ar_slicing.emergence import losses_windows
+        from ar_slicing.analysis.emergence import losses_windows
 
         scored = np.zeros_like(n_targets)
         ids = losses_windows(meta, n_targets.size)

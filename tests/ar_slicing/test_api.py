@@ -11,8 +11,8 @@ import duckdb
 import polars as pl
 import pytest
 
+from ar_slicing.analysis.sql import available_queries
 from ar_slicing.errors import ArSliceError
-from ar_slicing.sql import available_queries
 from tests.pipeline.test_report import text_run  # noqa: F401
 from tests.queries.test_queries import QUOTED, make_partial, tiny_run  # noqa: F401  (fixtures)
 
@@ -215,7 +215,7 @@ def test_open_run_waits_for_a_writer_of_results_duckdb(tiny_run):  # noqa: F811
 
     holder = subprocess.Popen(
         [sys.executable, "-c",
-         "import sys; from ar_slicing.ownership import results_lock\n"
+         "import sys; from ar_slicing.machinery.ownership import results_lock\n"
          f"with results_lock({str(tiny_run)!r}):\n    print('held', flush=True); sys.stdin.read()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip

@@ -13,10 +13,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ar_slicing.counts.ngrams import NgramTable, SpanCountTask, count_span_task, span_lengths
+from ar_slicing.algorithms.counts.ngrams import (
+    NgramTable,
+    SpanCountTask,
+    count_span_task,
+    span_lengths,
+)
+from ar_slicing.algorithms.tags import tag_windows
+from ar_slicing.data.store import write_token_store
 from ar_slicing.errors import ArSliceError
-from ar_slicing.store import write_token_store
-from ar_slicing.tags import tag_windows
 from pipeline.count import count_stores
 from pipeline.tag import TagConfig, run_tag
 from tests.ar_slicing.test_tags import (
@@ -224,7 +229,7 @@ def test_span_count_tasks_stay_under_the_uint32_counts_they_return(tmp_path):
     and the tasks cover the stream once, in order."""
     from types import SimpleNamespace
 
-    from ar_slicing.counts.ngrams import TASK_POSITIONS, span_count_tasks
+    from ar_slicing.algorithms.counts.ngrams import TASK_POSITIONS, span_count_tasks
 
     stores = [SimpleNamespace(path=tmp_path / name, n_tokens=n) for name, n in
               [("a", 5 << 30), ("b", 7 << 30)]]  # fmt: skip
@@ -273,7 +278,7 @@ def test_ngram_counts_match_tokengrams(tmp_path, bpe_tokenizer, stdlib_texts, en
 @pytest.fixture(scope="module")
 def text_stores(tmp_path_factory, bpe_tokenizer, stdlib_texts):
     """Stdlib sources: two training stores counted by the count stage, one validation store."""
-    from ar_slicing.tokenizer import describe
+    from ar_slicing.data.tokenizer import describe
 
     info = describe(bpe_tokenizer, "bpe-1024")
     tmp = tmp_path_factory.mktemp("copy-length")

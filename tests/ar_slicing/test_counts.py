@@ -13,11 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ar_slicing.counts import BigramCounts, parse_unit
+from ar_slicing.algorithms.counts import BigramCounts, parse_unit
+from ar_slicing.data.store import write_token_store
 from ar_slicing.errors import ArSliceError, BadInput, TokenizerMismatch
-from ar_slicing.executor import LocalExecutor
-from ar_slicing.io import read_json, stable_meta
-from ar_slicing.store import write_token_store
+from ar_slicing.machinery.executor import LocalExecutor
+from ar_slicing.machinery.io import read_json, stable_meta
 from pipeline.count import count_stores
 
 FP = "a" * 64
@@ -158,7 +158,7 @@ def test_many_shards_and_workers_equal_single_pass(tmp_path, engine):
 def test_many_reduce_ranges_and_batches_equal_one(tmp_path, engine, monkeypatch):
     """Reduce ranges of a few hundred entries: many Parquet parts joined into bigrams.parquet,
     each range merged from its partials in several batches."""
-    import ar_slicing.counts.reduce as reduce_module
+    import ar_slicing.algorithms.counts.reduce as reduce_module
 
     rng = np.random.default_rng(1)
     docs = [(rng.zipf(1.2, size=rng.integers(1, 300)) % 4000).tolist() for _ in range(80)]
@@ -180,7 +180,7 @@ def test_many_reduce_ranges_and_batches_equal_one(tmp_path, engine, monkeypatch)
 def test_counts_of_255_and_more_in_a_shard(tmp_path, engine, monkeypatch):
     """Partials keep counts in one byte and escape the larger ones: repeated pairs in several
     `prev` buckets, counted in shards, ranges and merge batches that split the escapes."""
-    import ar_slicing.counts.reduce as reduce_module
+    import ar_slicing.algorithms.counts.reduce as reduce_module
 
     rng = np.random.default_rng(2)
     docs = []
@@ -228,7 +228,7 @@ def test_several_stores_equal_their_concatenation(tmp_path):
 
 
 def test_real_text_stream(tmp_path, stdlib_texts, bpe_tokenizer, bpe_tokenizer_path):
-    from ar_slicing.tokenizer import describe
+    from ar_slicing.data.tokenizer import describe
 
     info = describe(bpe_tokenizer, "stdlib-bpe", eos_token="<|endoftext|>")
     docs = [e.ids for e in bpe_tokenizer.encode_batch(stdlib_texts[:20])]

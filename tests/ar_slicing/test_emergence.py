@@ -17,10 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ar_slicing.algorithms.windows import scored_window_ids, window_subset
 from ar_slicing.errors import ArSliceError, BadInput
-from ar_slicing.io import build_meta, read_json, write_meta
-from ar_slicing.plan import PlanMismatch
-from ar_slicing.windows import scored_window_ids, window_subset
+from ar_slicing.machinery.io import build_meta, read_json, write_meta
+from ar_slicing.machinery.plan import PlanMismatch
 from pipeline.runner.config_file import load_pipeline_config
 from pipeline.runner.run import RunConfig, run_pipeline
 from pipeline.runner.stages_run import Pipeline

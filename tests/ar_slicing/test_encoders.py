@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from ar_slicing.encoders import TokenizersEncoder, select_encoder, tiktoken_for
+from ar_slicing.data.encoders import TokenizersEncoder, select_encoder, tiktoken_for
 from ar_slicing.errors import ArSliceError
 
 pytest.importorskip("tiktoken")

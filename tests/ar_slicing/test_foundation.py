@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
+from ar_slicing.data.store import TokenStore, dtype_for_vocab
 from ar_slicing.errors import ArSliceError, BadInput
-from ar_slicing.io import (
+from ar_slicing.machinery.io import (
     atomic_path,
     build_meta,
     stable_meta,
 )
-from ar_slicing.store import TokenStore, dtype_for_vocab
 from pipeline.config import add_config_arguments, config_from_mapping, config_from_namespace
 from tests import REPO
 
@@ -46,7 +46,7 @@ def test_atomic_writes_give_every_file_the_mode_open_gives(tmp_path, monkeypatch
     under umask 022, through atomic_path and atomic_dir alike."""
     import os
 
-    from ar_slicing import io
+    from ar_slicing.machinery import io
 
     monkeypatch.setattr(io, "_FILE_MODE", None)  # read the umask set here
     old = os.umask(0o022)
@@ -63,7 +63,7 @@ def test_atomic_writes_give_every_file_the_mode_open_gives(tmp_path, monkeypatch
 
 
 def test_malformed_json_names_the_file_line_and_column(tmp_path):
-    from ar_slicing.io import read_json
+    from ar_slicing.machinery.io import read_json
 
     path = tmp_path / "meta.json"
     path.write_text('{\n  "stage": "tag",\n  "name": "unterminated')

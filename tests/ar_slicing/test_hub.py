@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from ar_slicing import hub
 from ar_slicing.errors import ArSliceError
+from ar_slicing.machinery import hub
 from tests import REPO, UPSTREAM
 from tests.queries.test_queries import tiny_run  # noqa: F401  (a fixture)
 
@@ -218,7 +218,7 @@ def test_tokenize_with_a_hub_tokenizer_or_dataset_fails_at_the_probe(
 
 
 def test_tokenize_reads_a_hub_dataset_only_with_a_hub(tmp_path, monkeypatch, capsys):
-    from ar_slicing.readers import ReadStats, iter_documents
+    from ar_slicing.data.readers import ReadStats, iter_documents
 
     monkeypatch.setattr(hub, "_probed", {})
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -8,10 +8,10 @@ import shutil
 
 import pytest
 
-from ar_slicing.io import read_json
-from ar_slicing.ledger import Ledger
-from ar_slicing.ownership import ForeignFiles
-from ar_slicing.plan import PlanMismatch, StagePlan, open_stage
+from ar_slicing.machinery.io import read_json
+from ar_slicing.machinery.ledger import Ledger
+from ar_slicing.machinery.ownership import ForeignFiles
+from ar_slicing.machinery.plan import PlanMismatch, StagePlan, open_stage
 from tests.reliability import as_killed, cli, tiny_run  # noqa: F401  (a fixture)
 
 

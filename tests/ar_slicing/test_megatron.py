@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ar_slicing.data.megatron import MAGIC, read_index
+from ar_slicing.data.store import TokenStore
 from ar_slicing.errors import ArSliceError, BadInput
-from ar_slicing.megatron import MAGIC, read_index
-from ar_slicing.store import TokenStore
 from pipeline.tokenize import TokenizeConfig, run_tokenize
 
 CODES = {np.dtype("<u2"): 8, np.dtype("<i4"): 4}

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from ar_slicing.io import read_json, write_json_atomic
-from ar_slicing.ownership import ForeignFiles, output_lock
-from ar_slicing.plan import StagePlan, open_stage
+from ar_slicing.machinery.io import read_json, write_json_atomic
+from ar_slicing.machinery.ownership import ForeignFiles, output_lock
+from ar_slicing.machinery.plan import StagePlan, open_stage
 from tests.conftest import small_pipeline_config
 from tests.reliability import REPO, arslice_argv, cli, run_subprocess, tiny_run  # noqa: F401  (a fixture)
 

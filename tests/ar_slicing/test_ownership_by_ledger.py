@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from ar_slicing.io import read_json
-from ar_slicing.layout import STAGE_FILES, STAGE_WORK
-from ar_slicing.ownership import ForeignFiles, layout_folders
-from ar_slicing.plan import StagePlan, open_stage
+from ar_slicing.machinery.io import read_json
+from ar_slicing.machinery.layout import STAGE_FILES, STAGE_WORK
+from ar_slicing.machinery.ownership import ForeignFiles, layout_folders
+from ar_slicing.machinery.plan import StagePlan, open_stage
 from tests.ar_slicing.test_ownership_and_locks import own_run, tree  # noqa: F401  (a fixture)
 from tests.conftest import small_pipeline_config
 from tests.reliability import (  # noqa: F401  (tiny_run is a fixture)

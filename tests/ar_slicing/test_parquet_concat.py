@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ar_slicing.counts.parquet_concat import (
+from ar_slicing.algorithms.counts.parquet_concat import (
     ParquetConcat,
     ParquetFormatError,
     decode_struct,

@@ -1,4 +1,4 @@
-"""ar_slicing.plan: one rule for every stage's output, and the atomic writes it relies on."""
+"""ar_slicing.machinery.plan: one rule for every stage's output, and the atomic writes it relies on."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from ar_slicing.io import atomic_dir, read_json, sweep_temporaries, write_json_atomic
-from ar_slicing.ownership import ForeignFiles
-from ar_slicing.plan import (
+from ar_slicing.machinery.io import atomic_dir, read_json, sweep_temporaries, write_json_atomic
+from ar_slicing.machinery.ownership import ForeignFiles
+from ar_slicing.machinery.plan import (
     PlanMismatch,
     StagePlan,
     differences,
@@ -17,7 +17,7 @@ from ar_slicing.plan import (
     redoing_changed,
 )
 
-PART = "tags-00000.parquet"  # a file the tag stage writes (ar_slicing.layout.STAGE_FILES)
+PART = "tags-00000.parquet"  # a file the tag stage writes (ar_slicing.machinery.layout.STAGE_FILES)
 
 
 def plan(**settings) -> StagePlan:

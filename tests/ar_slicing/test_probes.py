@@ -14,8 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ar_slicing.errors import ArSliceError
-from ar_slicing.probes import (
+from ar_slicing.analysis.probes import (
     ProbeSizes,
     icl_positions,
     icl_score,
@@ -35,7 +34,8 @@ from ar_slicing.probes import (
     run_probes,
     tokenizer_probe_vocabulary,
 )
-from ar_slicing.probes.sequences import InductionSequences, RecallSequences
+from ar_slicing.analysis.probes.sequences import InductionSequences, RecallSequences
+from ar_slicing.errors import ArSliceError
 
 # ---- the worked examples ------------------------------------------------------------------------
 
@@ -228,7 +228,7 @@ def test_the_same_vocabulary_draws_the_same_sequences_whatever_the_model():
 def test_special_tokens_of_a_tokenizer_are_never_drawn(bpe_tokenizer_path):
     from tokenizers import AddedToken
 
-    from ar_slicing.tokenizer import load_tokenizer
+    from ar_slicing.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(bpe_tokenizer_path)
     tok.add_special_tokens([AddedToken("<pad>", special=True)])

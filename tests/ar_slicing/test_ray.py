@@ -16,9 +16,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from ar_slicing.data.store import write_token_store
+from ar_slicing.data.tokenizer import describe
 from ar_slicing.errors import BadInput
-from ar_slicing.store import write_token_store
-from ar_slicing.tokenizer import describe
 from pipeline.count import CountConfig, run_count
 from pipeline.eval import EvalConfig, run_eval
 from pipeline.tag import TagConfig, run_tag
@@ -110,7 +110,7 @@ def test_tokenize_retries_a_killed_task(
     cluster, stdlib_texts, bpe_tokenizer_path, tmp_path, monkeypatch
 ):
     """The real stage with a task that dies after writing its shard: retried, same store."""
-    from ar_slicing.ray_executor import RayExecutor
+    from ar_slicing.machinery.ray_executor import RayExecutor
 
     source = tmp_path / "texts"
     source.mkdir()
@@ -121,7 +121,9 @@ def test_tokenize_retries_a_killed_task(
     )
     run_tokenize(TokenizeConfig(out=str(tmp_path / "local"), workers=1, **common))
     killing = KillingExecutor(RayExecutor(), tmp_path)
-    monkeypatch.setattr("ar_slicing.executor.get_executor", lambda name, *a, **kw: killing)
+    monkeypatch.setattr(
+        "ar_slicing.machinery.executor.get_executor", lambda name, *a, **kw: killing
+    )
     run_tokenize(TokenizeConfig(out=str(tmp_path / "ray"), executor="ray", **common))
     assert (tmp_path / "encode_shard.killed").exists()  # a worker did die
     same_bytes(tmp_path / "local", tmp_path / "ray", ["tokens.bin", "docs.parquet"])
@@ -153,7 +155,7 @@ def test_tokenize_by_file_on_ray_equals_the_default(
     """--shard-by-file (tasks read their own files) keeps the same documents and tokens as the
     driver-read default, with the same read stats; on Ray and locally it writes the same bytes,
     also when a task dies mid-way."""
-    from ar_slicing.ray_executor import RayExecutor
+    from ar_slicing.machinery.ray_executor import RayExecutor
 
     common = dict(
         source=mixed_sources(tmp_path, stdlib_texts),
@@ -173,7 +175,9 @@ def test_tokenize_by_file_on_ray_equals_the_default(
     tokenize("by-file-local", workers=2, shard_by_file=True)
     by_file_ray = tokenize("by-file-ray", executor="ray", shard_by_file=True)
     killing = KillingExecutor(RayExecutor(), tmp_path)
-    monkeypatch.setattr("ar_slicing.executor.get_executor", lambda name, *a, **kw: killing)
+    monkeypatch.setattr(
+        "ar_slicing.machinery.executor.get_executor", lambda name, *a, **kw: killing
+    )
     tokenize("by-file-killed", executor="ray", shard_by_file=True)
     assert (tmp_path / "encode_file.killed").exists()
 
@@ -255,7 +259,7 @@ def test_relative_paths_mean_the_drivers_working_directory(
 
 
 def test_count_retries_killed_map_and_reduce_tasks(cluster, train_stores, tmp_path):
-    from ar_slicing.ray_executor import RayExecutor
+    from ar_slicing.machinery.ray_executor import RayExecutor
     from pipeline.count import count_stores
 
     kw = dict(unit="row:101", shard_tokens=20000, progress=False)
@@ -287,7 +291,7 @@ class FailingOnLastShard:
 
 
 def test_count_rerun_on_ray_skips_finished_shards(cluster, train_stores, tmp_path):
-    from ar_slicing.ray_executor import RayExecutor
+    from ar_slicing.machinery.ray_executor import RayExecutor
     from pipeline.count import count_stores
 
     kw = dict(shard_tokens=10000, progress=False)
@@ -307,7 +311,7 @@ def test_count_rerun_on_ray_skips_finished_shards(cluster, train_stores, tmp_pat
 
 def test_actors_build_their_state_once(cluster, tmp_path):
     """map_actors: one state per actor, built in the actor's process, serving many tasks."""
-    from ar_slicing.ray_executor import RayExecutor
+    from ar_slicing.machinery.ray_executor import RayExecutor
 
     def make_state():
         pid = os.getpid()
@@ -324,7 +328,7 @@ def test_actors_build_their_state_once(cluster, tmp_path):
 
 def test_a_task_error_reaches_the_driver_as_itself(cluster, tmp_path):
     """A bad input fails the same way on every attempt: not retried, re-raised as BadInput."""
-    from ar_slicing.ray_executor import RayExecutor
+    from ar_slicing.machinery.ray_executor import RayExecutor
 
     calls = tmp_path / "calls"
     calls.mkdir()
@@ -404,11 +408,13 @@ def test_eval_on_ray_actors_equals_local(cluster, eval_inputs, tmp_path):
 def test_eval_actor_killed_mid_chunk_is_restarted(cluster, eval_inputs, tmp_path, monkeypatch):
     """The actor's process dies after writing its first chunk: Ray restarts it (the model is
     loaded again) and retries that chunk; the losses are still the local run's."""
-    from ar_slicing.ray_executor import RayExecutor
+    from ar_slicing.machinery.ray_executor import RayExecutor
 
     run_eval(eval_config(eval_inputs, tmp_path / "local"))
     killing = KillingExecutor(RayExecutor(), tmp_path)
-    monkeypatch.setattr("ar_slicing.executor.get_executor", lambda name, *a, **kw: killing)
+    monkeypatch.setattr(
+        "ar_slicing.machinery.executor.get_executor", lambda name, *a, **kw: killing
+    )
     run_eval(eval_config(eval_inputs, tmp_path / "ray", executor="ray", ray_actors=1))
     assert (tmp_path / "actor.killed").exists()
     assert_same_losses(tmp_path / "local", tmp_path / "ray")

@@ -14,8 +14,8 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ar_slicing.data.readers import ReadStats, iter_documents, parse_hf_spec, split_part_of
 from ar_slicing.errors import BadInput
-from ar_slicing.readers import ReadStats, iter_documents, parse_hf_spec, split_part_of
 
 PILE_RECORDS = [
     {"text": "def f(x):\n    return x + 1\n", "meta": {"pile_set_name": "Github"}},

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ar_slicing.data.store import write_token_store
 from ar_slicing.errors import ArSliceError, TokenizerMismatch
-from ar_slicing.io import read_json
-from ar_slicing.store import write_token_store
+from ar_slicing.machinery.io import read_json
 from pipeline.count import count_stores
 
 FP = "a" * 64
@@ -202,7 +202,7 @@ def test_cli_and_pipeline_config_restrict_to_the_run_store(tmp_path, capsys):
 def test_tag_workers_share_the_table_the_stage_built_once(tmp_path, monkeypatch):
     """The stage builds the counts' table once, before its workers fork; a worker that opened
     the counts again (a copy of the table per worker) fails here."""
-    from ar_slicing.counts import BigramCounts
+    from ar_slicing.algorithms.counts import BigramCounts
     from pipeline.tag import TagConfig, run_tag
 
     rng = np.random.default_rng(5)

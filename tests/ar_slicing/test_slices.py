@@ -1,9 +1,9 @@
-"""The slices' declarations (ar_slicing/slices.py) against a naive reference: their SQL and the
+"""The slices' declarations (ar_slicing/analysis/slices.py) against a naive reference: their SQL and the
 Python sums agree with per-row Python predicates on random tags and losses, the training-count
 bucket macros with the bucket definition on its edges, and a run's results.duckdb, queries and
 `Run.slices()` follow from them.
 
-A new slice is a declaration in ar_slicing/slices.py and its line in `NAIVE` below.
+A new slice is a declaration in ar_slicing/analysis/slices.py and its line in `NAIVE` below.
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ar_slicing.metrics import point_estimates, recall_sums, window_sums
-from ar_slicing.slices import (
+from ar_slicing.algorithms.tags import tags_schema
+from ar_slicing.analysis.metrics import point_estimates, recall_sums, window_sums
+from ar_slicing.analysis.slices import (
     COUNT_BUCKET_MACROS,
     SLICE_NAMES,
     SLICES,
     TABLE1_SLICES,
     create_definitions,
 )
-from ar_slicing.tags import tags_schema
 from tests.queries.test_queries import QUOTED, TINY_AR, tiny_run  # noqa: F401  (a fixture)
 
 # Each declared slice as a plain Python predicate of one tag row and the run's AR threshold,
@@ -242,7 +242,7 @@ def test_bucket_macros_on_random_counts(counts):
 
 
 def test_the_recall_gain_sums_bucket_by_the_macro():
-    """`ar_slicing.metrics` buckets as the queries do: through `count_bucket`."""
+    """`ar_slicing.analysis.metrics` buckets as the queries do: through `count_bucket`."""
     rows = []
     for k, count in enumerate(EDGES[:14]):
         rows.append(
@@ -271,8 +271,8 @@ def test_the_recall_gain_sums_bucket_by_the_macro():
 
 def test_results_db_holds_the_definitions_for_any_connection(tiny_run):  # noqa: F811
     from ar_slicing import open_run
-    from ar_slicing.results import ensure_results, recorded_plan
-    from ar_slicing.slices import definitions_digest
+    from ar_slicing.analysis.results import ensure_results, recorded_plan
+    from ar_slicing.analysis.slices import definitions_digest
 
     ensure_results(tiny_run)
     db = tiny_run / "results.duckdb"

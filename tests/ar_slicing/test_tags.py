@@ -16,11 +16,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ar_slicing.counts import BigramCounts
+from ar_slicing.algorithms.counts import BigramCounts
+from ar_slicing.algorithms.tags import TAG_COLUMNS, DocTable, tag_windows
+from ar_slicing.data.store import write_token_store
 from ar_slicing.errors import ArSliceError, BadInput, TokenizerMismatch
-from ar_slicing.io import build_meta, read_json, stable_meta, write_meta
-from ar_slicing.store import write_token_store
-from ar_slicing.tags import TAG_COLUMNS, DocTable, tag_windows
+from ar_slicing.machinery.io import build_meta, read_json, stable_meta, write_meta
 from pipeline.count import store_record
 from pipeline.tag import TagConfig, run_tag
 from tests.reliability import as_killed
@@ -355,7 +355,7 @@ def test_counts_table_read_in_row_groups(tmp_path, engine, top, shuffled):
 
 
 def test_reused_column_buffers_give_the_same_columns():
-    from ar_slicing.tags import column_buffers
+    from ar_slicing.algorithms.tags import column_buffers
 
     rng = np.random.default_rng(3)
     documents = [list(rng.integers(1, 6, size=int(k))) for k in rng.integers(0, 40, size=12)]
@@ -509,7 +509,7 @@ def test_streams_of_one_and_two_tokens(tmp_path):
 @pytest.fixture(scope="module")
 def real_text_run(tmp_path_factory, bpe_tokenizer, stdlib_texts):
     """Stdlib sources tokenized by the trained BPE: 30 for training counts, 10 for validation."""
-    from ar_slicing.tokenizer import describe
+    from ar_slicing.data.tokenizer import describe
 
     info = describe(bpe_tokenizer, "bpe-1024")
     train = [bpe_tokenizer.encode(t).ids for t in stdlib_texts[:30]]

@@ -8,8 +8,8 @@ import json
 import pytest
 from tokenizers import Tokenizer, normalizers
 
-from ar_slicing.store import TokenStore
-from ar_slicing.tokenizer import encoding_spec, fingerprint, load_tokenizer
+from ar_slicing.data.store import TokenStore
+from ar_slicing.data.tokenizer import encoding_spec, fingerprint, load_tokenizer
 from pipeline.tokenize import TokenizeConfig, run_tokenize
 
 SAMPLE = "def  main(argv):\n    return {'x': 1}  # café\n"

@@ -8,8 +8,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ar_slicing.algorithms.windows import (
+    n_windows,
+    read_window_table,
+    window_table,
+    write_window_table,
+)
 from ar_slicing.errors import ArSliceError
-from ar_slicing.windows import n_windows, read_window_table, window_table, write_window_table
 
 
 def rows(n_tokens, window):

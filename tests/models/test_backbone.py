@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ar_slicing.data.tokenizer import fingerprint
 from ar_slicing.errors import ArSliceError
-from ar_slicing.tokenizer import fingerprint
 from models import load_model
 from models.backbone import LanguageModel, ModelConfig
 from models.checkpoints.native import load_native, save_native

@@ -274,7 +274,7 @@ def test_safari_config_that_is_not_an_object_is_one_clear_line(tmp_path):
 
 
 def test_safari_tokenizer_beside_the_weights_is_fingerprinted(tmp_path, bpe_tokenizer_path):
-    from ar_slicing.tokenizer import fingerprint, load_tokenizer
+    from ar_slicing.data.tokenizer import fingerprint, load_tokenizer
 
     ckpt = copy_case("safari-modulate", tmp_path / "c")
     shutil.copy(bpe_tokenizer_path, ckpt / "tokenizer.json")

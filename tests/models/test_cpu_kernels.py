@@ -82,8 +82,8 @@ def train(store: Path, out: Path, arch: str, env: dict, pinned: bool = True) -> 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, stdlib_texts, bpe_tokenizer, bpe_tokenizer_path) -> Path:
-    from ar_slicing.store import write_token_store
-    from ar_slicing.tokenizer import describe
+    from ar_slicing.data.store import write_token_store
+    from ar_slicing.data.tokenizer import describe
 
     root = tmp_path_factory.mktemp("kernels")
     docs = [bpe_tokenizer.encode(t).ids for t in stdlib_texts[:12]]

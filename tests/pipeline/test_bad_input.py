@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from ar_slicing.store import write_token_store
+from ar_slicing.data.store import write_token_store
 from tests import UPSTREAM
 from tests.reliability import (  # noqa: F401  (tiny_run is a fixture)
     WINDOW,
@@ -86,7 +86,7 @@ def test_corrupt_zst_source(tmp_path, capsys, bpe_tokenizer_path, stdlib_texts):
 
 def write_megatron(prefix, sequences, code=8):
     """prefix.bin/.idx in the Megatron MMIDIDX layout (uint16 tokens: dtype code 8)."""
-    from ar_slicing.megatron import MAGIC
+    from ar_slicing.data.megatron import MAGIC
 
     sizes = np.array([len(s) for s in sequences], "<i4")
     pointers = np.concatenate([[0], np.cumsum(sizes[:-1]) * 2]).astype("<i8")
@@ -355,7 +355,7 @@ def test_the_cheap_whole_part_check_agrees_with_reading_the_footer(tiny_run, tmp
     """`require_whole` (8 bytes at each end, run on every query) refuses exactly the cuts of a
     real part whose footer pyarrow cannot read."""
     from ar_slicing.errors import BadInput
-    from ar_slicing.parts import part_footer, require_whole
+    from ar_slicing.machinery.parts import part_footer, require_whole
 
     data = (tiny_run["run"] / "tags/tags-00000.parquet").read_bytes()
     footer = int.from_bytes(data[-8:-4], "little")

@@ -9,9 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ar_slicing.counts import BigramCounts
+from ar_slicing.algorithms.counts import BigramCounts
 from ar_slicing.errors import BadInput
-from ar_slicing.io import read_json
+from ar_slicing.machinery.io import read_json
 from pipeline.count import count_stores
 from pipeline.count_import import import_counts
 from tests import FIXTURES
@@ -41,8 +41,8 @@ def test_import_equals_the_count_it_was_exported_from(
 ):
     """Counts of real text, exported in the published schema, shuffled and split over files,
     import back to the same bigrams.parquet rows, with the tokenizer's fingerprint."""
-    from ar_slicing.store import write_token_store
-    from ar_slicing.tokenizer import describe
+    from ar_slicing.data.store import write_token_store
+    from ar_slicing.data.tokenizer import describe
 
     info = describe(bpe_tokenizer, "stdlib-bpe")
     docs = [e.ids for e in bpe_tokenizer.encode_batch(stdlib_texts[:10])]

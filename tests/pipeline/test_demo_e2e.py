@@ -18,9 +18,9 @@ import pyarrow.parquet as pq
 import pytest
 import tomllib
 
-from ar_slicing.io import read_json
-from ar_slicing.readers import split_part_of
-from ar_slicing.store import TokenStore
+from ar_slicing.data.readers import split_part_of
+from ar_slicing.data.store import TokenStore
+from ar_slicing.machinery.io import read_json
 from pipeline.runner.config_file import dumps_toml, torch_dir
 from tests import REPO
 

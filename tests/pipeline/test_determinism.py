@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from ar_slicing.io import VOLATILE_META_KEYS, stable_meta
+from ar_slicing.machinery.io import VOLATILE_META_KEYS, stable_meta
 from tests.reliability import (  # noqa: F401  (tiny_run is a fixture)
     REPO,
     arslice_argv,

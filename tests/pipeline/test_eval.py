@@ -15,12 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ar_slicing.algorithms.rolling import lm_eval_rolling_windows, rolling_windows, window_tokens
+from ar_slicing.data.store import write_token_store
+from ar_slicing.data.tokenizer import describe
 from ar_slicing.errors import ArSliceError, BadInput, TokenizerMismatch
-from ar_slicing.io import read_json
-from ar_slicing.layout import LEDGER_NAME
-from ar_slicing.rolling import lm_eval_rolling_windows, rolling_windows, window_tokens
-from ar_slicing.store import write_token_store
-from ar_slicing.tokenizer import describe
+from ar_slicing.machinery.io import read_json
+from ar_slicing.machinery.layout import LEDGER_NAME
 from pipeline.cli import main as cli_main
 from pipeline.config import printing_summaries
 from pipeline.count import CountConfig, run_count

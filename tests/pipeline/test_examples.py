@@ -220,7 +220,7 @@ def example_tree(tmp_path_factory, stdlib_texts) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from ar_slicing.store import TokenStore
+    from ar_slicing.data.store import TokenStore
     from pipeline.cli import main
     from tests.ar_slicing.test_megatron import write_megatron
 

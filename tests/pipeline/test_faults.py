@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ar_slicing.io import VOLATILE_META_KEYS, stable_meta
+from ar_slicing.machinery.io import VOLATILE_META_KEYS, stable_meta
 from tests.reliability import WINDOW, cli, copy_sources, final_files, kill_when, save_tiny_native
 
 # meta.json keys that describe how the work was done, not what was produced.
@@ -292,8 +292,8 @@ def test_train_resumes_from_a_checkpoint_cut_short(world, tmp_path, left):
     whole and finish with the same weights."""
     import shutil
 
-    from ar_slicing.io import tmp_path_for
-    from ar_slicing.ledger import Ledger
+    from ar_slicing.machinery.io import tmp_path_for
+    from ar_slicing.machinery.ledger import Ledger
 
     stage, ref = world["stages"]["train"], world["reference"]("train")
     out = tmp_path / "out"

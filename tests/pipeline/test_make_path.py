@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from ar_slicing.io import read_json
+from ar_slicing.machinery.io import read_json
 from pipeline.runner.config_file import dumps_toml
 from tests import REPO
 from tests.conftest import small_pipeline_config, stdlib_files

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ar_slicing.errors import ArSliceError
-from ar_slicing.io import read_json
+from ar_slicing.machinery.io import read_json
 from pipeline.config import printing_summaries
 from pipeline.mqar import (
     IGNORE,

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from ar_slicing.errors import ArSliceError
-from ar_slicing.executor import LocalExecutor, default_workers
+from ar_slicing.machinery.executor import LocalExecutor, default_workers
 from tests import REPO
 from tests.conftest import small_pipeline_config
 from tests.pipeline.test_bad_input import small_disk  # noqa: F401  (a fixture)

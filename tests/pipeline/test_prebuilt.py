@@ -15,7 +15,7 @@ import pytest
 import tomllib
 
 from ar_slicing.errors import BadInput
-from ar_slicing.io import read_json
+from ar_slicing.machinery.io import read_json
 from pipeline.runner.run import RunConfig, run_pipeline
 from pipeline.train.prebuilt import PrebuiltMismatch
 from tests.conftest import small_pipeline_config

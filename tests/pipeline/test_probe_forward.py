@@ -12,7 +12,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from ar_slicing.probes import (
+from ar_slicing.analysis.probes import (
     ProbeSizes,
     induction_curve,
     induction_score,

@@ -19,8 +19,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from ar_slicing.errors import ArSliceError, BadInput
-from ar_slicing.io import read_json
-from ar_slicing.layout import LEDGER_NAME, PROBE_FILES
+from ar_slicing.machinery.io import read_json
+from ar_slicing.machinery.layout import LEDGER_NAME, PROBE_FILES
 from pipeline.config import printing_summaries
 from pipeline.probe import ProbeConfig, run_probe
 from pipeline.runner.run import RunConfig, run_pipeline
@@ -121,14 +121,14 @@ def test_the_copier_scores_the_maximum_and_answers_every_query(probed):
 
 
 def test_the_stage_writes_what_the_library_gives_on_the_same_model(probed):
-    from ar_slicing.probes import (
+    from ar_slicing.analysis.probes import (
         ProbeSizes,
         induction_score,
         recall_by_k,
         run_probes,
         tokenizer_probe_vocabulary,
     )
-    from ar_slicing.store import TokenStore
+    from ar_slicing.data.store import TokenStore
     from models import load_model
     from pipeline.eval.forward import score_rows
 
@@ -221,7 +221,7 @@ def test_a_failed_run_resumes_at_the_part_it_had_not_finished(probed, tmp_path, 
     cfg = functools.partial(_config, run, "base_conv", dtype="fp32")
     run_probe(cfg(whole))
 
-    import ar_slicing.probes as probes
+    import ar_slicing.analysis.probes as probes
 
     def interrupted(parts):
         raise KeyboardInterrupt("stopped after the induction probe")

@@ -13,8 +13,7 @@ import duckdb
 import numpy as np
 import pytest
 
-from ar_slicing.errors import ArSliceError
-from ar_slicing.metrics import (
+from ar_slicing.analysis.metrics import (
     WindowSums,
     ar_share_of_gap,
     bootstrap,
@@ -22,6 +21,7 @@ from ar_slicing.metrics import (
     point_estimates,
     slice_report,
 )
+from ar_slicing.errors import ArSliceError
 from pipeline.config import printing_summaries
 from tests.queries.test_queries import QUOTED, tiny_run, write_run  # noqa: F401  (tiny_run is a fixture)
 
@@ -318,7 +318,7 @@ def test_report_files_tables_and_html(text_run, capsys):
 
 
 def test_passages_decode_token_by_token_and_mark_ar_hits(text_run, bpe_tokenizer):
-    from ar_slicing.results import ensure_results
+    from ar_slicing.analysis.results import ensure_results
     from pipeline.report import choose_windows, load_passages
 
     run, rows, losses = text_run
@@ -411,7 +411,7 @@ def test_report_refuses_an_unknown_reference(tiny_run, capsys):  # noqa: F811
 
 
 def test_default_reference():
-    from ar_slicing.results import default_reference
+    from ar_slicing.analysis.results import default_reference
 
     assert (
         default_reference(
@@ -447,7 +447,7 @@ def test_report_of_a_single_model(tiny_run, capsys):  # noqa: F811
 def test_report_names_models_left_out_or_on_fewer_windows(tiny_run, capsys):  # noqa: F811
     """An interrupted evaluation is left out and a partial one restricts every number: the
     console and report.md both name the models concerned."""
-    from ar_slicing.io import read_json, write_json_atomic
+    from ar_slicing.machinery.io import read_json, write_json_atomic
     from pipeline.report import ReportConfig, run_report
     from tests.queries.test_queries import make_partial
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ar_slicing.errors import ArSliceError, BadInput
-from ar_slicing.io import read_json
+from ar_slicing.machinery.io import read_json
 from models.checkpoints.registry import parse_spec
 from pipeline.config import printing_summaries
 from pipeline.runner.config_file import (
@@ -190,7 +190,7 @@ def test_demo_config_builds_every_stage_and_matches_the_makefile(config):
         parts["train"].split_fraction,
         "train",
     )
-    from ar_slicing.readers import DirectoryReader
+    from ar_slicing.data.readers import DirectoryReader
 
     corpus([rel for rel, _ in DirectoryReader(Path(corpus_root()), parts["train"].glob).files()])
     assert p.configs("count")["count"].tokens == [f"{run}/tokens/train"]
@@ -528,7 +528,7 @@ def test_models_trained_side_by_side_are_the_ones_trained_in_turn(tmp_path, caps
 
 
 def test_pretrained_tokenizer_is_copied(tmp_path, bpe_tokenizer_path, bpe_tokenizer):
-    from ar_slicing.tokenizer import fingerprint, load_tokenizer
+    from ar_slicing.data.tokenizer import fingerprint, load_tokenizer
 
     cfg = tmp_path / "p.toml"
     cfg.write_text(

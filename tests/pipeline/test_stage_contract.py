@@ -16,7 +16,7 @@ import pytest
 import tomllib
 
 from ar_slicing.errors import ArSliceError, BadInput
-from ar_slicing.io import read_json
+from ar_slicing.machinery.io import read_json
 from pipeline.runner.run import RunConfig, run_pipeline
 from tests.conftest import small_pipeline_config
 from tests.reliability import REPO, cli, run_subprocess, tiny_run  # noqa: F401  (a fixture)
@@ -232,7 +232,7 @@ def dump(path: Path) -> dict:
 
 
 def test_results_duckdb_is_the_same_on_a_rerun(tiny_run, tmp_path):  # noqa: F811
-    from ar_slicing.results import build_results, find_run
+    from ar_slicing.analysis.results import build_results, find_run
 
     run = tmp_path / "run"
     shutil.copytree(tiny_run["run"], run)

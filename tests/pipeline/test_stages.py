@@ -8,8 +8,8 @@ import textwrap
 import pytest
 
 from ar_slicing.errors import ArSliceError
-from ar_slicing.io import read_json
-from ar_slicing.layout import RunLayout
+from ar_slicing.machinery.io import read_json
+from ar_slicing.machinery.layout import RunLayout
 from pipeline.runner import registry
 from tests.reliability import tiny_run  # noqa: F401  (a fixture)
 
@@ -39,8 +39,8 @@ def summary_settings(cfg):
 
 
 def run_summary(cfg):
-    from ar_slicing.io import read_json, write_json_atomic
-    from ar_slicing.plan import StagePlan, identity, open_stage
+    from ar_slicing.machinery.io import read_json, write_json_atomic
+    from ar_slicing.machinery.plan import StagePlan, identity, open_stage
 
     plan = StagePlan("summary", summary_settings(cfg), {"tags": identity(cfg.tags)})
     stage = open_stage(cfg.out, plan, overwrite=cfg.overwrite)

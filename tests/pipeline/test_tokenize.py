@@ -20,12 +20,12 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ar_slicing.data.store import TokenStore
+from ar_slicing.data.tokenizer import fingerprint
 from ar_slicing.errors import ArSliceError, BadInput
-from ar_slicing.io import stable_meta
-from ar_slicing.layout import STORE_WORK_DIR as PARTS_DIR
-from ar_slicing.ledger import Ledger
-from ar_slicing.store import TokenStore
-from ar_slicing.tokenizer import fingerprint
+from ar_slicing.machinery.io import stable_meta
+from ar_slicing.machinery.layout import STORE_WORK_DIR as PARTS_DIR
+from ar_slicing.machinery.ledger import Ledger
 from pipeline.cli import main as cli_main
 from pipeline.tokenize import TokenizeConfig, run_tokenize
 from pipeline.train_tokenizer import TrainTokenizerConfig, run_train_tokenizer

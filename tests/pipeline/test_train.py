@@ -15,11 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ar_slicing.data.store import write_token_store
+from ar_slicing.data.tokenizer import describe
 from ar_slicing.errors import ArSliceError, BadInput, TokenizerMismatch
-from ar_slicing.io import read_json
-from ar_slicing.layout import train_state
-from ar_slicing.store import write_token_store
-from ar_slicing.tokenizer import describe
+from ar_slicing.machinery.io import read_json
+from ar_slicing.machinery.layout import train_state
 from pipeline.train import (
     STATE_DIR,
     BatchOrder,
@@ -211,7 +211,7 @@ def test_transformer_pp_trains_and_is_evaluated_as_the_attention_reference(store
     import pyarrow.parquet as pq
     import torch
 
-    from ar_slicing.results import default_reference
+    from ar_slicing.analysis.results import default_reference
     from models import load_model
     from pipeline.cli import main as cli_main
     from pipeline.count import CountConfig, run_count
@@ -321,7 +321,7 @@ def test_complete_output_is_skipped_and_overwrite_retrains(stores, tmp_path):
 
 def saved_step(out: Path) -> int:
     """The step of the latest checkpoint the stage's ledger records (0: none yet)."""
-    from ar_slicing.ledger import Ledger
+    from ar_slicing.machinery.ledger import Ledger
 
     return max((e["facts"]["step"] for e in Ledger(out).parts.values()), default=0)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ar_slicing.io import read_json
+from ar_slicing.machinery.io import read_json
 from tests import REPO
 from tests.reliability import arslice_argv, kill_when, tiny_run  # noqa: F401  (a fixture)
 from tests.tiny_models import save_neox
@@ -162,7 +162,7 @@ def train_args(tiny_run, out: Path, *more) -> list:  # noqa: F811
 
 def saved_step(out: Path) -> int:
     """The step of the latest checkpoint the stage's ledger records (0: none yet)."""
-    from ar_slicing.ledger import Ledger
+    from ar_slicing.machinery.ledger import Ledger
 
     if not out.exists():
         return 0

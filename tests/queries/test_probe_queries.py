@@ -10,11 +10,8 @@ import polars as pl
 import pyarrow.parquet as pq
 import pytest
 
-from ar_slicing.api import open_run
-from ar_slicing.errors import BadInput
-from ar_slicing.layout import RunLayout
-from ar_slicing.plan import identity
-from ar_slicing.probes import (
+from ar_slicing.analysis.api import open_run
+from ar_slicing.analysis.probes import (
     icl_score,
     induction_curve,
     induction_score,
@@ -24,7 +21,10 @@ from ar_slicing.probes import (
     recall_by_k,
     recall_table,
 )
-from ar_slicing.probes.sequences import InductionSequences, RecallSequences
+from ar_slicing.analysis.probes.sequences import InductionSequences, RecallSequences
+from ar_slicing.errors import BadInput
+from ar_slicing.machinery.layout import RunLayout
+from ar_slicing.machinery.plan import identity
 from pipeline.probe import token_losses
 from tests.handmade import write_handmade_meta
 from tests.queries.test_queries import QUOTED, run_sql, tiny_run  # noqa: F401  (a fixture)

@@ -27,10 +27,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from ar_slicing.algorithms.tags import tags_schema
+from ar_slicing.data.store import write_token_store
+from ar_slicing.data.tokenizer import describe
 from ar_slicing.errors import ArSliceError, BadInput, TokenizerMismatch
-from ar_slicing.store import write_token_store
-from ar_slicing.tags import tags_schema
-from ar_slicing.tokenizer import describe
 from tests import REPO
 from tests.ar_slicing.test_tags import naive_match_len, write_counts
 from tests.handmade import write_handmade_meta
@@ -240,7 +240,7 @@ def build_tiny_run(run: Path, tokenizer_path: Path) -> Path:
 
 def run_sql(run: Path, name: str, params=None, cwd: Path | None = None):
     """Run queries/NAME.sql unchanged with Python's duckdb; rows as dicts."""
-    from ar_slicing.results import ensure_results
+    from ar_slicing.analysis.results import ensure_results
 
     ensure_results(run)
     old = os.getcwd()
@@ -260,7 +260,7 @@ def run_sql(run: Path, name: str, params=None, cwd: Path | None = None):
 
 
 def test_tiny_run_tags_follow_the_worked_example(tiny_run):
-    from ar_slicing.results import ensure_results
+    from ar_slicing.analysis.results import ensure_results
 
     ensure_results(tiny_run)
     con = duckdb.connect(str(tiny_run / "results.duckdb"), read_only=True)
@@ -424,7 +424,7 @@ def test_every_query_file_runs_and_is_tested():
 
 
 def test_results_db_works_from_another_cwd_and_follows_a_moved_run(tiny_run, tmp_path):
-    from ar_slicing.results import ensure_results
+    from ar_slicing.analysis.results import ensure_results
 
     _, built = ensure_results(tiny_run)
     assert built
@@ -447,8 +447,8 @@ def test_results_db_works_from_another_cwd_and_follows_a_moved_run(tiny_run, tmp
 def test_results_db_is_rebuilt_when_an_input_is_redone_or_grows(tiny_run, caplog):
     """results.duckdb's plan: a losses folder redone under another plan, or given another part,
     is another input; a file that recorded no plan (an older version's) is rebuilt too."""
-    from ar_slicing.io import read_json, write_json_atomic
-    from ar_slicing.results import ensure_results, recorded_plan, results_plan
+    from ar_slicing.analysis.results import ensure_results, recorded_plan, results_plan
+    from ar_slicing.machinery.io import read_json, write_json_atomic
 
     checked, built = ensure_results(tiny_run)
     db = tiny_run / "results.duckdb"
@@ -456,7 +456,7 @@ def test_results_db_is_rebuilt_when_an_input_is_redone_or_grows(tiny_run, caplog
     hyena = tiny_run / "losses" / "hyena"
     meta = read_json(hyena / "meta.json")
     write_json_atomic(hyena / "meta.json", {**meta, "plan": {"stage": "eval", "settings": {}}})
-    with caplog.at_level("INFO", logger="ar_slicing.results"):
+    with caplog.at_level("INFO", logger="ar_slicing.analysis.results"):
         _, built = ensure_results(tiny_run)
     assert built and f"{db} is out of date with the run's inputs; rebuilding it" in caplog.text
     assert "inputs.losses.hyena.identity" in caplog.text
@@ -478,7 +478,7 @@ def test_results_db_is_rebuilt_when_an_input_is_redone_or_grows(tiny_run, caplog
 
 
 def test_mismatched_losses_are_refused(tiny_run):
-    from ar_slicing.results import ensure_results
+    from ar_slicing.analysis.results import ensure_results
 
     shard = tiny_run / "losses" / "hyena" / "losses-00000.parquet"
     t = pq.read_table(shard)
@@ -488,8 +488,8 @@ def test_mismatched_losses_are_refused(tiny_run):
 
 
 def test_losses_of_another_tokenizer_are_refused(tiny_run):
-    from ar_slicing.io import read_json, write_json_atomic
-    from ar_slicing.results import ensure_results
+    from ar_slicing.analysis.results import ensure_results
+    from ar_slicing.machinery.io import read_json, write_json_atomic
 
     meta_path = tiny_run / "losses" / "hyena" / "meta.json"
     meta = read_json(meta_path)
@@ -500,7 +500,7 @@ def test_losses_of_another_tokenizer_are_refused(tiny_run):
 
 
 def test_incomplete_losses_are_skipped(tiny_run):
-    from ar_slicing.results import ensure_results
+    from ar_slicing.analysis.results import ensure_results
 
     (tiny_run / "losses" / "hyena" / "meta.json").unlink()
     checked, _ = ensure_results(tiny_run)
@@ -510,7 +510,7 @@ def test_incomplete_losses_are_skipped(tiny_run):
 
 def make_partial(run: Path, model: str, windows: int) -> None:
     """Make `model`'s losses those of `arslice eval --max-windows WINDOWS`."""
-    from ar_slicing.io import read_json, write_json_atomic
+    from ar_slicing.machinery.io import read_json, write_json_atomic
 
     shard = run / "losses" / model / "losses-00000.parquet"
     t = pq.read_table(shard)
@@ -604,7 +604,7 @@ def test_cli_query_errors_are_clear(tiny_run, capsys, argv, message):
 
 
 def test_query_module_helpers():
-    from ar_slicing.sql import load_query
+    from ar_slicing.analysis.sql import load_query
     from pipeline.query import parse_params
 
     q = load_query("examples")

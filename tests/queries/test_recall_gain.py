@@ -1,4 +1,4 @@
-"""In-context recall gain (`queries/recall_gain.sql`, `ar_slicing.metrics.recall_gain_report`)
+"""In-context recall gain (`queries/recall_gain.sql`, `ar_slicing.analysis.metrics.recall_gain_report`)
 against a naive per-token reference on a hand-made run.
 
 The run: random documents over a few tokens, so bigrams repeat inside windows, with training
@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 
-from ar_slicing.metrics import (
+from ar_slicing.analysis.metrics import (
     bootstrap,
     recall_gain_report,
     recall_gain_statistics,
@@ -130,8 +130,8 @@ def test_sql_max_train_count_keeps_only_rarer_bigrams(gain_run):
     assert mine[0]["gain"] == pytest.approx(gain, rel=1e-9)
     assert {r["bucket"] for r in mine[1:]} == set(by_bucket) <= {0, 1, 2}
     # the documented default, as `arslice query recall_gain` resolves it, is "no limit"
-    from ar_slicing.results import open_results
-    from ar_slicing.sql import run_named_query
+    from ar_slicing.analysis.results import open_results
+    from ar_slicing.analysis.sql import run_named_query
 
     con = open_results(run)
     try:
@@ -143,7 +143,7 @@ def test_sql_max_train_count_keeps_only_rarer_bigrams(gain_run):
 
 
 def test_report_point_estimates_equal_the_naive_reference(gain_run):
-    from ar_slicing.results import open_results
+    from ar_slicing.analysis.results import open_results
 
     run, rows, nll = gain_run
     con = open_results(run)
@@ -170,8 +170,8 @@ def test_report_point_estimates_equal_the_naive_reference(gain_run):
 def test_bootstrap_replicates_equal_naive_resampling_and_pair_with_table1(gain_run):
     """Replicate b is the naive gain of the tokens of the windows drawn in replicate b, and those
     draws are the ones `bootstrap` (Table 1's intervals) makes with the same seed."""
-    from ar_slicing.metrics import recall_sums, resampled_totals
-    from ar_slicing.results import open_results
+    from ar_slicing.analysis.metrics import recall_sums, resampled_totals
+    from ar_slicing.analysis.results import open_results
 
     run, rows, nll = gain_run
     con = open_results(run)
@@ -230,7 +230,7 @@ def test_statistics_skip_buckets_missing_a_kind_and_weight_by_repeats():
 
 def test_sql_and_report_agree_on_the_tiny_run(tiny_run):  # noqa: F811
     """docs/design.md's worked example: hyena loses 1 nat on every repeat; attention is flat."""
-    from ar_slicing.results import open_results
+    from ar_slicing.analysis.results import open_results
 
     got = {
         r["model"]: r

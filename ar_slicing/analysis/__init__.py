@@ -1,0 +1,1 @@
+"""Analysis: slices, metrics, Table 1, copy length, emergence, results.duckdb, SQL and the Python API."""
