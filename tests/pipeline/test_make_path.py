@@ -153,6 +153,7 @@ def test_every_config_example_runs_through_make(where, text, tiny_tree, tmp_path
 # ---- spaces -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # (~45 s: a whole small run through make)
 def test_a_run_dir_and_a_config_path_with_spaces(tmp_path):
     """Before, make said "Nothing to be done" for a run_dir with spaces (and made nothing) and
     "no such file" for a CONFIG path with spaces."""

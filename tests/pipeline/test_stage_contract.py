@@ -40,6 +40,7 @@ def stages_run(done: subprocess.CompletedProcess) -> list[str]:
 # ---- 1, 2: editing the config, and make ------------------------------------------------------
 
 
+@pytest.mark.slow  # (~80 s: every stage run four times)
 def test_editing_the_config_reruns_exactly_what_it_changed(tmp_path):
     cfg = tmp_path / "small.toml"
     cfg.write_text(small_pipeline_config(tmp_path))
