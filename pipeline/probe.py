@@ -426,7 +426,8 @@ def probed_models(f: Fanned) -> list[Table]:
 
 
 def eval_hub_names(cfg: ProbeConfig, where: str) -> list[tuple[str, str, str]]:
-    """The model a probe would fetch from the hub (as the eval of the same model)."""
+    """The model a probe would fetch from the hub: the eval's own answer (imported here, so that
+    `arslice --help` does not load the eval stage)."""
     from pipeline.eval.wiring import eval_hub_names as of_eval
 
     return of_eval(cfg, where)
@@ -484,7 +485,7 @@ COMMAND = Command(
     examples="""\
   arslice probe --model native:runs/demo/models/transformer_pp --tags runs/demo/tags --losses runs/demo/losses/transformer_pp --out runs/demo/probes/transformer_pp
   arslice probe --model hf:EleutherAI/pythia-160m --tags runs/pile/tags --losses runs/pile/losses/pythia-160m --out runs/pile/probes/pythia-160m --recall-pairs 1 4 16 64  # needs the hub""",
-    hub_names=lambda cfg, where: eval_hub_names(cfg, where),
+    hub_names=eval_hub_names,
     pipeline=Wiring(
         table="probe",
         reads=(TAGS, MODELS, LOSSES),
