@@ -49,7 +49,8 @@ checkpoint):
 and the SQL objects of the slices and the training-count buckets (`ar_slicing.analysis.slices`): the views
 `slice_perplexity`, `slice_perplexity_by_subset` and `slice_token_losses`, the table `slices`,
 the table macro `gap_vs_reference(reference)` and the macros `count_bucket`, `count_bucket_lo`, `count_bucket_hi`, `count_bucket_label` and
-`ar_threshold()` (the run's AR threshold).
+`ar_threshold()` (the run's AR threshold); and `recipe_of(model)` and `seed_of(model)`, the runs of
+one recipe (`ar_slicing.analysis.seeds`).
 
 Paths: the views name the Parquet files by **absolute** path, so the file works unchanged
 whichever directory it is opened from (`duckdb.connect("runs/pile/results.duckdb")` from

@@ -22,6 +22,8 @@ import hashlib
 import re
 from dataclasses import dataclass
 
+from ar_slicing.analysis.seeds import MACROS_SQL as SEED_MACROS
+
 
 @dataclass(frozen=True)
 class Slice:
@@ -123,7 +125,8 @@ COUNT_BUCKET_MACROS = (
 
 
 def definitions_sql(threshold: int | None) -> list[str]:
-    """The statements that define the buckets, `ar_threshold()` (the run's AR threshold, for
+    """The statements that define the buckets, `recipe_of(model)` and `seed_of(model)` (runs of
+    one recipe, `ar_slicing.analysis.seeds`), `ar_threshold()` (the run's AR threshold, for
     slice predicates) and the views, table macro and table of the slices, over a database that
     has `token_losses` and `models` (results.duckdb's)."""
     keys = "model, coalesce(subset, '(none)')"
@@ -133,6 +136,7 @@ def definitions_sql(threshold: int | None) -> list[str]:
     limit = "NULL" if threshold is None else str(int(threshold))  # (an int: safe in DDL)
     return [
         *COUNT_BUCKET_MACROS,
+        *SEED_MACROS,
         f"CREATE MACRO ar_threshold() AS {limit}::BIGINT",
         "CREATE VIEW slice_perplexity AS SELECT tl.model, any_value(m.architecture) AS "
         "architecture, any_value(m.n_params) AS n_params, "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from ar_slicing.analysis.seeds import recipes
 from ar_slicing.analysis.slices import TABLE1_SLICES
 from pipeline.plotting import png_bytes as _png
 from pipeline.plotting import pyplot as _pyplot
@@ -234,31 +235,72 @@ def slice_bars_png(report, order: list[str]) -> bytes:
     return _png(fig)
 
 
+def _runs(
+    ax,
+    runs: dict[str, list[tuple]],
+    colour,
+    label: str | None,
+    style: str = "-",
+    alpha: float = 0.18,
+    marker: str | None = "o",
+) -> None:
+    """The runs of one recipe (run name -> its (x, y) points) in one colour: a single run as a
+    line; several as thin lines and, where two or more have a point at the same x, the band from
+    their least to their greatest value (`ar_slicing.analysis.seeds`)."""
+    import numpy as np
+
+    several = len(runs) > 1
+    for k, pts in enumerate(runs.values()):
+        pts = sorted((x, y) for x, y in pts if y is not None and np.isfinite(y))
+        if pts:
+            ax.plot(*zip(*pts), style, marker=marker, ms=3 if several else 4, color=colour,
+                    lw=0.8 if several else 1.2, label=label if k == 0 else None)  # fmt: skip
+    if not several:
+        return
+    at: dict[float, list[float]] = {}
+    for pts in runs.values():
+        for x, y in pts:
+            if y is not None and np.isfinite(y):
+                at.setdefault(x, []).append(y)
+    xs = sorted(x for x, ys in at.items() if len(ys) > 1)
+    if xs:
+        lo = [min(at[x]) for x in xs]
+        hi = [max(at[x]) for x in xs]
+        ax.fill_between(xs, lo, hi, color=colour, alpha=alpha, lw=0)
+
+
+def _recipe_label(recipe: str, runs) -> str:
+    return recipe if len(runs) == 1 else f"{recipe} ({len(runs)} seeds, band: their range)"
+
+
 def emergence_png(rows: list[dict]) -> bytes:
     """Recall emergence (`ar_slicing.analysis.emergence` rows): the in-context recall gain against the
     training tokens seen (log axis), one line per model with its 95% band, and the gain at
-    training count 0 dashed in the same colour. A point at 0 tokens (the initial weights) has no
-    place on a log axis: it is in the table, not drawn."""
+    training count 0 dashed in the same colour. The runs of one recipe (models `<recipe>` and
+    `<recipe>-seed<n>`) share a colour, each a thin line, and the band is then their spread
+    (least to greatest run at each point) instead. A point at 0 tokens (the initial weights) has
+    no place on a log axis: it is in the table, not drawn."""
     import numpy as np
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    for i, model in enumerate(models):
-        pts = [r for r in rows if r["model"] == model and r["tokens_seen"] > 0]
-        if not pts:
-            continue
+    groups = recipes(r["model"] for r in rows)
+    for i, (recipe, runs) in enumerate(groups.items()):
         colour = colours[i % len(colours)]
-        x = np.array([r["tokens_seen"] for r in pts], dtype=float)
         for key, style, label in (
-            ("recall_gain", "-", model),
+            ("recall_gain", "-", _recipe_label(recipe, runs)),
             ("recall_gain_count0", "--", None),
         ):
-            y = np.array([r[key] for r in pts], dtype=float)
-            ax.plot(x, y, style, marker="o", ms=4, color=colour, label=label)
-            lo = np.array([r[f"{key}_lo"] for r in pts], dtype=float)
-            hi = np.array([r[f"{key}_hi"] for r in pts], dtype=float)
+            pts = {m: [(r["tokens_seen"], r[key]) for r in rows
+                       if r["model"] == m and r["tokens_seen"] > 0] for m in runs}  # fmt: skip
+            _runs(ax, pts, colour, label, style, alpha=0.18 if style == "-" else 0.08)
+            if len(runs) > 1:
+                continue
+            mine = [r for r in rows if r["model"] == runs[0] and r["tokens_seen"] > 0]
+            x = np.array([r["tokens_seen"] for r in mine], dtype=float)
+            lo = np.array([r[f"{key}_lo"] for r in mine], dtype=float)
+            hi = np.array([r[f"{key}_hi"] for r in mine], dtype=float)
             if np.isfinite(lo).any():
                 ax.fill_between(x, lo, hi, color=colour, alpha=0.12 if style == "-" else 0.06)
     ax.set_xscale("log")
@@ -267,7 +309,7 @@ def emergence_png(rows: list[dict]) -> bytes:
     ax.set_ylabel("in-context recall gain (nats)")
     ax.set_title("Recall emergence: solid all bigrams, dashed never seen in training", fontsize=10)
     ax.grid(alpha=0.3)
-    if models:
+    if groups:
         ax.legend(fontsize=8, title="model (95% bands)", title_fontsize=8)
     fig.tight_layout()
     return _png(fig)
@@ -284,25 +326,21 @@ def probes_png(curve: list[dict], by_k: list[dict], position: list[dict]) -> byt
     plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2), dpi=110)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    models = list(dict.fromkeys(r["model"] for r in (*curve, *by_k, *position)))
+    groups = recipes(r["model"] for r in (*curve, *by_k, *position))
     ax_ind, ax_rec, ax_pos = axes
-    for i, model in enumerate(models):
+    for i, (recipe, runs) in enumerate(groups.items()):
         colour = colours[i % len(colours)]
-        pts = sorted((r["pos"], r["mean_nll"]) for r in curve if r["model"] == model)
-        if pts:
-            ax_ind.plot(*zip(*pts), color=colour, lw=1.2, label=model)
-        ks = sorted((r["k"], r["accuracy"]) for r in by_k if r["model"] == model)
-        if ks:
-            ax_rec.plot(*zip(*ks), marker="o", ms=4, color=colour, label=model)
+        label = _recipe_label(recipe, runs)
+
+        def of(rows, x, y, runs=runs, **where):
+            return {m: [(r[x], r[y]) for r in rows if r["model"] == m
+                        and all(r[k] == v for k, v in where.items())] for m in runs}  # fmt: skip
+
+        _runs(ax_ind, of(curve, "pos", "mean_nll"), colour, label, marker=None)
+        _runs(ax_rec, of(by_k, "k", "accuracy"), colour, label)
         for slice_name, style in (("all", "-"), ("ar", "--")):
-            pts = sorted(
-                (r["pos"], r["mean_nll"])
-                for r in position
-                if r["model"] == model and r["slice"] == slice_name
-            )
-            if pts:
-                ax_pos.plot(*zip(*pts), style, color=colour, lw=1.0,
-                            label=model if slice_name == "all" else None)  # fmt: skip
+            _runs(ax_pos, of(position, "pos", "mean_nll", slice=slice_name), colour,
+                  label if slice_name == "all" else None, style, marker=None)  # fmt: skip
     n = max((r["pos"] for r in curve), default=0) // 2
     if n:
         ax_ind.axvline(n + 0.5, color="k", lw=0.8, ls=":")
@@ -324,7 +362,7 @@ def probes_png(curve: list[dict], by_k: list[dict], position: list[dict]) -> byt
     ax_pos.set_title("Loss by position: all tokens solid, AR hits dashed", fontsize=10)
     for ax in axes:
         ax.grid(alpha=0.3)
-    if models:
+    if groups:
         ax_rec.legend(fontsize=8)
     fig.tight_layout()
     return _png(fig)
@@ -338,22 +376,18 @@ def probes_training_png(rows: list[dict]) -> bytes:
     plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2), dpi=110, sharex=True)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    models = list(dict.fromkeys(r["of_model"] for r in rows))
+    groups = recipes(r["of_model"] for r in rows)
     panels = (
         ("induction_score", "induction score (nats)", "Induction score"),
         ("recall_accuracy", "accuracy (mean over k)", "Zero-shot key-value recall"),
         ("recall_gain", "recall gain (nats)", "In-context recall gain on the run's text"),
     )
-    for i, model in enumerate(models):
+    for i, (recipe, runs) in enumerate(groups.items()):
         colour = colours[i % len(colours)]
-        pts = sorted(
-            (r for r in rows if r["of_model"] == model and (r["tokens_seen"] or 0) > 0),
-            key=lambda r: r["tokens_seen"],
-        )
         for ax, (key, _label, _title) in zip(axes, panels):
-            xy = [(r["tokens_seen"], r[key]) for r in pts if r[key] is not None]
-            if xy:
-                ax.plot(*zip(*xy), marker="o", ms=4, color=colour, label=model)
+            pts = {m: [(r["tokens_seen"], r[key]) for r in rows
+                       if r["of_model"] == m and (r["tokens_seen"] or 0) > 0] for m in runs}  # fmt: skip
+            _runs(ax, pts, colour, _recipe_label(recipe, runs))
     for ax, (_key, label, title) in zip(axes, panels):
         ax.set_xscale("log")
         ax.axhline(0, color="k", lw=0.8)
@@ -361,7 +395,7 @@ def probes_training_png(rows: list[dict]) -> bytes:
         ax.set_ylabel(label)
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
-    if models:
+    if groups:
         axes[0].legend(fontsize=8)
     fig.tight_layout()
     return _png(fig)

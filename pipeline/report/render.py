@@ -129,6 +129,14 @@ PROBES_TEXT = (
     "vocabulary reads the same sequences (`queries/probe_scores.sql`, `probe_recall.sql`, "
     "`probe_position.sql`)."
 )
+SEEDS_TITLE = "Across seeds: the runs of one recipe"
+SEEDS_TEXT = (
+    "Models named `<recipe>-seed<n>` are runs of the recipe `<recipe>` from other seeds, beside "
+    "the model named `<recipe>` itself (docs/design.md, Runs of one recipe). Per recipe with two "
+    "runs or more and per step: how many runs have a point there, and each statistic's mean over "
+    "them with the least and the greatest run in brackets, the range the figures above draw as "
+    "the recipe's band (`seeds.csv`; in SQL, `recipe_of(model)` and `seed_of(model)`)."
+)
 FIGURE_TITLES = {
     FREQUENCY_CURVE_FIGURE: "frequency curve",
     COPY_LENGTH_FIGURE: "copy-length curve",
@@ -160,6 +168,8 @@ def render_markdown(context: dict, t1: Table1Text, tables: dict) -> str:
         parts += ["", f"![probes]({PROBES_FIGURE})\n"]
         if context.get("probes_training"):
             parts += [f"![probes along training]({PROBES_TRAINING_FIGURE})\n"]
+    if context.get("seeds"):
+        parts += [f"## {SEEDS_TITLE}", "", SEEDS_TEXT, "", markdown_table(*context["seeds"]), ""]
     copies = context.get("copy_length")
     if copies:
         parts += [f"## {COPY_TITLE}", "", COPY_TEXT, "", markdown_table(*copies["table"]), ""]
@@ -206,6 +216,9 @@ def render_html(context, t1, tables, figures, passages, order, vmax) -> str:
         body += [_img(figures[PROBES_FIGURE], "probes")]
         if PROBES_TRAINING_FIGURE in figures:
             body += [_img(figures[PROBES_TRAINING_FIGURE], "probes along training")]
+    if context.get("seeds"):
+        body += [f"<h2>{html.escape(SEEDS_TITLE)}</h2>", f"<p>{inline_html(SEEDS_TEXT)}</p>"]
+        body += [_scroll(html_table(*context["seeds"], "seeds"))]
     copies = context.get("copy_length")
     if copies:
         body += [f"<h2>{inline_html(COPY_TITLE)}</h2>", f"<p>{inline_html(COPY_TEXT)}</p>"]

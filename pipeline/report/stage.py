@@ -44,6 +44,7 @@ from pipeline.report.tables import (
     emergence_text,
     ppl_header,
     probes_text,
+    seeds_text,
     table1_text,
     write_csv,
 )
@@ -163,7 +164,10 @@ REPORT_FILES = (
     EMERGENCE_FIGURE,
     PROBES_FIGURE,
     PROBES_TRAINING_FIGURE,
-    *(TABLE_CSV.format(n) for n in (*QUERY_TABLES, "table1", "copy_length", "emergence", "probes")),
+    *(
+        TABLE_CSV.format(n)
+        for n in (*QUERY_TABLES, "table1", "copy_length", "emergence", "probes", "seeds")
+    ),
 )
 
 
@@ -199,7 +203,10 @@ def _write_report(stage, cfg, con, checked, info, reference, t0, mqar=None) -> d
         figures[MQAR_FIGURE] = mqar.figure.read_bytes()
         write_bytes_atomic(out / MQAR_FIGURE, figures[MQAR_FIGURE])
     emergence, points = _emergence(con, cfg, out, figures) if checked.checkpoints else (None, [])
-    probes = _probes(con, out, figures, points, tables["recall_gain"]) if checked.probes else None
+    probes, probe_points = (
+        _probes(con, out, figures, points, tables["recall_gain"]) if checked.probes else (None, [])
+    )
+    seeds = _seeds(out, points, probe_points)
 
     passages = load_passages(con, checked, choose_windows(con, reference, cfg.passages), t1.order)
 
@@ -221,6 +228,7 @@ def _write_report(stage, cfg, con, checked, info, reference, t0, mqar=None) -> d
         "emergence": emergence,
         "probes": probes,
         "probes_training": PROBES_TRAINING_FIGURE in figures,
+        "seeds": seeds,
     }
     write_bytes_atomic(out / REPORT_MD_NAME, render_markdown(context, text, tables).encode())
     page = render_html(context, text, tables, figures, passages, t1.order, vmax)
@@ -289,6 +297,27 @@ def _emergence(con, cfg, out, figures: dict) -> tuple[tuple[list[str], list[list
     return emergence_text(rows), rows
 
 
+# the statistics whose spread across seeds the report gives: the recall emergence's, the probes'
+SEED_EMERGENCE = ("recall_gain", "recall_gain_count0")
+SEED_PROBES = ("induction_score", "recall_accuracy")
+
+
+def seed_rows(emergence: list[dict], probes: list[dict]) -> list[dict]:
+    """The spread rows of the emergence and of the probes (`spread_rows`) as one row per recipe
+    and step, every statistic of `SEED_EMERGENCE` and `SEED_PROBES` (NaN where a side has no
+    point), `runs` and `models` those of the emergence where it has the point."""
+    keys = [f"{k}{end}" for k in (*SEED_EMERGENCE, *SEED_PROBES) for end in ("", "_min", "_max")]
+    merged: dict[tuple, dict] = {}
+    for row in (*emergence, *probes):
+        at = merged.setdefault(
+            (row["recipe"], row["step"]),
+            {**{k: row[k] for k in ("recipe", "step", "tokens_seen", "runs", "models")},
+             **dict.fromkeys(keys, math.nan)},
+        )  # fmt: skip
+        at.update({k: v for k, v in row.items() if k in keys})
+    return [merged[key] for key in sorted(merged)]
+
+
 def probe_rows(con, points: list[dict], recall_gain) -> list[dict]:
     """`queries/probe_scores.sql`'s rows with the recall gain of each model or checkpoint on the
     run's text beside them: its point of the recall emergence (with its interval), else, for a
@@ -315,9 +344,9 @@ def probe_rows(con, points: list[dict], recall_gain) -> list[dict]:
     return out
 
 
-def _probes(con, out, figures: dict, points: list, recall_gain) -> tuple[list[str], list]:
+def _probes(con, out, figures: dict, points: list, recall_gain) -> tuple[tuple, list[dict]]:
     """The probes (a run with `arslice probe`): probes.csv, probes.png and, with checkpoints,
-    probes_training.png (added to `figures`), and the table's text."""
+    probes_training.png (added to `figures`), the table's text and its rows."""
     rows = probe_rows(con, points, recall_gain)
     columns = list(rows[0]) if rows else ["model"]
     write_csv(out / TABLE_CSV.format("probes"), columns, [tuple(r.values()) for r in rows])
@@ -340,7 +369,23 @@ def _probes(con, out, figures: dict, points: list, recall_gain) -> tuple[list[st
     if any(r["model"] != r["of_model"] for r in rows):  # checkpoints along training
         figures[PROBES_TRAINING_FIGURE] = probes_training_png(rows)
         write_bytes_atomic(out / PROBES_TRAINING_FIGURE, figures[PROBES_TRAINING_FIGURE])
-    return probes_text(rows)
+    return probes_text(rows), rows
+
+
+def _seeds(out, points: list[dict], probe_points: list[dict]) -> tuple | None:
+    """The spread across the runs of each recipe that has several (`ar_slicing.analysis.seeds`),
+    point by point: seeds.csv and the table's text; None in a run without such recipes."""
+    from ar_slicing.analysis.seeds import spread_rows
+
+    rows = seed_rows(
+        spread_rows(points, SEED_EMERGENCE),
+        spread_rows(probe_points, SEED_PROBES, model_key="of_model"),
+    )
+    if not rows:
+        return None
+    columns = list(rows[0])
+    write_csv(out / TABLE_CSV.format("seeds"), columns, [tuple(r.values()) for r in rows])
+    return seeds_text(rows)
 
 
 def coverage_notes(checked) -> list[str]:

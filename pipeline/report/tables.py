@@ -254,6 +254,32 @@ def emergence_text(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     return header, out
 
 
+def seeds_text(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """The spread across seeds (`pipeline.report.stage.seed_rows`): per recipe and step, the runs
+    there and each statistic's mean over them with the least and greatest run."""
+    header = [
+        "recipe",
+        "step",
+        "runs",
+        "recall gain (nats)",
+        "gain, count 0 (nats)",
+        "induction score (nats)",
+        "recall acc. (mean over k)",
+    ]
+
+    def spread(r: dict, key: str) -> str:
+        v, lo, hi = r[key], r[f"{key}_min"], r[f"{key}_max"]
+        if v is None or math.isnan(v):
+            return "—"
+        return f"{v:.3f}" if r["runs"] == 1 or lo == hi else f"{v:.3f} ({lo:.3f} to {hi:.3f})"
+
+    out = []
+    for r in rows:
+        keys = ("recall_gain", "recall_gain_count0", "induction_score", "recall_accuracy")
+        out.append([r["recipe"], f"{r['step']:,}", str(r["runs"]), *(spread(r, k) for k in keys)])
+    return header, out
+
+
 # ---- probes ------------------------------------------------------------------------------------
 
 
