@@ -43,6 +43,8 @@ def _outputs(
 
 
 def verify_run(cfg: VerifyConfig) -> dict:
+    from ar_slicing.machinery.io import read_json
+    from pipeline.verify.probes import verify_probes, verify_same_sequences
     from pipeline.verify.stores import verify_counts, verify_store
     from pipeline.verify.tags import verify_losses, verify_tags
 
@@ -117,6 +119,16 @@ def verify_run(cfg: VerifyConfig) -> dict:
             checks.fail(f"{d}: window {meta.get('window')} but the tags use {tags_meta['window']}")
             continue
         verify_losses(d, windows, int(tags_meta["window"]), checks)
+
+    # (a probe records no tokenizer fingerprint of its own: it read the losses', checked above)
+    probe_metas = {
+        d: read_json(meta_path(d)) for d in _complete_dirs(layout.probe_folders(), checks, "probes")
+    }
+    if probe_metas:
+        say("probes")
+    for d, meta in probe_metas.items():
+        verify_probes(d, meta, layout, checks)
+    verify_same_sequences(probe_metas, checks)
 
     say("tokenizer")
     distinct = {fp for fp in fingerprints.values()}

@@ -357,3 +357,104 @@ def test_without_resamples_no_interval_and_any_order_of_k(probed, tmp_path):
     assert by_k["k"].to_list() == [1, 2, 4]
     assert meta["recall_accuracy"] == dict(zip(["1", "2", "4"], by_k["accuracy"].to_list()))
     assert "NaN" not in (out / "meta.json").read_text()
+
+
+# ---- arslice verify over the probes -------------------------------------------------------------
+
+
+def _verified(run: Path) -> tuple[bool, str]:
+    """(passed, every line verify printed) of `arslice verify --no-scan-tokens` on `run`."""
+    import contextlib
+    import io
+
+    from pipeline.verify import VerifyConfig, verify_run
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), printing_summaries():
+        try:
+            verify_run(VerifyConfig(run=str(run), scan_tokens=False))
+        except ArSliceError:
+            return False, out.getvalue()
+    return True, out.getvalue()
+
+
+@pytest.fixture
+def probed_copy(probed, tmp_path) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(probed["run"], run)
+    return run
+
+
+def test_verify_recomputes_every_probe_summary_from_its_rows(probed_copy):
+    ok, out = _verified(probed_copy)
+    assert ok, out
+    for model in MODELS:
+        d = probed_copy / "probes" / model
+        assert f"ok    {d / 'induction_score.parquet'}: the score its rows give" in out
+        assert f"ok    {d / 'recall_by_k.parquet'}: the accuracy and NLL its rows give" in out
+    # (the copier reads its sequences after its prefix token: other sequences, checked alone)
+    assert "probes of one vocabulary and sizes read the same sequences (4 folders)" in out
+
+
+def _rewrite(path: Path, change) -> None:
+    table = pl.read_parquet(path)
+    pq.write_table(change(table).to_arrow().cast(pq.read_schema(path)), path)
+
+
+@pytest.mark.parametrize(
+    ("broken", "change", "message"),
+    [
+        (
+            "induction.parquet",
+            lambda t: t.with_columns(
+                pl.when(pl.col("copy") == 2).then(pl.col("nll") + 0.5).otherwise(pl.col("nll"))
+                .alias("nll")
+            ),
+            "induction_score.parquet: the score its rows give (and meta.json's)",
+        ),
+        (
+            "recall.parquet",
+            lambda t: t.with_columns(pl.col("token").alias("argmax")),  # every query right
+            "recall_by_k.parquet: the accuracy and NLL its rows give",
+        ),
+        (
+            "recall.parquet",
+            lambda t: pl.concat([t, t.head(1)]),
+            "recall.parquet: rows keyed by (seq_id, pos): row",
+        ),
+        (
+            "induction.parquet",
+            lambda t: t.with_columns(pl.lit(True).alias("scored")),
+            "scored is not every position but the first of each copy",
+        ),
+        (
+            "induction_curve.parquet",
+            lambda t: t.with_columns(pl.col("mean_nll") * 1.001),
+            "induction_curve.parquet: the curve its rows give: column mean_nll differs",
+        ),
+    ],
+)  # fmt: skip
+def test_verify_names_a_probe_file_whose_rows_and_summaries_disagree(
+    probed_copy, broken, change, message
+):
+    path = probed_copy / "probes" / "base_conv@step2" / broken
+    _rewrite(path, change)
+    ok, out = _verified(probed_copy)
+    assert not ok
+    fails = [line for line in out.splitlines() if line.startswith("  FAIL")]
+    assert fails and all(str(path.parent) in line for line in fails), fails
+    assert any(message in line for line in fails), fails
+
+
+def test_verify_names_a_missing_probe_file_and_sequences_that_differ(probed_copy):
+    import json
+
+    (probed_copy / "probes" / "copier" / "recall_by_k.parquet").unlink()
+    meta_file = probed_copy / "probes" / "attention" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["sequences_digest"] = "0" * 16
+    meta_file.write_text(json.dumps(meta))
+    ok, out = _verified(probed_copy)
+    assert not ok
+    assert "copier: every probe file present: missing ['recall_by_k.parquet']" in out
+    assert "sequences differ: 000000000000…: attention;" in out
