@@ -182,16 +182,35 @@ def require(names: Iterable[tuple[str, str, str]]) -> None:
     why = unreachable()
     if why is None:
         return
-    missing = [what for what, name, kind in names if kind == "dataset" or not is_cached(name, kind)]
+    missing: dict[tuple[str, str], list[str]] = {}  # one entry per name, however many need it
+    for what, name, kind in names:
+        if (name, kind) in missing or kind == "dataset" or not is_cached(name, kind):
+            missing.setdefault((name, kind), []).append(what)
     if not missing:
         return
+    repos = {split_revision(name)[0] for name, _ in missing}
     raise ArSliceError(
-        f"the Hugging Face hub is not reachable ({why}) and not in the local cache: "
-        + "; ".join(missing)
+        f"the Hugging Face hub is not reachable ({why}) and not in the local cache "
+        f"({len(repos)} {'repository' if len(repos) == 1 else 'repositories'}, "
+        f"{len(missing)} {'name' if len(missing) == 1 else 'names'}): "
+        + "; ".join(_uses(whats) for whats in missing.values())
         + ". Use a local copy instead: on a machine with network, `hf download NAME --local-dir "
         "DIR` (or save_pretrained), then name DIR in its place (hf:DIR, based:DIR, "
         '`pretrained = "DIR"`, --tokenizer DIR); for an hf:// dataset, download its files and '
         "pass them as sources"
+    )
+
+
+def _uses(whats: list[str]) -> str:
+    """What needs one missing name, once per way it is named ("model hf:X (where)"), the other
+    places that name it the same way counted: `arslice probe` reads every model `arslice eval`
+    does, and would otherwise double the list."""
+    firsts: dict[str, list[str]] = {}
+    for what in whats:
+        firsts.setdefault(what.split(" (")[0], []).append(what)
+    return "; ".join(
+        uses[0] + (f" and {len(uses) - 1} more use of it" if len(uses) > 1 else "")
+        for uses in firsts.values()
     )
 
 

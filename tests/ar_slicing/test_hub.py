@@ -481,6 +481,12 @@ def test_the_pythia_emergence_config_is_checked_offline_as_far_as_it_can_be(tmp_
         for step in (0, 512, 143000):
             revision = f"hf:EleutherAI/pythia-{size}@step{step}"
             assert f"model {revision} ([eval.models.pythia-{size}] " in out.stderr, revision
+            # named once, though the probe stage reads it too
+            assert out.stderr.count(f"{revision} (") == 1, revision
+    for seed in range(1, 10):
+        revision = f"hf:EleutherAI/pythia-160m-seed{seed}@step1000"
+        assert f"model {revision} ([eval.models.pythia-160m-seed{seed}] " in out.stderr
+    assert "(11 repositories, 121 names)" in out.stderr  # 1 + 10 + 1 + 10 + 9 x 11
     assert not run_dir.exists()
 
 
