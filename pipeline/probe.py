@@ -31,7 +31,7 @@ from pathlib import Path
 
 from ar_slicing.analysis.probes import ProbeSizes
 from ar_slicing.errors import ArSliceError, BadInput
-from ar_slicing.machinery.io import atomic_path, build_meta, read_json
+from ar_slicing.machinery.io import build_meta, read_json, write_parquet_atomic
 from ar_slicing.machinery.layout import LOSS_PART_GLOB, META_NAME, PROBE_FILES, TAG_PART_GLOB
 from pipeline.config import Command, say
 from pipeline.wiring import LOSSES, MODELS, PROBES, TAGS, Fanned, Run, Table, Wiring
@@ -205,16 +205,6 @@ def token_losses(tags: Path, losses: Path):
     return tagged.join(scored, on=keys, how="inner").sort(keys).collect()
 
 
-def _write(path: Path, table) -> None:
-    import polars as pl
-    import pyarrow.parquet as pq
-
-    if isinstance(table, pl.DataFrame):
-        table = table.to_arrow()
-    with atomic_path(path) as tmp:
-        pq.write_table(table, tmp)
-
-
 # ---- the stage ---------------------------------------------------------------------------------
 
 
@@ -279,9 +269,9 @@ def _probe(stage, cfg: ProbeConfig, name: str, tags, losses: Path, losses_meta: 
         if facts["induction"] is None:
             table = induction_table(seqs.induction, *score(seqs.induction.tokens))
             summary = induction_score(table, cfg.bootstrap, cfg.seed)
-            _write(files["induction"][0], table)
-            _write(files["induction"][1], _one_row(summary))
-            _write(files["induction"][2], induction_curve(table))
+            write_parquet_atomic(files["induction"][0], table)
+            write_parquet_atomic(files["induction"][1], _one_row(summary))
+            write_parquet_atomic(files["induction"][2], induction_curve(table))
             # (no interval without resamples: null, not NaN, in the ledger and meta.json)
             plain = {k: None if v != v else v for k, v in summary.items()}
             facts["induction"] = {"rows": table.num_rows, **plain}
@@ -289,9 +279,9 @@ def _probe(stage, cfg: ProbeConfig, name: str, tags, losses: Path, losses_meta: 
         if facts["recall"] is None:
             table = recall_table([(part, *score(part.tokens)) for part in seqs.recall])
             by_k = recall_by_k(table, vocab.head_rows, cfg.bootstrap, cfg.seed)
-            _write(files["recall"][0], table)
-            _write(files["recall"][1], by_k)
-            _write(files["recall"][2], recall_by_distance(table))
+            write_parquet_atomic(files["recall"][0], table)
+            write_parquet_atomic(files["recall"][1], by_k)
+            write_parquet_atomic(files["recall"][2], recall_by_distance(table))
             facts["recall"] = {
                 "rows": table.num_rows,
                 "k": by_k["k"].to_list(),
@@ -305,8 +295,8 @@ def _probe(stage, cfg: ProbeConfig, name: str, tags, losses: Path, losses_meta: 
                 f"losses {losses}: no row matches a tag row of {tags.dir}; rerun `arslice eval`"
             )
         icl = icl_score(per_token, tags.window, cfg.bootstrap, cfg.seed)
-        _write(files["position"][0], loss_by_position(per_token))
-        _write(files["position"][1], icl)
+        write_parquet_atomic(files["position"][0], loss_by_position(per_token))
+        write_parquet_atomic(files["position"][1], icl)
         early, late = icl_positions(tags.window)
         facts["position"] = {"tokens": per_token.height, "early": early, "late": late}
         stage.record("position", files["position"], **facts["position"])

@@ -85,13 +85,11 @@ def check_window(window: int) -> None:
 def write_window_table(path, n_tokens: int, window: int) -> int:
     """Write `windows.parquet` atomically; returns the number of windows."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
-    from ar_slicing.machinery.io import atomic_path
+    from ar_slicing.machinery.io import write_parquet_atomic
 
     table = pa.table(window_table(n_tokens, window), schema=window_schema())
-    with atomic_path(path) as tmp:
-        pq.write_table(table, tmp)
+    write_parquet_atomic(path, table)
     return table.num_rows
 
 

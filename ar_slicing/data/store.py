@@ -32,6 +32,7 @@ from ar_slicing.machinery.io import (
     read_json,
     sha256_file,
     write_meta,
+    write_parquet_atomic,
 )
 from ar_slicing.machinery.layout import (
     DOCS_NAME,
@@ -209,7 +210,6 @@ def write_token_store(
     `tokenizer_info` is {name, fingerprint, vocab_size, eos_id}.
     """
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     t0 = time.time()
     out_dir = Path(out_dir)
@@ -239,8 +239,7 @@ def write_token_store(
         },
         schema=docs_schema(),
     )
-    with atomic_path(out_dir / DOCS_NAME) as tmp:
-        pq.write_table(table, tmp)
+    write_parquet_atomic(out_dir / DOCS_NAME, table)
     if tokenizer_json is not None:
         with atomic_path(out_dir / TOKENIZER_NAME) as tmp:
             tmp.write_text(tokenizer_json)

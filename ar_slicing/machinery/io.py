@@ -190,6 +190,17 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
         tmp.write_bytes(data)
 
 
+def write_parquet_atomic(path: str | os.PathLike, table) -> None:
+    """Write a pyarrow Table (or a polars DataFrame) to `path` as one Parquet file, whole or not
+    at all (`atomic_path`)."""
+    import pyarrow.parquet as pq
+
+    if not hasattr(table, "schema") or not hasattr(table, "num_rows"):  # a polars DataFrame
+        table = table.to_arrow()
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
+
+
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     text = json.dumps(to_jsonable(obj), indent=2, sort_keys=True) + "\n"
     write_bytes_atomic(path, text.encode())

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from ar_slicing.errors import ArSliceError
-from ar_slicing.machinery.io import atomic_path
+from ar_slicing.machinery.io import write_parquet_atomic
 from ar_slicing.machinery.layout import LOSS_PART
 from pipeline.eval.config import EvalConfig
 from pipeline.eval.forward import BatchRunner, make_forward
@@ -52,7 +52,6 @@ def write_chunk(path: Path, window_id, pos, nll: np.ndarray) -> None:
     not finite; any other failure of the write is raised as an ArSliceError naming the file, its
     temporary removed."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     bad = np.flatnonzero(~np.isfinite(nll))
     if bad.size:
@@ -67,8 +66,7 @@ def write_chunk(path: Path, window_id, pos, nll: np.ndarray) -> None:
         schema=losses_schema(),
     )
     try:
-        with atomic_path(path) as tmp:
-            pq.write_table(table, tmp)
+        write_parquet_atomic(path, table)
     except OSError as err:
         raise ArSliceError(
             f"could not write the loss part {path} ({type(err).__name__}: {err}); nothing of it "

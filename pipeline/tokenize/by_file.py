@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ar_slicing.data.readers import HF_PREFIX, DirectoryReader, ReadStats, iter_documents
-from ar_slicing.machinery.io import atomic_path
+from ar_slicing.machinery.io import atomic_path, write_parquet_atomic
 from pipeline.config import reader_options
 from pipeline.tokenize.shards import (
     cached_encoder,
@@ -94,7 +94,6 @@ def encode_file(task: FileTask) -> dict:
     import os
 
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     if task.threads <= 1:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -129,8 +128,7 @@ def encode_file(task: FileTask) -> dict:
         },
         schema=part_schema(),
     )
-    with atomic_path(docs_path) as tmp:
-        pq.write_table(table, tmp)
+    write_parquet_atomic(docs_path, table)
     return {"docs": table.num_rows, "tokens": int(n_tokens), "stats": asdict(stats)}
 
 

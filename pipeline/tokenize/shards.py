@@ -13,7 +13,7 @@ import numpy as np
 
 from ar_slicing.data.store import docs_schema
 from ar_slicing.errors import ArSliceError, BadInput
-from ar_slicing.machinery.io import atomic_path
+from ar_slicing.machinery.io import atomic_path, write_parquet_atomic
 from ar_slicing.machinery.layout import DOCS_NAME, TOKENS_NAME
 
 
@@ -119,7 +119,6 @@ def shard_part(index: int) -> str:
 def encode_shard(task: ShardTask) -> dict:
     """Encode one shard and write its tokens part, then its docs part. Returns {docs, tokens}."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     if task.threads <= 1:
         # One encoder thread per worker process: the processes already use every core.
@@ -140,8 +139,7 @@ def encode_shard(task: ShardTask) -> dict:
         },
         schema=part_schema(),
     )
-    with atomic_path(docs_path) as tmp:
-        pq.write_table(table, tmp)
+    write_parquet_atomic(docs_path, table)
     return {"docs": len(task.texts), "tokens": int(stream.size)}
 
 
