@@ -32,7 +32,12 @@ from pathlib import Path
 from ar_slicing.analysis.probes import ProbeSizes
 from ar_slicing.errors import ArSliceError, BadInput
 from ar_slicing.machinery.io import build_meta, read_json, write_parquet_atomic
-from ar_slicing.machinery.layout import LOSS_PART_GLOB, META_NAME, PROBE_FILES, TAG_PART_GLOB
+from ar_slicing.machinery.layout import (
+    LOSS_PART_GLOB,
+    PROBE_FILES,
+    TAG_PART_GLOB,
+    require_complete,
+)
 from pipeline.config import Command, say
 from pipeline.wiring import LOSSES, MODELS, PROBES, TAGS, Fanned, Run, Table, Wiring
 
@@ -147,12 +152,6 @@ def probe_inputs(cfg: ProbeConfig) -> list[tuple[str, ...]]:
 # ---- what the probes read ----------------------------------------------------------------------
 
 
-def _complete_meta(path: Path, what: str, fix: str) -> dict:
-    if not (path / META_NAME).is_file():
-        raise BadInput(f"{what} {path}: incomplete or missing (no {META_NAME}); {fix}")
-    return read_json(path / META_NAME)
-
-
 def check_losses_of_tags(losses: Path, meta: dict, tags) -> None:
     """The losses were made on the windows of these tags (their length and number), and with
     the store's tokens."""
@@ -220,7 +219,9 @@ def run_probe(cfg: ProbeConfig) -> dict:
     name = cfg.name or model_name_from_spec(cfg.model)
     tags = open_tags(cfg.tags)
     losses = Path(cfg.losses)
-    losses_meta = _complete_meta(losses, "losses", "run `arslice eval` for this model first")
+    losses_meta = read_json(
+        require_complete(losses, "losses", "run `arslice eval` for this model first")
+    )
     check_losses_of_tags(losses, losses_meta, tags)
     plan = StagePlan(
         "probe",

@@ -180,6 +180,18 @@ def is_complete(out_dir: str | os.PathLike) -> bool:
     return meta_path(out_dir).is_file()
 
 
+def require_complete(out_dir: str | os.PathLike, what: str, fix: str) -> Path:
+    """Refuse in one line a stage's output directory (`what`: "tags", "counts", ...) that has no
+    final `meta.json` (missing, still running, or interrupted), saying how to `fix` it; its
+    `meta.json`'s path otherwise."""
+    from ar_slicing.errors import BadInput
+
+    path = meta_path(out_dir)
+    if not path.is_file():
+        raise BadInput(f"{what} {Path(out_dir)}: incomplete or missing (no {META_NAME}); {fix}")
+    return path
+
+
 class Folders(NamedTuple):
     """The stage folders under one folder of a run (tokens/, models/, losses/), in name order:
     those with their `meta.json` and those without (a stage still running, or interrupted)."""

@@ -10,7 +10,7 @@ from ar_slicing.algorithms.counts.kernels import kernels
 from ar_slicing.algorithms.counts.keys import key_dtype_for
 from ar_slicing.algorithms.counts.regions import RegionTable, build_region_table, read_region_table
 from ar_slicing.errors import BadInput
-from ar_slicing.machinery.layout import BIGRAMS_NAME, meta_path
+from ar_slicing.machinery.layout import BIGRAMS_NAME
 
 _FIB = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio: multiplicative (Fibonacci) hashing
 _LOOKUP_CHUNK = 1 << 22
@@ -73,14 +73,11 @@ class BigramCounts:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        from ar_slicing.machinery.io import is_complete, read_json
+        from ar_slicing.machinery.io import read_json
+        from ar_slicing.machinery.layout import require_complete
 
         path = Path(path)
-        if not is_complete(path):
-            raise BadInput(
-                f"counts {path}: incomplete or missing (no meta.json); run `arslice count --out {path}`"
-            )
-        meta = read_json(meta_path(path))
+        meta = read_json(require_complete(path, "counts", f"run `arslice count --out {path}`"))
         try:
             with pa.memory_map(str(path / BIGRAMS_NAME)) as source:
                 file = pq.ParquetFile(source)
