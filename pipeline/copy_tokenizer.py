@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ar_slicing.errors import BadInput
 from ar_slicing.machinery.io import atomic_path, build_meta
-from pipeline.config import Command, say
+from pipeline.config import Command, say, skip_complete
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,7 @@ def copy_pretrained_tokenizer(cfg: CopyTokenizerConfig) -> dict:
     out = Path(cfg.out)
     stage = open_stage(out, plan, overwrite=cfg.overwrite, single_file=True)
     if stage.complete:
-        say(f"tokenizer: {out} is complete; pass --overwrite to copy it again")
-        stage.skip()
+        skip_complete(stage, "tokenizer")
         return {"tokenizer": str(out), "skipped": True}
     with stage.running():
         with atomic_path(out) as tmp:

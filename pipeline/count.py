@@ -38,6 +38,7 @@ from pipeline.config import (
     executor_option,
     ray_address_option,
     say,
+    skip_complete,
 )
 from pipeline.wiring import COUNTS, STORES, Run, Table, Wiring
 
@@ -330,9 +331,7 @@ def run_count(cfg: CountConfig) -> dict:
     evaluated = open_evaluated(cfg.only_bigrams_of, stores)
     stage = open_count_stage(stores, cfg.out, unit, cfg.shard_tokens, cfg.overwrite, evaluated)
     if stage.complete:
-        meta = stage.skip()
-        say(f"count: {cfg.out} is complete ({meta['total_pairs']:,} pairs); --overwrite to redo")
-        return meta
+        return skip_complete(stage, "count", f"{stage.meta['total_pairs']:,} pairs")
     executor = None
     if cfg.executor != "local":
         executor = get_executor(cfg.executor, cfg.workers or None, address=cfg.ray_address)

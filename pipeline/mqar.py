@@ -111,7 +111,7 @@ from ar_slicing.machinery.layout import (
     meta_path,
 )
 from pipeline.architectures import MQAR_ARCHITECTURES, MQAR_DEFAULT, described
-from pipeline.config import Command, say
+from pipeline.config import Command, say, skip_complete
 
 log = logging.getLogger(__name__)
 
@@ -704,8 +704,7 @@ def run_mqar(cfg: MqarConfig) -> dict:
     plan = StagePlan("mqar", settings=cell_settings(cfg), inputs={}, scope=sweep_grid(cfg))
     stage = open_stage(out, plan, overwrite=cfg.overwrite)  # one sweep writes a folder at a time
     if stage.complete:
-        say(f"mqar: {out} is complete, skipped (use --overwrite to redo)")
-        return stage.skip()
+        return skip_complete(stage, "mqar")
     with stage.running():
         return _run_sweep(stage, cfg)
 

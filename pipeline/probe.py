@@ -38,7 +38,7 @@ from ar_slicing.machinery.layout import (
     TAG_PART_GLOB,
     require_complete,
 )
-from pipeline.config import Command, say
+from pipeline.config import Command, say, skip_complete
 from pipeline.wiring import LOSSES, MODELS, PROBES, TAGS, Fanned, Run, Table, Wiring
 
 _DEFAULT = ProbeSizes()
@@ -234,8 +234,7 @@ def run_probe(cfg: ProbeConfig) -> dict:
     )
     stage = open_stage(out, plan, overwrite=cfg.overwrite)
     if stage.complete:
-        meta = stage.skip()
-        say(f"probe {name}: {out} is already complete; skipped")
+        meta = skip_complete(stage, f"probe {name}")
         return {"out": str(out), "name": meta.get("name"), "skipped": True}
     try:  # the model loaded and checked before OUT is made: a bad one leaves nothing behind
         model = _load(cfg, name, tags, plan.settings, probe_prefix(losses_meta))

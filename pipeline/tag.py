@@ -32,7 +32,7 @@ import numpy as np
 from ar_slicing.errors import ArSliceError
 from ar_slicing.machinery.io import read_json
 from ar_slicing.machinery.layout import META_NAME, TAG_PART
-from pipeline.config import Command, say
+from pipeline.config import Command, say, skip_complete
 from pipeline.wiring import COUNTS, STORES, TAGS, Wiring
 
 log = logging.getLogger(__name__)
@@ -399,9 +399,7 @@ def _run_tag(cfg: TagConfig) -> dict:
     )
     stage = open_stage(out, plan, overwrite=cfg.overwrite)
     if stage.complete:
-        meta = stage.skip()
-        say(f"tag: {out} is complete ({meta['counts']['tokens']:,} tokens); --overwrite to redo")
-        return meta
+        return skip_complete(stage, "tag", f"{stage.meta['counts']['tokens']:,} tokens")
     warnings = []
     if _counted_sources(counts_meta, store):
         warnings.append(

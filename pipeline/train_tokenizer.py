@@ -25,6 +25,7 @@ from pipeline.config import (
     on_bad_record_option,
     read_documents,
     say,
+    skip_complete,
     text_field_option,
 )
 from pipeline.wiring import TOKENIZER, Fanned, Run, Table, Wiring, per_store
@@ -124,8 +125,7 @@ def run_train_tokenizer(cfg: TrainTokenizerConfig) -> dict:
     )
     stage = open_stage(out, plan, overwrite=cfg.overwrite, single_file=True)
     if stage.complete:
-        stage.skip()
-        say(f"train-tokenizer: {out} is complete; pass --overwrite to retrain it")
+        skip_complete(stage, "train-tokenizer")
         return {"out": str(out), "skipped": True}
     with stage.running():
         return _train(stage, cfg)

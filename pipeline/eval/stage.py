@@ -18,7 +18,7 @@ from ar_slicing.errors import ArSliceError
 from ar_slicing.machinery.io import build_meta
 from models.kernels import paths_taken
 from models.precision import resolve_device, resolve_dtype, resolve_on_cluster, weights_dtype
-from pipeline.config import Command, say
+from pipeline.config import Command, say, skip_complete
 from pipeline.eval.checkpoints import CHECKPOINT_KEYS
 from pipeline.eval.checks import check_model_fits
 from pipeline.eval.config import EvalConfig
@@ -355,8 +355,7 @@ def run_eval(cfg: EvalConfig) -> dict:
     if stage.complete:
         meta = stage.meta
         if not (meta.get("partial") and n_windows > int(meta.get("windows_evaluated", 0))):
-            stage.skip()
-            say(f"eval {name}: {out} is already complete ({meta.get('tokens')} tokens); skipped")
+            skip_complete(stage, f"eval {name}", f"{meta.get('tokens')} tokens")
             return {
                 "out": str(out),
                 "name": meta.get("name"),

@@ -23,7 +23,7 @@ from ar_slicing.machinery.layout import (
     TABLE_CSV,
     RunLayout,
 )
-from pipeline.config import Command, config_to_dict, say
+from pipeline.config import Command, config_to_dict, say, skip_complete
 from pipeline.mqar import mqar_results
 from pipeline.report.config import QUERY_TABLES, ReportConfig
 from pipeline.report.figures import (
@@ -142,9 +142,9 @@ def _report_from(cfg: ReportConfig, checked, t0: float) -> dict:
         # a report keeps no work of its own: new or redone inputs rebuild it
         stage = open_stage(out, plan, overwrite=cfg.overwrite, follow_inputs=True)
         if stage.complete:
-            say(f"report: {out} is complete and up to date; --overwrite to redo")
+            meta = skip_complete(stage, "report", "and up to date")
             say(str(out / REPORT_HTML_NAME))
-            return stage.skip()
+            return meta
         with stage.running():
             return _write_report(stage, cfg, con, checked, info, reference, t0, mqar)
     finally:

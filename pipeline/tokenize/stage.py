@@ -6,7 +6,7 @@ import time
 
 from ar_slicing.data.readers import check_sources, check_split_options, is_pretokenized
 from ar_slicing.errors import ArSliceError
-from pipeline.config import Command, say
+from pipeline.config import Command, skip_complete
 from pipeline.tokenize.config import PARTS_FORMAT, PLAN_KEYS, TokenizeConfig
 from pipeline.wiring import STORES, TOKENIZER, Run, Table, Wiring, per_store
 
@@ -75,8 +75,7 @@ def run_tokenize(cfg: TokenizeConfig) -> dict:
     )
     stage = open_stage(cfg.out, plan, overwrite=cfg.overwrite)
     if stage.complete:
-        stage.skip()
-        say(f"tokenize: {cfg.out} is already complete; pass --overwrite to redo it")
+        skip_complete(stage, "tokenize")
         return {"out": str(cfg.out), "skipped": True}
     if importing:
         with stage.running():

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 from ar_slicing.errors import ArSliceError
 from ar_slicing.machinery.io import build_meta, is_complete
-from pipeline.config import Command, say
+from pipeline.config import Command, say, skip_complete
 from pipeline.train.config import (  # noqa: F401  (re-exported)
     _RESUMABLE_CHANGES,
     ARCHITECTURES,
@@ -115,8 +115,7 @@ def train(cfg: TrainConfig) -> dict:
     out = Path(cfg.out)
     stage = open_stage(out, plan, overwrite=cfg.overwrite)
     if stage.complete:
-        say(f"train {cfg.arch}: {out} is complete, skipped (use --overwrite to retrain)")
-        return stage.skip()
+        return skip_complete(stage, f"train {cfg.arch}")
     if cfg.prebuilt is not None:  # taken from a folder of prebuilt models: the same model
         with stage.running(), torch_threads(cfg.threads):
             stage.expect(final_files(cfg, out))

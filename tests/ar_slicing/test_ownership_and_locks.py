@@ -199,7 +199,7 @@ def test_a_second_eval_into_the_same_losses_is_refused_and_the_first_completes(o
     assert not (out / ".arslice.lock").exists()
     assert cli("verify", "--run", run) == 0
     # and its rerun is a skip of a complete output, which it is
-    assert "already complete" in run_subprocess(*eval_argv(run, model)).stdout
+    assert "is complete" in run_subprocess(*eval_argv(run, model)).stdout
 
 
 def test_two_identical_counts_one_writes_the_other_is_refused(own_run, tmp_path):

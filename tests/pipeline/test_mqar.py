@@ -176,7 +176,7 @@ def test_sweep_writes_table_figure_and_resumes(tmp_path, capsys):
     assert capsys.readouterr().out == ""  # from Python: nothing printed
     with printing_summaries():
         run_mqar(MqarConfig(out=str(out), **TINY))
-    assert "is complete, skipped" in capsys.readouterr().out
+    assert "is complete; skipped" in capsys.readouterr().out
     kept = (out / "cells" / "attention-d16-T16-lr0.003.json").read_text()
     as_killed(out)
     (out / "cells" / "base_conv-d16-T16-lr0.001.json").unlink()

@@ -304,7 +304,7 @@ def test_the_run_prints_each_model_s_scores(probed, capsys):
     with printing_summaries():
         run_pipeline(RunConfig(config=str(probed["config"]), stage=["probe"]))
     out = capsys.readouterr().out
-    assert "probe copier: " in out and "already complete; skipped" in out
+    assert "probe copier: " in out and "is complete; skipped (--overwrite to redo)" in out
     assert np.isfinite(table(probed["run"], "copier", "induction_score.parquet")["score"][0])
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import subprocess
 from pathlib import Path
 
@@ -490,6 +491,18 @@ def test_every_stage_runs_writes_its_markers_and_reruns_skip(tmp_path, capsys):
         run_pipeline(RunConfig(config=str(cfg)))
     out = capsys.readouterr().out
     assert "skipped" in out and out.startswith(f"[1/{len(STAGES)}] tokenizer\n")
+    # every stage's skip in the one wording, naming its output
+    said = [line for line in out.splitlines() if " is complete" in line]
+    labels = ["train-tokenizer", "tokenize", "tokenize", "count", "tag", "train attention",
+              "train base_conv", "eval attention", "eval base_conv", "probe attention",
+              "probe base_conv", "report"]  # fmt: skip
+    assert [line.split(": ")[0] for line in said] == labels, said
+    assert all(
+        re.fullmatch(
+            r"[\w -]+: \S+ is complete( \([^)]*\))?; skipped \(--overwrite to redo\)", line
+        )
+        for line in said
+    ), said
     before[run_dir / "tags/meta.json"] = (run_dir / "tags/meta.json").stat().st_mtime_ns
 
     # --overwrite on one stage redoes that stage only
