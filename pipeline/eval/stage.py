@@ -383,7 +383,7 @@ def _evaluate(stage, run: EvalRun) -> dict:
     subset = run.cfg.window_subset is not None
     parts = [chunk_part(i0, i1, subset) for i0, i1 in chunks]
     chunk_rows = [sum(int(tags.n_targets[w0:w1].sum()) for w0, w1 in r) for r in runs]
-    todo = [c for c in range(len(chunks)) if stage.done(parts[c]) is None]
+    todo = stage.todo(range(len(chunks)), parts.__getitem__)
     if len(chunks) > len(todo):
         log.info(
             "resuming %s: %d of %d chunks already done", out, len(chunks) - len(todo), len(chunks)
