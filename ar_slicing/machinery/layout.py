@@ -346,6 +346,23 @@ class RunLayout:
         """`make mqar`'s output; the report shows it when it is complete."""
         return self.run_dir / MQAR_DIR
 
+    def stage_folders(self) -> dict[Path, str]:
+        """Every output folder of a stage that has one fixed place in the run, with its stage
+        (the token stores, counts, tags, report and MQAR sweep)."""
+        return {
+            **{self.store(part): "tokenize" for part in STORE_PARTS},
+            self.counts: "count",
+            self.tags: "tag",
+            self.report: "report",
+            self.mqar: "mqar",
+        }
+
+    def stage_containers(self) -> dict[Path, str]:
+        """The folders holding one output folder per model (or checkpoint), with the stage that
+        writes them: models/ (train), losses/ (eval), probes/ (probe). tokens/ holds the stores,
+        which `stage_folders` names."""
+        return {self.models: "train", self.losses_root: "eval", self.probes_root: "probe"}
+
     @property
     def settings_dir(self) -> Path:
         return self.run_dir / SETTINGS_DIR

@@ -43,7 +43,6 @@ from ar_slicing.machinery.layout import (
     RUN_FILES,
     STAGE_FILES,
     STAGE_WORK,
-    STORE_PARTS,
     TMP_SUFFIX,
     RunLayout,
     file_meta_path,
@@ -463,16 +462,9 @@ def _stage_owns(folder: Path, stage: str) -> tuple[str, ...]:
 
 def run_outputs(layout: RunLayout) -> dict[Path, str]:
     """The stage folders of a run directory, with the stage that writes each: the fixed ones of
-    the layout and every model folder under models/, losses/ and probes/."""
-    outs = {layout.store(part): "tokenize" for part in STORE_PARTS}
-    outs.update(
-        {layout.counts: "count", layout.tags: "tag", layout.report: "report", layout.mqar: "mqar"}
-    )
-    for root, stage in (
-        (layout.models, "train"),
-        (layout.losses_root, "eval"),
-        (layout.probes_root, "probe"),
-    ):
+    the layout and every model folder under its containers (models/, losses/, probes/)."""
+    outs = layout.stage_folders()
+    for root, stage in layout.stage_containers().items():
         if root.is_dir() and not root.is_symlink():
             outs.update({d: stage for d in sorted(root.iterdir()) if d.is_dir()})
     return outs
@@ -487,7 +479,7 @@ def foreign_in_run(layout: RunLayout, outputs: dict[Path, str] | None = None) ->
     if not run_dir.is_dir():
         return [run_dir]
     outs = {**run_outputs(layout), **(outputs or {})}
-    containers = [layout.tokens_root, layout.models, layout.losses_root, layout.probes_root]
+    containers = [layout.tokens_root, *layout.stage_containers()]
     top = [
         *RUN_FILES,
         *(f"{p.relative_to(run_dir)}/*" for p in [*outs, *containers] if p.is_relative_to(run_dir)),
