@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from ar_slicing.errors import ArSliceError, BadInput
 from ar_slicing.machinery.io import read_json
-from models.checkpoints.registry import parse_spec
+from models.checkpoints.registry import ModelSpec
 from pipeline.config import printing_summaries
 from pipeline.runner.config_file import (
     dumps_toml,
@@ -202,7 +202,10 @@ def test_demo_config_builds_every_stage_and_matches_the_makefile(config):
         f"{run}/tags",
     )
 
-    trains = p.configs("train")
+    from ar_slicing.analysis.seeds import recipe_of
+
+    every = p.configs("train")
+    trains = {n: c for n, c in every.items() if recipe_of(n) == n}  # one run of each recipe
     assert sorted(trains) == sorted([attention, "base_conv", "hyena", "rwkv"])
     assert {c.arch for c in trains.values()} == set(trains)
     # the same training tokens in the same order for every architecture
@@ -210,6 +213,13 @@ def test_demo_config_builds_every_stage_and_matches_the_makefile(config):
         BatchOrder(10**6, c.seq_len, c.batch_size, c.seed).digest(c.steps) for c in trains.values()
     }
     assert len(orders) == 1
+    # the other runs of a recipe: its settings from another seed
+    same = ("arch", "lr", "steps", "seq_len", "batch_size", "d_model", "n_layers",
+            "mixer_options", "model_options", "warmup_steps", "saved_dtype", "threads")  # fmt: skip
+    for name, c in every.items():
+        base = trains[recipe_of(name)]
+        assert all(getattr(c, k) == getattr(base, k) for k in same), name
+        assert (c.seed != base.seed) == (c is not base), name
     assert all(c.seq_len == tag.window for c in trains.values())  # eval windows fit the models
     # about the same parameter count (within 10% of their mean)
     vocab = 2048
@@ -219,10 +229,10 @@ def test_demo_config_builds_every_stage_and_matches_the_makefile(config):
 
     evals = p.configs("eval")
     # every trained model, and every checkpoint it keeps, from its folder in the run
-    models = {n: f"native:{run}/models/{n}" for n in trains}
+    models = {n: f"native:{run}/models/{n}" for n in every}
     kept = {
         f"{n}@step{k}": f"{models[n]}/checkpoints/step-{k}"
-        for n, c in trains.items()
+        for n, c in every.items()
         for k in c.keep_checkpoints
     }
     assert {n: c.model for n, c in evals.items()} == {**models, **kept}
@@ -299,7 +309,7 @@ def test_pile_configs_build_every_stage(name, reference):
     assert reference in evals and p.configs("report")["report"].reference == reference
     assert all(c.out == f"{p.run_dir}/losses/{n}" and c.name == n for n, c in evals.items())
     for c in evals.values():
-        parse_spec(c.model)  # a known loader prefix
+        ModelSpec.parse(c.model)  # a known loader prefix
 
 
 def test_gpt2_config_evaluates_the_papers_h3_row_beside_attention_and_hyena():
@@ -374,7 +384,17 @@ def test_pythia_emergence_config_evaluates_ten_revisions_of_each_model():
             c = points[f"{model}@step{step}"]
             assert c.model == f"hf:EleutherAI/pythia-{size}@step{step}"
             assert c.tokens_seen == step * 1024 * 2048 and c.window_subset == 16384
-    assert len(evals) == 22
+    # Pythia-160M's nine PolyPythias runs, each at the same revisions: runs of its recipe
+    from ar_slicing.analysis.seeds import recipe_of, seed_of
+
+    for seed in range(1, 10):
+        model = f"pythia-160m-seed{seed}"
+        assert (recipe_of(model), seed_of(model)) == ("pythia-160m", seed)
+        assert evals[model].model == f"hf:EleutherAI/{model}"
+        points = {n: c for n, c in evals.items() if c.checkpoint_of == model}
+        assert sorted(c.step for c in points.values()) == steps
+        assert points[f"{model}@step512"].model == f"hf:EleutherAI/{model}@step512"
+    assert len(evals) == 2 * 11 + 9 * 11
     # the same data as pile-neox.toml
     neox = shipped("pile-neox.toml")
     for stage in ("tokenize", "count", "tag"):
