@@ -243,9 +243,9 @@ def plain_loop(case: Case, spec: str, root: Path, device: str, batch: int) -> di
     import torch.nn.functional as F
 
     from ar_slicing.data.store import TokenStore
-    from models.checkpoints.registry import spec_path
+    from models.checkpoints.registry import ModelSpec
 
-    path = spec_path(spec)
+    path = ModelSpec.parse(spec).path
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if case.kind == "native":
         from models.checkpoints.native import load_native

@@ -100,10 +100,10 @@ class ProbeConfig:
 
 
 def validate_probe(cfg: ProbeConfig) -> None:
-    from models.checkpoints.registry import parse_spec
+    from models.checkpoints.registry import ModelSpec
     from pipeline.eval.forward import resolve_batch_size
 
-    parse_spec(cfg.model)
+    ModelSpec.parse(cfg.model)
     for flag, value, least in (
         ("--induction-length", cfg.induction_length, 2),
         ("--induction-sequences", cfg.induction_sequences, 1),
@@ -138,9 +138,9 @@ def probe_settings(cfg: ProbeConfig) -> dict:
 
 
 def probe_inputs(cfg: ProbeConfig) -> list[tuple[str, ...]]:
-    from models.checkpoints.registry import spec_path
+    from models.checkpoints.registry import ModelSpec
 
-    model = spec_path(cfg.model)
+    model = ModelSpec.parse(cfg.model).path
     return [
         ("--tags", cfg.tags, "dir"),
         ("--losses", cfg.losses, "dir"),
@@ -210,13 +210,14 @@ def token_losses(tags: Path, losses: Path):
 def run_probe(cfg: ProbeConfig) -> dict:
     """Probe `cfg.model`; write the probes' files and meta.json to `cfg.out`."""
     from ar_slicing.machinery.plan import StagePlan, identity, open_stage
-    from models.checkpoints.registry import spec_identity
-    from pipeline.eval.inputs import model_name_from_spec, open_tags
+    from models.checkpoints.registry import ModelSpec
+    from pipeline.eval.inputs import open_tags
 
     t0 = time.time()
     validate_probe(cfg)
+    spec = ModelSpec.parse(cfg.model)
     out = Path(cfg.out)
-    name = cfg.name or model_name_from_spec(cfg.model)
+    name = cfg.name or spec.default_name
     tags = open_tags(cfg.tags)
     losses = Path(cfg.losses)
     losses_meta = read_json(
@@ -227,7 +228,7 @@ def run_probe(cfg: ProbeConfig) -> dict:
         "probe",
         settings=probe_settings(cfg),
         inputs={
-            "model": spec_identity(cfg.model),
+            "model": spec.identity(),
             "tags": identity(tags.dir),
             "losses": identity(losses),
         },

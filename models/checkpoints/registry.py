@@ -8,8 +8,8 @@ Each format is one module of models/checkpoints that registers its loader under 
 
 The first lookup imports every module of the package (each keeps torch and transformers inside
 its functions, so that is cheap), and what the rest of the project knows of formats is read from
-the registrations: the prefixes `parse_spec` accepts and names, which specs take a hub id
-(`hub_target`, `reads_hub_models`), where `--model-config` applies, and the spec forms the help
+the registrations: the prefixes `ModelSpec.parse` accepts and names, which specs take a hub id
+(`ModelSpec.is_hub`, `reads_hub_models`), where `--model-config` applies, and the spec forms the help
 texts list (`spec_forms`). A new format is one new file.
 
 A hub id takes a revision, `ID@REVISION` (a branch, tag or commit, e.g.
@@ -184,16 +184,98 @@ def model_config_prefixes(conjunction: str = "or") -> str:
     return _listed([f"{f.prefix}:" for f in formats() if f.model_config], conjunction)
 
 
-def parse_spec(spec: str) -> tuple[str, str]:
-    """`"hf:EleutherAI/pythia-70m"` -> `("hf", "EleutherAI/pythia-70m")`."""
-    prefix, sep, target = str(spec).partition(":")
-    if not sep or checkpoint_format(prefix) is None or not target:
-        raise ArSliceError(
-            f"model spec {spec!r}: expected PREFIX:TARGET with PREFIX one of "
-            f"{', '.join(f'{f.prefix}:' for f in formats())} (e.g. hf:EleutherAI/pythia-70m, "
-            "native:runs/demo/models/transformer_pp)"
-        )
-    return prefix, target
+# the file endings a model's default name drops (`hyena-153m.ckpt` -> `hyena-153m`)
+CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".safetensors")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model spec, parsed once where it comes in (a flag, a config's `model = ...`):
+    `PREFIX:TARGET`, TARGET a local file or folder, or for the formats that read the hub a hub id
+    with an optional `@REVISION` (a branch, tag or commit).
+
+    >>> s = ModelSpec.parse("hf:EleutherAI/pythia-160m@step3000")
+    >>> (s.prefix, s.target, s.revision, s.is_hub, s.default_name)
+    ('hf', 'EleutherAI/pythia-160m', 'step3000', True, 'pythia-160m')
+    >>> ModelSpec.parse("safari:/ckpts/hyena-153m.ckpt").path
+    PosixPath('/ckpts/hyena-153m.ckpt')
+    """
+
+    text: str  # as given
+    prefix: str
+    written: str  # everything after PREFIX:, as given
+    target: str  # the hub id (without its revision) or the path
+    revision: str | None
+    is_hub: bool
+
+    @classmethod
+    def parse(cls, spec: str | ModelSpec) -> ModelSpec:
+        if isinstance(spec, ModelSpec):
+            return spec
+        from ar_slicing.machinery import hub
+
+        text = str(spec)
+        prefix, sep, written = text.partition(":")
+        found = checkpoint_format(prefix) if sep else None
+        if found is None or not written:
+            raise ArSliceError(
+                f"model spec {text!r}: expected PREFIX:TARGET with PREFIX one of "
+                f"{', '.join(f'{f.prefix}:' for f in formats())} (e.g. hf:EleutherAI/pythia-70m, "
+                "native:runs/demo/models/transformer_pp)"
+            )
+        if not found.hub:
+            return cls(text, prefix, written, written, None, False)
+        name, revision = hub.split_revision(written)
+        # owner/name ids only, unless the format also takes a bare one (hf: reads GPT-2's `gpt2`)
+        is_hub = hub.is_hub_name(name) and (found.bare_hub_ids or name.count("/") == 1)
+        if revision is not None and not is_hub:
+            raise ArSliceError(f"{text}: a revision (@{revision}) applies to hub ids only")
+        return cls(text, prefix, written, name, revision, is_hub)
+
+    def __str__(self) -> str:
+        return self.text
+
+    @property
+    def reads_hub(self) -> bool:
+        """Whether the format may read a hub id (the target may still be a local path)."""
+        return checkpoint_format(self.prefix).hub
+
+    @property
+    def path(self) -> Path | None:
+        """The local file or folder the spec names; None for a hub id."""
+        return None if self.is_hub else Path(self.target).expanduser()
+
+    @property
+    def default_name(self) -> str:
+        """The model's name when none is given: `hf:EleutherAI/pythia-160m` -> `pythia-160m`,
+        `native:runs/x/models/attn/` -> `attn`, `safari:/ckpts/hyena-153m.ckpt` -> `hyena-153m`."""
+        import re
+
+        last = [p for p in re.split(r"[/\\]", self.written) if p][-1:] or ["model"]
+        name = last[0]
+        for suffix in CHECKPOINT_SUFFIXES:
+            if name.endswith(suffix):
+                name = name[: -len(suffix)]
+        return re.sub(r"[^A-Za-z0-9._-]+", "_", name) or "model"
+
+    def identity(self) -> dict:
+        """What identifies the weights the spec names, cheaply (no weights are read): a
+        checkpoint this project wrote by its meta.json's digest, other local files by size and
+        modification time, a hub id by the commit its revision (default: the hub's default
+        branch) resolves to, so a hub model that changed under the same name is a changed input."""
+        from ar_slicing.machinery import hub
+        from ar_slicing.machinery.layout import META_NAME
+        from ar_slicing.machinery.plan import file_identity, identity
+
+        if self.is_hub:
+            commit = hub.resolve_commit(self.target, self.revision, self.text)
+            return {"hub": self.target, "revision": self.revision, "commit": commit}
+        path = self.path
+        if not path.exists():
+            return {"spec": self.text}
+        if checkpoint_format(self.prefix).identified_by_meta and (path / META_NAME).is_file():
+            return {self.prefix: identity(path)}  # {"native": the digest of its meta.json}
+        return {"files": file_identity(path)}
 
 
 def reads_hub_models(prefix: str) -> bool:
@@ -202,53 +284,8 @@ def reads_hub_models(prefix: str) -> bool:
     return found is not None and found.hub
 
 
-def hub_target(spec: str) -> tuple[str, str, str | None, bool]:
-    """(prefix, target, revision, whether target is a hub id) of a spec: `PREFIX:ID@REVISION`
-    names a branch, tag or commit of a hub repo where the format reads the hub; a local path is
-    never a hub id."""
-    from ar_slicing.machinery import hub
-
-    prefix, target = parse_spec(spec)
-    found = checkpoint_format(prefix)
-    if not found.hub:
-        return prefix, target, None, False
-    name, revision = hub.split_revision(target)
-    # owner/name ids only, unless the format also takes a bare one (hf: reads GPT-2's `gpt2`)
-    is_hub = hub.is_hub_name(name) and (found.bare_hub_ids or name.count("/") == 1)
-    if revision is not None and not is_hub:
-        raise ArSliceError(f"{spec}: a revision (@{revision}) applies to hub ids only")
-    return prefix, name, revision, is_hub
-
-
-def spec_path(spec: str) -> Path | None:
-    """The local file or folder a spec names; None for a hub id (see `hub_target`)."""
-    _prefix, target, _revision, is_hub = hub_target(spec)
-    return None if is_hub else Path(target).expanduser()
-
-
-def spec_identity(spec: str) -> dict:
-    """What identifies the weights a spec names, cheaply (no weights are read): a checkpoint
-    this project wrote by its meta.json's digest, other local files by size and modification
-    time, a hub id by the commit its revision (default: the hub's default branch) resolves to,
-    so a hub model that changed under the same name is a changed input."""
-    from ar_slicing.machinery import hub
-    from ar_slicing.machinery.layout import META_NAME
-    from ar_slicing.machinery.plan import file_identity, identity
-
-    prefix, target, revision, is_hub = hub_target(spec)
-    if is_hub:
-        commit = hub.resolve_commit(target, revision, spec)
-        return {"hub": target, "revision": revision, "commit": commit}
-    path = Path(target).expanduser()
-    if not path.exists():
-        return {"spec": spec}
-    if checkpoint_format(prefix).identified_by_meta and (path / META_NAME).is_file():
-        return {prefix: identity(path)}  # {"native": the digest of its meta.json}
-    return {"files": file_identity(path)}
-
-
 def load_model(
-    spec: str,
+    spec: str | ModelSpec,
     device="cpu",
     dtype=None,
     fast_path: bool = True,
@@ -268,10 +305,11 @@ def load_model(
     from ar_slicing.machinery import hub
     from models.precision import torch_dtype
 
-    prefix, target, revision, is_hub = hub_target(spec)
-    commit = hub.resolve_commit(target, revision, spec) if is_hub else None
+    parsed = ModelSpec.parse(spec)
+    spec, target, is_hub = parsed.text, parsed.target, parsed.is_hub
+    commit = hub.resolve_commit(target, parsed.revision, spec) if is_hub else None
     dtype = torch_dtype(dtype)
-    found = checkpoint_format(prefix)
+    found = checkpoint_format(parsed.prefix)
     if model_config is not None and not found.model_config:
         takes = model_config_prefixes("and")
         others = [f"{f.prefix}:" for f in formats() if not f.model_config]

@@ -44,7 +44,6 @@ from pipeline.eval.inputs import (
     Sequence,
     TagsInput,
     fixed_sequences,
-    model_name_from_spec,
     open_tags,
     rolling_sequences,
 )
@@ -59,7 +58,6 @@ __all__ = [
     "cpu_has_native_bf16",
     "fixed_sequences",
     "make_forward",
-    "model_name_from_spec",
     "open_tags",
     "resolve_batch_size",
     "resolve_dtype",

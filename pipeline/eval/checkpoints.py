@@ -113,7 +113,7 @@ def trained_checkpoints(f: Fanned, common: dict, trained: list[str]) -> list[Tab
 def listed_checkpoints(f: Fanned, common: dict, name: str, table: dict) -> list[Table]:
     """A table per checkpoint `[eval.models.<name>] checkpoints` asks for (taking the pipeline's
     keys out of `table`): revisions of a hub model, or steps a native model folder kept."""
-    from models.checkpoints.registry import hub_target, parse_spec, spec_path
+    from models.checkpoints.registry import ModelSpec
 
     own = {k: table.pop(k) for k in CHECKPOINT_KEYS if k in table}
     shared = {k: v for k, v in f.config.get(f.table, {}).items() if k in CHECKPOINT_KEYS[1:]}
@@ -123,9 +123,9 @@ def listed_checkpoints(f: Fanned, common: dict, name: str, table: dict) -> list[
     where = f"{f.path} [{f.table}.models.{name}]"
     windows = _window_subset(values, where)
     spec = str(table.get("model", ""))
-    prefix, _target = parse_spec(spec)
-    if prefix == "native":
-        folder = spec_path(spec)
+    parsed = ModelSpec.parse(spec)
+    if parsed.prefix == "native":
+        folder = parsed.path
         steps = _steps(own["checkpoints"], where, "the steps its folder kept (whole numbers)")
         steps = _native_steps(folder) if steps == "all" else steps
         return [
@@ -135,8 +135,8 @@ def listed_checkpoints(f: Fanned, common: dict, name: str, table: dict) -> list[
             )
             for s in steps
         ]  # fmt: skip
-    _prefix, repo, revision, is_hub = hub_target(spec)
-    if not is_hub:
+    revision = parsed.revision
+    if not parsed.is_hub:
         raise BadInput(
             f"{where}: checkpoints names revisions of a hub model (hf:ID, based:ID) or steps "
             f"of a native model folder; {spec} is neither"

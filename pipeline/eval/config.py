@@ -11,7 +11,6 @@ from pipeline.config import executor_option, ray_address_option
 CPU_TOKENS_PER_BATCH = 8192
 # A first guess on CUDA (back-off halves it when it does not fit): 128 windows of 2048 tokens.
 CUDA_TOKENS_PER_BATCH = 1 << 18
-CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".safetensors")
 
 
 def _model_help() -> str:

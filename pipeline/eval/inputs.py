@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +13,6 @@ from ar_slicing.errors import BadInput
 from ar_slicing.machinery.io import META_NAME, is_complete, read_json
 from ar_slicing.machinery.layout import TAG_PART_GLOB, WINDOWS_NAME
 from ar_slicing.machinery.parts import part_rows
-from pipeline.eval.config import CHECKPOINT_SUFFIXES
 
 
 @dataclass
@@ -105,17 +103,6 @@ def open_tags(tags_dir: str | Path, tokens: str | None = None) -> TagsInput:
             f"{WINDOWS_NAME} has {int(n_targets.sum())} targets; rerun `arslice tag --overwrite`"
         )
     return TagsInput(tags_dir, meta, window, starts, n_targets, store, n_tag_rows)
-
-
-def model_name_from_spec(spec: str) -> str:
-    """`hf:EleutherAI/pythia-160m` -> `pythia-160m`, `native:runs/x/models/attn/` -> `attn`."""
-    body = spec.split(":", 1)[1] if re.match(r"^[a-z]+:", spec) else spec
-    last = [p for p in re.split(r"[/\\]", body) if p][-1:] or ["model"]
-    name = last[0]
-    for suffix in CHECKPOINT_SUFFIXES:
-        if name.endswith(suffix):
-            name = name[: -len(suffix)]
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", name) or "model"
 
 
 # ---- what gets computed -------------------------------------------------------------------------

@@ -26,7 +26,6 @@ from pipeline.eval.forward import resolve_batch_size
 from pipeline.eval.inputs import (
     TagsInput,
     chunk_bounds,
-    model_name_from_spec,
     open_tags,
     window_runs,
 )
@@ -38,9 +37,9 @@ log = logging.getLogger(__name__)
 
 
 def validate_eval(cfg: EvalConfig) -> None:
-    from models.checkpoints.registry import parse_spec
+    from models.checkpoints.registry import ModelSpec
 
-    parse_spec(cfg.model)
+    ModelSpec.parse(cfg.model)
     if cfg.chunk_windows < 1:
         raise ArSliceError(f"--chunk-windows {cfg.chunk_windows}: must be at least 1")
     if cfg.max_windows is not None and cfg.max_windows < 1:
@@ -104,19 +103,18 @@ def native_training_point(spec: str) -> dict | None:
     """{"step", "tokens_seen"} a `native:` model (a trained model or a checkpoint it kept)
     records, else None."""
     from models.checkpoints.native import training_point
-    from models.checkpoints.registry import parse_spec, spec_path
+    from models.checkpoints.registry import ModelSpec
 
-    if parse_spec(spec)[0] != "native":
-        return None
-    return training_point(spec_path(spec))
+    parsed = ModelSpec.parse(spec)
+    return training_point(parsed.path) if parsed.prefix == "native" else None
 
 
 def eval_inputs(cfg: EvalConfig) -> list[tuple[str, str]]:
     """What the evaluation reads: the tags, the store (when given), the checkpoint when it is a
     local one, and its model config."""
-    from models.checkpoints.registry import spec_path
+    from models.checkpoints.registry import ModelSpec
 
-    model = spec_path(cfg.model)
+    model = ModelSpec.parse(cfg.model).path
     return [
         ("--tags", cfg.tags, "dir"),
         *([("--tokens", cfg.tokens, "dir")] if cfg.tokens else []),
@@ -324,12 +322,13 @@ def run_eval(cfg: EvalConfig) -> dict:
     """Evaluate `cfg.model` on the windows of `cfg.tags`; write losses and meta.json to `cfg.out`."""
     from ar_slicing.algorithms.windows import window_subset
     from ar_slicing.machinery.plan import StagePlan, identity, open_stage
-    from models.checkpoints.registry import spec_identity
+    from models.checkpoints.registry import ModelSpec
 
     t0 = time.time()
     validate_eval(cfg)
+    spec = ModelSpec.parse(cfg.model)
     out = Path(cfg.out)
-    name = cfg.name or model_name_from_spec(cfg.model)
+    name = cfg.name or spec.default_name
     if cfg.checkpoint_of is not None and checkpoint_point(cfg) is None:
         raise ArSliceError(
             f"eval {name}: checkpoint {cfg.model} records no training step and tokens seen; "
@@ -347,7 +346,7 @@ def run_eval(cfg: EvalConfig) -> dict:
             # the windows are all a loss depends on: re-tagging with another threshold keeps them
             "tokens": identity(tags.store.path),
             "windows": {"window": tags.window, "n_windows": tags.n_windows},
-            "model": spec_identity(cfg.model),
+            "model": spec.identity(),
         },
     )
     stage = open_stage(out, plan, overwrite=cfg.overwrite)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -35,20 +36,26 @@ def test_a_registered_format_is_accepted_listed_and_loaded(monkeypatch):
         requests.append(request)
         return "the toy model"
 
-    assert registry.parse_spec("toy:owner/name") == ("toy", "owner/name")
+    parsed = registry.ModelSpec.parse("toy:owner/name@v1")
+    assert (parsed.prefix, parsed.target, parsed.revision, parsed.is_hub) == (
+        "toy", "owner/name", "v1", True,
+    )  # fmt: skip
     assert registry.reads_hub_models("toy") and not registry.reads_hub_models("native")
     with pytest.raises(
         ArSliceError, match="one of hf:, zoology:, safari:, based:, native:, h3:, retnet:, toy:"
     ):
-        registry.parse_spec("gguf:model.bin")
+        registry.ModelSpec.parse("gguf:model.bin")
     assert registry.spec_forms().endswith(
         ", native:<dir>, h3:<hub id, file or dir>, retnet:<file or dir>, toy:<hub id or dir>"
     )
     with pytest.raises(ArSliceError, match="; hf:, native: and toy: directories carry"):
         load_model("toy:./weights", model_config="config.json")
     # a bare name is a hub id only for a format registered with bare_hub_ids (hf:)
-    assert registry.hub_target("toy:gpt2") == ("toy", "gpt2", None, False)
-    assert registry.hub_target("hf:gpt2") == ("hf", "gpt2", None, True)
+    assert not registry.ModelSpec.parse("toy:gpt2").is_hub
+    assert registry.ModelSpec.parse("hf:gpt2").is_hub
+    assert registry.ModelSpec.parse("toy:gpt2").path == Path("gpt2")
+    with pytest.raises(ArSliceError, match=r"toy:gpt2@v1: a revision \(@v1\) applies to hub ids"):
+        registry.ModelSpec.parse("toy:gpt2@v1")
     assert load_model("toy:./weights", device="cpu") == "the toy model"
     (request,) = requests
     assert (request.spec, request.target, request.is_hub, request.commit) == (
@@ -74,8 +81,8 @@ def test_reading_a_spec_imports_neither_torch_nor_transformers():
     imports inside its functions, so checking a spec (as every --dry-run does) stays fast."""
     code = (
         "import sys\n"
-        "from models.checkpoints.registry import formats, parse_spec\n"
-        "parse_spec('hf:gpt2'); assert len(formats()) == 7\n"
+        "from models.checkpoints.registry import ModelSpec, formats\n"
+        "ModelSpec.parse('hf:gpt2'); assert len(formats()) == 7\n"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

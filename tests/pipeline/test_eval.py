@@ -29,7 +29,6 @@ from pipeline.eval import (
     EvalConfig,
     Sequence,
     cpu_has_native_bf16,
-    model_name_from_spec,
     resolve_dtype,
     run_eval,
 )
@@ -870,11 +869,16 @@ def test_based_checkpoint_evaluates_through_the_cli(corpus, bpe_tokenizer_path, 
     assert meta["fingerprint"] == corpus["store"].fingerprint
 
 
-def test_model_name_from_spec():
-    assert model_name_from_spec("hf:EleutherAI/pythia-160m") == "pythia-160m"
-    assert model_name_from_spec("native:runs/demo/models/attention/") == "attention"
-    assert model_name_from_spec("safari:/ckpts/hyena-153m.ckpt") == "hyena-153m"
-    assert json.dumps(model_name_from_spec("hf:./x y")) == '"x_y"'
+def test_a_model_s_default_name_comes_from_its_spec():
+    from models.checkpoints.registry import ModelSpec
+
+    def name(spec):
+        return ModelSpec.parse(spec).default_name
+
+    assert name("hf:EleutherAI/pythia-160m") == "pythia-160m"
+    assert name("native:runs/demo/models/attention/") == "attention"
+    assert name("safari:/ckpts/hyena-153m.ckpt") == "hyena-153m"
+    assert json.dumps(name("hf:./x y")) == '"x_y"'
 
 
 @pytest.mark.gpu
