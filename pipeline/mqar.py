@@ -421,7 +421,8 @@ def _train_at(
     import torch
     import torch.nn.functional as F
 
-    from pipeline.train import TrainConfig, learning_rate, make_optimizer
+    from pipeline.train import TrainConfig, make_optimizer
+    from pipeline.train.loop import set_learning_rate, update
 
     # the project's own training recipe; the token-store fields are unused here
     recipe = TrainConfig(
@@ -451,17 +452,13 @@ def _train_at(
         stopped_at = 0
     for step in range(cfg.steps if stopped_at is None else 0):
         x, y = (torch.from_numpy(a).to(device) for a in train_batch(cfg, seq_len, step, restart))
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, recipe)
+        set_learning_rate(optimizer, step, recipe)
         logits, t = query_logits(model, x, y)
         loss = F.cross_entropy(logits.float(), t)
         if not torch.isfinite(loss):
             history.append({"step": step + 1, "loss": float("nan"), "accuracy": best})
             break
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
-        optimizer.step()
+        update(model, optimizer, loss, recipe)
         done = step + 1
         if (done % cfg.eval_every == 0 or done == cfg.steps) and score(done, round(loss.item(), 4)):
             stopped_at = done

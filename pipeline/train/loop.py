@@ -121,6 +121,31 @@ def validation_loss(model, inputs: TrainInputs, starts: np.ndarray, cfg, device,
     return total / n
 
 
+def set_learning_rate(optimizer, step: int, cfg: TrainConfig) -> float:
+    """Every parameter group at the schedule's rate for `step` (`learning_rate`); the rate."""
+    lr = learning_rate(step, cfg)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def update(model, optimizer, loss, cfg: TrainConfig):
+    """One optimizer update from `loss`: gradients, the recipe's clipping of their norm, the
+    step. The norm before clipping (None when `grad_clip` is 0). `arslice train` and the MQAR
+    probe update their models through this one function, so they train by one recipe."""
+    import torch
+
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = (
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        if cfg.grad_clip > 0
+        else None
+    )
+    optimizer.step()
+    return grad_norm
+
+
 def train_steps(
     cfg: TrainConfig,
     model,
@@ -160,9 +185,7 @@ def train_steps(
         dynamic_ncols=True,
     )
     for step in bar:
-        lr = learning_rate(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = set_learning_rate(optimizer, step, cfg)
         batch = torch.from_numpy(inputs.order.batch(inputs.store.tokens, step)).to(device)
         loss = sequence_loss(model, batch, autocast_ctx)
         if not torch.isfinite(loss):
@@ -170,14 +193,7 @@ def train_steps(
                 f"train {cfg.arch}: loss became {loss.item()} at step {step}; lower --lr "
                 f"(now {cfg.lr}) or raise --warmup-steps"
             )
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = (
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            if cfg.grad_clip > 0
-            else None
-        )
-        optimizer.step()
+        grad_norm = update(model, optimizer, loss, cfg)
 
         value = loss.item()
         ema = progress.train_loss_ema
