@@ -1,4 +1,4 @@
-"""`make all` end to end on a reduced demo: every stage, four freshly trained models, the report.
+"""`make all` end to end on a reduced demo: every stage, the demo's models freshly trained, the report.
 
 The reduced config is derived from pipeline/configs/demo.toml itself (same corpus, tokenizer
 kind, the four architectures and their options) with smaller sizes, so the test follows the
@@ -26,11 +26,15 @@ from tests import REPO
 
 DEMO = REPO / "pipeline" / "configs" / "demo.toml"
 ARCHS = ["base_conv", "hyena", "rwkv", "transformer_pp"]
+# the demo's two more runs of the Transformer++ recipe, from seeds 1 and 2
+SEED_RUNS = ["transformer_pp-seed1", "transformer_pp-seed2"]
+MODELS = sorted(ARCHS + SEED_RUNS)
 GLOB = ["nn/*.py", "nn/modules/*.py"]  # 36 of the demo's 1,265 torch files, 1.2 MB
 SPLIT = 0.1  # of 36 files: 6 for validation (the demo's 3% would leave 2 small ones)
 KEPT = [5, 10, 20]  # checkpoints kept before the last of 30 steps, as the demo keeps several
-# one model keeps one more point in its own table, as the demo's Transformer++ keeps step 1600
-OWN_KEPT = {"transformer_pp": [5, 10, 15, 20]}
+# one model keeps one more point in its own table, as the demo's Transformer++ keeps step 1600;
+# its other seeds keep the two points around it, as the demo's keep 800 and 1600
+OWN_KEPT = {"transformer_pp": [5, 10, 15, 20]} | {name: [10, 15] for name in SEED_RUNS}
 
 
 def kept(arch: str) -> list[int]:
@@ -108,11 +112,13 @@ def test_make_all_runs_the_whole_analysis(tmp_path):
     assert tags.num_rows == val.n_tokens - 1
     assert read_json(run / "tags/meta.json")["window"] == 64
 
-    # four models trained on the same tokens in the same order
+    # the four architectures trained on the same tokens in the same order; the other seeds'
+    # runs on the same tokens in orders of their own
     models = read_json(run / "models/meta.json")["models"]
-    assert sorted(models) == ARCHS
-    metas = {n: read_json(run / "models" / n / "meta.json") for n in ARCHS}
-    assert len({m["batch_order_digest"] for m in metas.values()}) == 1
+    assert sorted(models) == MODELS
+    metas = {n: read_json(run / "models" / n / "meta.json") for n in MODELS}
+    assert len({metas[n]["batch_order_digest"] for n in ARCHS}) == 1
+    assert len({metas[n]["batch_order_digest"] for n in ["transformer_pp", *SEED_RUNS]}) == 3
     assert all(m["tokens_seen"] == 30 * 8 * 64 for m in metas.values())
     # (parameter parity holds at the shipped sizes, checked in test_run; at d_model 32 Hyena's
     # fixed-width filter network dominates its count)
@@ -120,10 +126,10 @@ def test_make_all_runs_the_whole_analysis(tmp_path):
 
     # losses: one finite, positive NLL per tag row for every model
     losses = read_json(run / "losses/meta.json")["losses"]
-    points = sorted(f"{a}@step{k}" for a in ARCHS for k in kept(a))
-    assert sorted(losses) == sorted(ARCHS + points)  # every model, and every checkpoint kept
+    points = sorted(f"{a}@step{k}" for a in MODELS for k in kept(a))
+    assert sorted(losses) == sorted(MODELS + points)  # every model, and every checkpoint kept
     key = tags.select(["window_id", "pos"]).to_pandas().sort_values(["window_id", "pos"]).to_numpy()
-    for name in ARCHS:
+    for name in MODELS:
         table = (
             pq.ParquetDataset(sorted((run / "losses" / name).glob("losses-*.parquet")))
             .read()
@@ -135,17 +141,24 @@ def test_make_all_runs_the_whole_analysis(tmp_path):
 
     # the report: Table 1 for every model, Figure 1, results.duckdb
     html = (run / "report/report.html").read_text()
-    assert all(name in html for name in ARCHS)
+    assert all(name in html for name in MODELS)
     table1 = (run / "report/table1.csv").read_text().splitlines()
-    assert len(table1) == 1 + len(ARCHS)
+    assert len(table1) == 1 + len(MODELS)
     assert (run / "report/frequency_curve.png").stat().st_size > 0
     # the recall emergence: a row per model and point (its kept checkpoints, then the model)
     with open(run / "report/emergence.csv", newline="") as f:
         emergence = list(csv.DictReader(f))
     assert [(r["model"], int(r["step"])) for r in emergence] == [
-        (a, k) for a in ARCHS for k in [*kept(a), 30]
+        (a, k) for a in MODELS for k in [*kept(a), 30]
     ]
     assert all(int(r["tokens_seen"]) == int(r["step"]) * 8 * 64 for r in emergence)
+    # the recipe's band: each step of any of its runs, with how many runs have it
+    with open(run / "report/seeds.csv", newline="") as f:
+        seeds = list(csv.DictReader(f))
+    runs_at = {5: 1, 10: 3, 15: 3, 20: 1, 30: 3}  # steps 5 and 20: Transformer++'s own only
+    assert [(r["recipe"], int(r["step"]), int(r["runs"])) for r in seeds] == [
+        ("transformer_pp", step, n) for step, n in runs_at.items()
+    ]
     assert (run / "report/emergence.png").stat().st_size > 0
     assert (run / "results.duckdb").is_file()
 
