@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ar_slicing.errors import BadInput
 from ar_slicing.machinery.io import atomic_path, build_meta
-from pipeline.config import Command, say, skip_complete
+from pipeline.config import Command, say
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,8 @@ class CopyTokenizerConfig:
 def copy_pretrained_tokenizer(cfg: CopyTokenizerConfig) -> dict:
     """Copy the tokenizer `cfg.pretrained` to `cfg.out` (same name and fingerprint: skipped)."""
     from ar_slicing.data.tokenizer import describe, load_tokenizer
-    from ar_slicing.machinery.plan import StagePlan, open_stage
+    from ar_slicing.machinery.plan import StagePlan
+    from pipeline.stage import run_stage
 
     tok = load_tokenizer(cfg.pretrained)
     info = describe(tok, cfg.pretrained)
@@ -34,11 +35,8 @@ def copy_pretrained_tokenizer(cfg: CopyTokenizerConfig) -> dict:
         inputs={"fingerprint": info["fingerprint"]},
     )
     out = Path(cfg.out)
-    stage = open_stage(out, plan, overwrite=cfg.overwrite, single_file=True)
-    if stage.complete:
-        skip_complete(stage, "tokenizer")
-        return {"tokenizer": str(out), "skipped": True}
-    with stage.running():
+
+    def copy(stage, _) -> dict:
         with atomic_path(out) as tmp:
             tok.save(str(tmp))
         meta = build_meta(
@@ -50,8 +48,18 @@ def copy_pretrained_tokenizer(cfg: CopyTokenizerConfig) -> dict:
             **info,
         )
         stage.finish(meta)
-    say(f"tokenizer: copied {cfg.pretrained} ({info['vocab_size']} tokens) to {out}")
-    return {"tokenizer": str(out), **info}
+        say(f"tokenizer: copied {cfg.pretrained} ({info['vocab_size']} tokens) to {out}")
+        return {"tokenizer": str(out), **info}
+
+    return run_stage(
+        "tokenizer",
+        out,
+        plan,
+        copy,
+        overwrite=cfg.overwrite,
+        single_file=True,
+        skipped=lambda meta: {"tokenizer": str(out), "skipped": True},
+    )
 
 
 def copy_settings(cfg: CopyTokenizerConfig) -> dict:

@@ -38,8 +38,8 @@ from pipeline.config import (
     executor_option,
     ray_address_option,
     say,
-    skip_complete,
 )
+from pipeline.stage import run_stage
 from pipeline.wiring import COUNTS, STORES, Run, Table, Wiring
 
 log = logging.getLogger(__name__)
@@ -153,18 +153,18 @@ def open_stores(store_paths) -> list:
     return stores
 
 
-def open_count_stage(stores, out, unit: str, shard_tokens: int, overwrite: bool, evaluated=()):
-    from ar_slicing.machinery.plan import StagePlan, identity, open_stage
+def count_plan(stores, unit: str, shard_tokens: int, evaluated=()):
+    """The count's plan: its settings and the identities of the stores it reads."""
+    from ar_slicing.machinery.plan import StagePlan, identity
 
     inputs = {"stores": [identity(s.path) for s in stores]}
     if evaluated:
         inputs["only_bigrams_of"] = [identity(s.path) for s in evaluated]
-    plan = StagePlan(
+    return StagePlan(
         "count",
         settings=count_settings(unit, shard_tokens, [s.path for s in evaluated]),
         inputs=inputs,
     )
-    return open_stage(out, plan, overwrite=overwrite)
 
 
 # ---- the whole count: plan, map, reduce, write -------------------------------------------------
@@ -182,13 +182,18 @@ def count_stores(
     executor=None,
     progress: bool = True,
     only_bigrams_of=None,
+    make_executor=None,
+    label: str | None = None,
+    summary=None,
 ) -> dict:
     """Count the bigrams of the concatenation of `store_paths` into `out`. Returns its meta.json.
 
     With `only_bigrams_of` (store paths), only the bigrams occurring in those stores are
     counted (`ar_slicing.algorithms.counts.restricted`). Resumable: partials of finished shards (and
     finished reduce ranges) under `out/.work` are reused by a rerun with the same inputs and
-    settings.
+    settings. `make_executor()`: the executor, made only when there is counting to do (else
+    `executor`, else local processes). `label`: a complete output's skip is said under it (else
+    only logged); `summary(meta)` is called when a count ends.
     """
     import time
 
@@ -199,13 +204,9 @@ def count_stores(
     _check_shard_tokens(shard_tokens)
     stores = open_stores(store_paths)
     evaluated = open_evaluated(only_bigrams_of, stores)
-    stage = open_count_stage(stores, out, unit, shard_tokens, overwrite, evaluated)
-    if stage.complete:
-        meta = stage.skip()
-        log.debug("%s is complete (%s pairs); --overwrite to redo", out, meta.get("total_pairs"))
-        return meta
-    with stage.running():
-        return _count(
+
+    def count(stage, executor) -> dict:
+        meta = _count(
             stage,
             stores,
             evaluated,
@@ -218,6 +219,25 @@ def count_stores(
             progress,
             t0,
         )
+        if summary is not None:
+            summary(meta)
+        return meta
+
+    def skipped(meta: dict) -> dict:
+        log.debug("%s is complete (%s pairs); --overwrite to redo", out, meta.get("total_pairs"))
+        return meta
+
+    return run_stage(
+        label or "count",
+        out,
+        count_plan(stores, unit, shard_tokens, evaluated),
+        count,
+        overwrite=overwrite,
+        prepare=make_executor or (lambda: executor),
+        detail=lambda meta: f"{meta['total_pairs']:,} pairs",
+        skipped=skipped,
+        quiet=label is None,
+    )
 
 
 def _check_shard_tokens(shard_tokens: int) -> None:
@@ -326,40 +346,40 @@ def run_count(cfg: CountConfig) -> dict:
     validate_count(cfg)
     if cfg.import_parquet:
         return _run_import(cfg)
-    unit = cfg.unit or "stream"
-    stores = open_stores(cfg.tokens)
-    evaluated = open_evaluated(cfg.only_bigrams_of, stores)
-    stage = open_count_stage(stores, cfg.out, unit, cfg.shard_tokens, cfg.overwrite, evaluated)
-    if stage.complete:
-        return skip_complete(stage, "count", f"{stage.meta['total_pairs']:,} pairs")
-    executor = None
-    if cfg.executor != "local":
-        executor = get_executor(cfg.executor, cfg.workers or None, address=cfg.ray_address)
-    workers = cfg.workers if cfg.workers > 0 else default_workers()  # (the executor's, if given)
-    meta = count_stores(
+    make_executor = None
+    if cfg.executor != "local":  # (made only when there is counting to do)
+
+        def make_executor():
+            return get_executor(cfg.executor, cfg.workers or None, address=cfg.ray_address)
+
+    def summary(meta: dict) -> None:
+        rate = meta.get("throughput", {}).get("tokens_per_s")
+        only = (
+            f", only those of {len(meta['only_bigrams_of'])} evaluated store(s) "
+            f"({meta['evaluated_bigrams_unseen']:,} of their {meta['evaluated_bigrams']:,} "
+            "never seen)"
+            if meta.get("only_bigrams_of")
+            else ""
+        )
+        say(
+            f"count: {meta['total_pairs']:,} pairs, {meta['distinct_bigrams']:,} distinct bigrams "
+            f"(unit {meta['unit']}) from {len(meta['sources'])} store(s){only} -> {cfg.out}"
+            + (f" ({meta['wall_time_s']:.1f} s, {rate / 1e6:.1f} M tokens/s)" if rate else "")
+        )
+
+    return count_stores(
         list(cfg.tokens),
         cfg.out,
-        unit=unit,
-        workers=workers,
+        unit=cfg.unit or "stream",
+        workers=cfg.workers if cfg.workers > 0 else default_workers(),  # (the executor's, if given)
         shard_tokens=cfg.shard_tokens,
         overwrite=cfg.overwrite,
         config=config_to_dict(cfg),
-        executor=executor,
+        make_executor=make_executor,
         only_bigrams_of=list(cfg.only_bigrams_of or []),
+        label="count",
+        summary=summary,
     )
-    rate = meta.get("throughput", {}).get("tokens_per_s")
-    only = (
-        f", only those of {len(meta['only_bigrams_of'])} evaluated store(s) "
-        f"({meta['evaluated_bigrams_unseen']:,} of their {meta['evaluated_bigrams']:,} never seen)"
-        if meta.get("only_bigrams_of")
-        else ""
-    )
-    say(
-        f"count: {meta['total_pairs']:,} pairs, {meta['distinct_bigrams']:,} distinct bigrams "
-        f"(unit {meta['unit']}) from {len(meta['sources'])} store(s){only} -> {cfg.out}"
-        + (f" ({meta['wall_time_s']:.1f} s, {rate / 1e6:.1f} M tokens/s)" if rate else "")
-    )
-    return meta
 
 
 def _run_import(cfg: CountConfig) -> dict:

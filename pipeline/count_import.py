@@ -65,7 +65,8 @@ def import_counts(
     from ar_slicing.data.tokenizer import describe, load_tokenizer
     from ar_slicing.machinery.executor import LocalExecutor
     from ar_slicing.machinery.io import build_meta, sha256_file
-    from ar_slicing.machinery.plan import StagePlan, file_identity, open_stage
+    from ar_slicing.machinery.plan import StagePlan, file_identity
+    from pipeline.stage import run_stage
 
     t0 = time.time()
     check_import(paths, tokenizer, unit)
@@ -75,10 +76,8 @@ def import_counts(
         settings=import_settings(unit, info["fingerprint"]),
         inputs={"import": [{"path": str(Path(p).resolve()), **file_identity(p)} for p in paths]},
     )
-    stage = open_stage(out, plan, overwrite=overwrite)
-    if stage.complete:
-        return stage.skip()
-    with stage.running():
+
+    def count(stage, pool) -> dict:
         out = stage.out
         vocab_size = int(info["vocab_size"])
         shift = 16 if vocab_size <= 1 << 16 else 32
@@ -92,13 +91,12 @@ def import_counts(
         ]
         work = make_work_dir(out)
         stage.expect([out / BIGRAMS_NAME])
-        executor = executor or LocalExecutor(workers)
         tasks = plan_import_tasks(paths, work, vocab_size, shift)
-        run_map(executor, tasks, import_part, progress, stage=stage)
+        run_map(pool, tasks, import_part, progress, stage=stage)
         reduce_tasks = plan_reduce_tasks(work, [t.out for t in tasks], shift, stage=stage)
         results: dict = {}
         distinct, total_pairs = run_reduce(
-            executor, reduce_tasks, out / BIGRAMS_NAME, progress, results, stage=stage
+            pool, reduce_tasks, out / BIGRAMS_NAME, progress, results, stage=stage
         )
         entries = sum(int(bucket_sizes(t.out).sum()) for t in tasks)
         if entries != distinct:  # the reduce added up a pair that two tasks listed
@@ -134,3 +132,13 @@ def import_counts(
         meta = stage.finish(meta)
         shutil.rmtree(work, ignore_errors=True)
         return meta
+
+    return run_stage(
+        "count",
+        out,
+        plan,
+        count,
+        overwrite=overwrite,
+        prepare=lambda: executor or LocalExecutor(workers),
+        quiet=True,
+    )

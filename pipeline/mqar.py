@@ -111,7 +111,7 @@ from ar_slicing.machinery.layout import (
     meta_path,
 )
 from pipeline.architectures import MQAR_ARCHITECTURES, MQAR_DEFAULT, described
-from pipeline.config import Command, say, skip_complete
+from pipeline.config import Command, say
 
 log = logging.getLogger(__name__)
 
@@ -421,20 +421,13 @@ def _train_at(
     import torch
     import torch.nn.functional as F
 
-    from pipeline.train import TrainConfig, make_optimizer
-    from pipeline.train.loop import set_learning_rate, update
+    from pipeline.train import make_optimizer
+    from pipeline.train.config import Recipe
+    from pipeline.train.loop import recipe_steps
 
-    # the project's own training recipe; the token-store fields are unused here
-    recipe = TrainConfig(
-        arch=arch,
-        tokens="",
-        out="",
-        lr=lr,
-        steps=cfg.steps,
-        warmup_steps=cfg.warmup_steps,
-        beta2=cfg.beta2,
-        batch_size=max(1, cfg.batch_tokens // seq_len),
-    )
+    # the project's one training recipe, at this run's rate and length
+    recipe = Recipe(lr=lr, steps=cfg.steps, warmup_steps=cfg.warmup_steps, beta2=cfg.beta2)
+    batch_size = max(1, cfg.batch_tokens // seq_len)
     optimizer = make_optimizer(model, recipe)
     x_test, y_test = (torch.from_numpy(a).to(device) for a in held_out_sequences(cfg, seq_len))
     pairs = num_kv_pairs_for(seq_len)
@@ -442,7 +435,7 @@ def _train_at(
 
     def score(done: int, loss: float | None) -> bool:
         nonlocal best, best_slots
-        acc, slots = slot_accuracy(model, x_test, y_test, recipe.batch_size, pairs)
+        acc, slots = slot_accuracy(model, x_test, y_test, batch_size, pairs)
         if acc > best or not history:
             best, best_slots = acc, [round(s, 4) for s in slots]
         history.append({"step": done, "loss": loss, "accuracy": acc})
@@ -450,17 +443,20 @@ def _train_at(
 
     if score_first and score(0, None):
         stopped_at = 0
-    for step in range(cfg.steps if stopped_at is None else 0):
+
+    def loss_at(step: int):
         x, y = (torch.from_numpy(a).to(device) for a in train_batch(cfg, seq_len, step, restart))
-        set_learning_rate(optimizer, step, recipe)
         logits, t = query_logits(model, x, y)
-        loss = F.cross_entropy(logits.float(), t)
-        if not torch.isfinite(loss):
-            history.append({"step": step + 1, "loss": float("nan"), "accuracy": best})
+        return F.cross_entropy(logits.float(), t)
+
+    steps = range(cfg.steps if stopped_at is None else 0)
+    for step in recipe_steps(recipe, model, optimizer, steps, loss_at):
+        if not step.finite:
+            history.append({"step": step.step + 1, "loss": float("nan"), "accuracy": best})
             break
-        update(model, optimizer, loss, recipe)
-        done = step + 1
-        if (done % cfg.eval_every == 0 or done == cfg.steps) and score(done, round(loss.item(), 4)):
+        done = step.step + 1
+        scored = done % cfg.eval_every == 0 or done == cfg.steps
+        if scored and score(done, round(step.loss.item(), 4)):
             stopped_at = done
             break
     return {
@@ -669,7 +665,8 @@ def figure_png(rows: list[dict]) -> bytes:
 def run_mqar(cfg: MqarConfig) -> dict:
     """Train every cell of the sweep the ledger does not hold, then write the table, the figure
     and meta.json."""
-    from ar_slicing.machinery.plan import StagePlan, open_stage
+    from ar_slicing.machinery.plan import StagePlan
+    from pipeline.stage import run_stage
 
     unknown = sorted(set(cfg.archs) - set(MQAR_ARCHITECTURES))
     if unknown:
@@ -699,11 +696,10 @@ def run_mqar(cfg: MqarConfig) -> dict:
         )
     out = Path(cfg.out)
     plan = StagePlan("mqar", settings=cell_settings(cfg), inputs={}, scope=sweep_grid(cfg))
-    stage = open_stage(out, plan, overwrite=cfg.overwrite)  # one sweep writes a folder at a time
-    if stage.complete:
-        return skip_complete(stage, "mqar")
-    with stage.running():
-        return _run_sweep(stage, cfg)
+    # (one sweep writes a folder at a time)
+    return run_stage(
+        "mqar", out, plan, lambda stage, _: _run_sweep(stage, cfg), overwrite=cfg.overwrite
+    )
 
 
 def _run_sweep(stage, cfg: MqarConfig) -> dict:

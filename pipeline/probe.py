@@ -25,6 +25,7 @@ and the trained models, with every checkpoint `[eval] checkpoints` evaluates), e
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +39,8 @@ from ar_slicing.machinery.layout import (
     TAG_PART_GLOB,
     require_complete,
 )
-from pipeline.config import Command, say, skip_complete
+from pipeline.config import Command, say
+from pipeline.stage import Part, run_parts
 from pipeline.wiring import LOSSES, MODELS, PROBES, TAGS, Fanned, Run, Table, Wiring
 
 _DEFAULT = ProbeSizes()
@@ -209,9 +211,10 @@ def token_losses(tags: Path, losses: Path):
 
 def run_probe(cfg: ProbeConfig) -> dict:
     """Probe `cfg.model`; write the probes' files and meta.json to `cfg.out`."""
-    from ar_slicing.machinery.plan import StagePlan, identity, open_stage
+    from ar_slicing.machinery.plan import StagePlan, identity
     from models.checkpoints.registry import ModelSpec
     from pipeline.eval.inputs import open_tags
+    from pipeline.stage import run_stage
 
     t0 = time.time()
     validate_probe(cfg)
@@ -233,17 +236,16 @@ def run_probe(cfg: ProbeConfig) -> dict:
             "losses": identity(losses),
         },
     )
-    stage = open_stage(out, plan, overwrite=cfg.overwrite)
-    if stage.complete:
-        meta = skip_complete(stage, f"probe {name}")
-        return {"out": str(out), "name": meta.get("name"), "skipped": True}
-    try:  # the model loaded and checked before OUT is made: a bad one leaves nothing behind
-        model = _load(cfg, name, tags, plan.settings, probe_prefix(losses_meta))
-    except BaseException:
-        stage.release()
-        raise
-    with stage.running():
-        return _probe(stage, cfg, name, tags, losses, losses_meta, model, t0)
+    return run_stage(
+        f"probe {name}",
+        out,
+        plan,
+        lambda stage, model: _probe(stage, cfg, name, tags, losses, losses_meta, model, t0),
+        overwrite=cfg.overwrite,
+        # the model loaded and checked before OUT is made: a bad one leaves nothing behind
+        prepare=lambda: _load(cfg, name, tags, plan.settings, probe_prefix(losses_meta)),
+        skipped=lambda meta: {"out": str(out), "name": meta.get("name"), "skipped": True},
+    )
 
 
 def _probe(stage, cfg: ProbeConfig, name: str, tags, losses: Path, losses_meta: dict, model, t0):
@@ -260,47 +262,47 @@ def _probe(stage, cfg: ProbeConfig, name: str, tags, losses: Path, losses_meta: 
     )
 
     out = stage.out
-    files = {part: [out / f for f in names] for part, names in PROBE_FILES.items()}
-    stage.expect(f for part in files.values() for f in part)
     prefix = probe_prefix(losses_meta)
-    facts = {part: stage.done(part) for part in PROBE_FILES}
     loaded, vocab, seqs = model
-    if facts["induction"] is None or facts["recall"] is None:
-        score = _scorer(loaded, cfg, stage.plan["settings"])
-        if facts["induction"] is None:
-            table = induction_table(seqs.induction, *score(seqs.induction.tokens))
-            summary = induction_score(table, cfg.bootstrap, cfg.seed)
-            write_parquet_atomic(files["induction"][0], table)
-            write_parquet_atomic(files["induction"][1], _one_row(summary))
-            write_parquet_atomic(files["induction"][2], induction_curve(table))
-            # (no interval without resamples: null, not NaN, in the ledger and meta.json)
-            plain = {k: None if v != v else v for k, v in summary.items()}
-            facts["induction"] = {"rows": table.num_rows, **plain}
-            stage.record("induction", files["induction"], **facts["induction"])
-        if facts["recall"] is None:
-            table = recall_table([(part, *score(part.tokens)) for part in seqs.recall])
-            by_k = recall_by_k(table, vocab.head_rows, cfg.bootstrap, cfg.seed)
-            write_parquet_atomic(files["recall"][0], table)
-            write_parquet_atomic(files["recall"][1], by_k)
-            write_parquet_atomic(files["recall"][2], recall_by_distance(table))
-            facts["recall"] = {
-                "rows": table.num_rows,
-                "k": by_k["k"].to_list(),
-                "accuracy": by_k["accuracy"].to_list(),
-            }
-            stage.record("recall", files["recall"], **facts["recall"])
-    if facts["position"] is None:
+    score = functools.cache(lambda: _scorer(loaded, cfg, stage.plan["settings"]))
+
+    def induction(files) -> dict:
+        table = induction_table(seqs.induction, *score()(seqs.induction.tokens))
+        summary = induction_score(table, cfg.bootstrap, cfg.seed)
+        write_parquet_atomic(files[0], table)
+        write_parquet_atomic(files[1], _one_row(summary))
+        write_parquet_atomic(files[2], induction_curve(table))
+        # (no interval without resamples: null, not NaN, in the ledger and meta.json)
+        plain = {k: None if v != v else v for k, v in summary.items()}
+        return {"rows": table.num_rows, **plain}
+
+    def recall(files) -> dict:
+        table = recall_table([(part, *score()(part.tokens)) for part in seqs.recall])
+        by_k = recall_by_k(table, vocab.head_rows, cfg.bootstrap, cfg.seed)
+        write_parquet_atomic(files[0], table)
+        write_parquet_atomic(files[1], by_k)
+        write_parquet_atomic(files[2], recall_by_distance(table))
+        return {
+            "rows": table.num_rows,
+            "k": by_k["k"].to_list(),
+            "accuracy": by_k["accuracy"].to_list(),
+        }
+
+    def position(files) -> dict:
         per_token = token_losses(tags.dir, losses)
         if per_token.is_empty():
             raise BadInput(
                 f"losses {losses}: no row matches a tag row of {tags.dir}; rerun `arslice eval`"
             )
         icl = icl_score(per_token, tags.window, cfg.bootstrap, cfg.seed)
-        write_parquet_atomic(files["position"][0], loss_by_position(per_token))
-        write_parquet_atomic(files["position"][1], icl)
+        write_parquet_atomic(files[0], loss_by_position(per_token))
+        write_parquet_atomic(files[1], icl)
         early, late = icl_positions(tags.window)
-        facts["position"] = {"tokens": per_token.height, "early": early, "late": late}
-        stage.record("position", files["position"], **facts["position"])
+        return {"tokens": per_token.height, "early": early, "late": late}
+
+    does = {"induction": induction, "recall": recall, "position": position}
+    parts = [Part(name, tuple(out / f for f in files)) for name, files in PROBE_FILES.items()]
+    facts = run_parts(stage, parts, lambda part: does[part.name](part.files))
     meta = stage.finish(
         _meta(cfg, name, tags, losses, losses_meta, prefix, facts, loaded, vocab, seqs, t0)
     )

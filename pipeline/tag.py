@@ -32,7 +32,7 @@ import numpy as np
 from ar_slicing.errors import ArSliceError
 from ar_slicing.machinery.io import read_json
 from ar_slicing.machinery.layout import META_NAME, TAG_PART
-from pipeline.config import Command, say, skip_complete
+from pipeline.config import Command, say
 from pipeline.wiring import COUNTS, STORES, TAGS, Wiring
 
 log = logging.getLogger(__name__)
@@ -370,7 +370,8 @@ def _run_tag(cfg: TagConfig) -> dict:
     from ar_slicing.algorithms.counts.restricted import check_covers
     from ar_slicing.data.store import TokenStore
     from ar_slicing.data.tokenizer import require_same_fingerprint
-    from ar_slicing.machinery.plan import StagePlan, identity, open_stage
+    from ar_slicing.machinery.plan import StagePlan, identity
+    from pipeline.stage import run_stage
 
     t0 = time.time()
     validate_tag(cfg)
@@ -397,18 +398,26 @@ def _run_tag(cfg: TagConfig) -> dict:
         settings=tag_settings(cfg),
         inputs={"tokens": identity(cfg.tokens), "counts": identity(cfg.counts)},
     )
-    stage = open_stage(out, plan, overwrite=cfg.overwrite)
-    if stage.complete:
-        return skip_complete(stage, "tag", f"{stage.meta['counts']['tokens']:,} tokens")
-    warnings = []
-    if _counted_sources(counts_meta, store):
-        warnings.append(
+
+    def warnings() -> list[str]:
+        if not _counted_sources(counts_meta, store):
+            return []
+        warning = (
             f"the counts {cfg.counts} were made from {cfg.tokens} itself: every bigram of it "
             "has a training count of at least 1; tag a held-out store (tokens/val) instead"
         )
-        log.warning(warnings[-1])
-    with stage.running():
-        return _tag_into(stage, cfg, store, counts_meta, training, warnings, t0)
+        log.warning(warning)
+        return [warning]
+
+    return run_stage(
+        "tag",
+        out,
+        plan,
+        lambda stage, warned: _tag_into(stage, cfg, store, counts_meta, training, warned, t0),
+        overwrite=cfg.overwrite,
+        prepare=warnings,
+        detail=lambda meta: f"{meta['counts']['tokens']:,} tokens",
+    )
 
 
 def _count_span_ngrams(cfg: TagConfig, parts: list[PartTask], training, workers: int):

@@ -25,7 +25,6 @@ from pipeline.config import (
     on_bad_record_option,
     read_documents,
     say,
-    skip_complete,
     text_field_option,
 )
 from pipeline.wiring import TOKENIZER, Fanned, Run, Table, Wiring, per_store
@@ -113,7 +112,8 @@ def train_tokenizer_settings(cfg: TrainTokenizerConfig) -> dict:
 
 
 def run_train_tokenizer(cfg: TrainTokenizerConfig) -> dict:
-    from ar_slicing.machinery.plan import StagePlan, open_stage
+    from ar_slicing.machinery.plan import StagePlan
+    from pipeline.stage import run_stage
     from pipeline.tokenize.shards import source_identity
 
     validate_train_tokenizer(cfg)
@@ -123,12 +123,15 @@ def run_train_tokenizer(cfg: TrainTokenizerConfig) -> dict:
         settings=train_tokenizer_settings(cfg),
         inputs={"sources": [source_identity(s, cfg.glob) for s in cfg.source]},
     )
-    stage = open_stage(out, plan, overwrite=cfg.overwrite, single_file=True)
-    if stage.complete:
-        skip_complete(stage, "train-tokenizer")
-        return {"out": str(out), "skipped": True}
-    with stage.running():
-        return _train(stage, cfg)
+    return run_stage(
+        "train-tokenizer",
+        out,
+        plan,
+        lambda stage, _: _train(stage, cfg),
+        overwrite=cfg.overwrite,
+        single_file=True,
+        skipped=lambda meta: {"out": str(out), "skipped": True},
+    )
 
 
 def _train(stage, cfg: TrainTokenizerConfig) -> dict:

@@ -18,7 +18,7 @@ from ar_slicing.errors import ArSliceError
 from ar_slicing.machinery.io import build_meta
 from models.kernels import paths_taken
 from models.precision import resolve_device, resolve_dtype, resolve_on_cluster, weights_dtype
-from pipeline.config import Command, say, skip_complete
+from pipeline.config import Command, say
 from pipeline.eval.checkpoints import CHECKPOINT_KEYS
 from pipeline.eval.checks import check_model_fits
 from pipeline.eval.config import EvalConfig
@@ -321,8 +321,9 @@ def _resolve(cfg, name, tags, windows, selected, executor, device, dtype, t0) ->
 def run_eval(cfg: EvalConfig) -> dict:
     """Evaluate `cfg.model` on the windows of `cfg.tags`; write losses and meta.json to `cfg.out`."""
     from ar_slicing.algorithms.windows import window_subset
-    from ar_slicing.machinery.plan import StagePlan, identity, open_stage
+    from ar_slicing.machinery.plan import StagePlan, identity
     from models.checkpoints.registry import ModelSpec
+    from pipeline.stage import run_stage
 
     t0 = time.time()
     validate_eval(cfg)
@@ -349,28 +350,27 @@ def run_eval(cfg: EvalConfig) -> dict:
             "model": spec.identity(),
         },
     )
-    stage = open_stage(out, plan, overwrite=cfg.overwrite)
-    extend = False
-    if stage.complete:
-        meta = stage.meta
-        if not (meta.get("partial") and n_windows > int(meta.get("windows_evaluated", 0))):
-            skip_complete(stage, f"eval {name}", f"{meta.get('tokens')} tokens")
-            return {
-                "out": str(out),
-                "name": meta.get("name"),
-                "tokens": meta.get("tokens"),
-                "skipped": True,
-            }
-        extend = True  # a partial (--max-windows) result, now asked for more windows
-    try:
-        run = _resolve(cfg, name, tags, windows, len(selection), executor, device, dtype, t0)
-    except BaseException:
-        stage.release()  # (an existing OUT is locked from the plan check on)
-        raise
-    with stage.running():
-        if extend:
-            stage.reopen()  # incomplete again until its meta.json is rewritten, its chunks kept
-        return _evaluate(stage, run)
+    return run_stage(
+        f"eval {name}",
+        out,
+        plan,
+        _evaluate,
+        overwrite=cfg.overwrite,
+        prepare=lambda: _resolve(
+            cfg, name, tags, windows, len(selection), executor, device, dtype, t0
+        ),
+        # a partial (--max-windows) result, now asked for more windows: its chunks kept
+        reopen_if=lambda meta: (
+            bool(meta.get("partial")) and n_windows > int(meta.get("windows_evaluated", 0))
+        ),
+        detail=lambda meta: f"{meta.get('tokens')} tokens",
+        skipped=lambda meta: {
+            "out": str(out),
+            "name": meta.get("name"),
+            "tokens": meta.get("tokens"),
+            "skipped": True,
+        },
+    )
 
 
 def _evaluate(stage, run: EvalRun) -> dict:

@@ -23,7 +23,7 @@ from ar_slicing.machinery.layout import (
     TABLE_CSV,
     RunLayout,
 )
-from pipeline.config import Command, config_to_dict, say, skip_complete
+from pipeline.config import Command, config_to_dict, say
 from pipeline.mqar import mqar_results
 from pipeline.report.config import QUERY_TABLES, ReportConfig
 from pipeline.report.figures import (
@@ -117,7 +117,8 @@ def _report_from(cfg: ReportConfig, checked, t0: float) -> dict:
 
     from ar_slicing.analysis.results import run_info
     from ar_slicing.analysis.table1 import models_table, resolve_reference
-    from ar_slicing.machinery.plan import StagePlan, identity, open_stage
+    from ar_slicing.machinery.plan import StagePlan, identity
+    from pipeline.stage import run_stage
 
     layout = checked.layout
     out = layout.report
@@ -139,14 +140,21 @@ def _report_from(cfg: ReportConfig, checked, t0: float) -> dict:
         if mqar is not None:  # (a run without the probe keeps the plan it had)
             inputs["mqar"] = identity(layout.mqar)
         plan = StagePlan("report", settings=report_settings(cfg, reference), inputs=inputs)
-        # a report keeps no work of its own: new or redone inputs rebuild it
-        stage = open_stage(out, plan, overwrite=cfg.overwrite, follow_inputs=True)
-        if stage.complete:
-            meta = skip_complete(stage, "report", "and up to date")
+
+        def skipped(meta: dict) -> dict:
             say(str(out / REPORT_HTML_NAME))
             return meta
-        with stage.running():
-            return _write_report(stage, cfg, con, checked, info, reference, t0, mqar)
+
+        return run_stage(
+            "report",
+            out,
+            plan,
+            lambda stage, _: _write_report(stage, cfg, con, checked, info, reference, t0, mqar),
+            overwrite=cfg.overwrite,
+            follow_inputs=True,  # a report keeps no work of its own: new or redone inputs rebuild it
+            detail="and up to date",
+            skipped=skipped,
+        )
     finally:
         con.close()
 

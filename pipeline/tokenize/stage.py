@@ -6,7 +6,7 @@ import time
 
 from ar_slicing.data.readers import check_sources, check_split_options, is_pretokenized
 from ar_slicing.errors import ArSliceError
-from pipeline.config import Command, skip_complete
+from pipeline.config import Command
 from pipeline.tokenize.config import PARTS_FORMAT, PLAN_KEYS, TokenizeConfig
 from pipeline.wiring import STORES, TOKENIZER, Run, Table, Wiring, per_store
 
@@ -56,7 +56,8 @@ def tokenize_settings(cfg: TokenizeConfig) -> dict:
 
 
 def run_tokenize(cfg: TokenizeConfig) -> dict:
-    from ar_slicing.machinery.plan import StagePlan, open_stage
+    from ar_slicing.machinery.plan import StagePlan
+    from pipeline.stage import run_stage
     from pipeline.tokenize.imports import import_store, import_tokenizer_info
     from pipeline.tokenize.shards import load_tokenizer_info, source_identity
     from pipeline.tokenize.text import encode_store
@@ -73,16 +74,16 @@ def run_tokenize(cfg: TokenizeConfig) -> dict:
             "sources": [source_identity(s, cfg.glob) for s in cfg.source],
         },
     )
-    stage = open_stage(cfg.out, plan, overwrite=cfg.overwrite)
-    if stage.complete:
-        skip_complete(stage, "tokenize")
-        return {"out": str(cfg.out), "skipped": True}
-    if importing:
-        with stage.running():
-            return import_store(stage, cfg, tok, info, t0)
-    # work is a shard the ledger holds (the tokenizer copy alone is no work)
-    with stage.running(keep_if=lambda out: bool(stage.ledger.parts)):
-        return encode_store(stage, cfg, tok, info, t0)
+    make = import_store if importing else encode_store
+    return run_stage(
+        "tokenize",
+        cfg.out,
+        plan,
+        lambda stage, _: make(stage, cfg, tok, info, t0),
+        overwrite=cfg.overwrite,
+        skipped=lambda meta: {"out": str(cfg.out), "skipped": True},
+        work_is_parts=not importing,  # a shard the ledger holds (the tokenizer copy is no work)
+    )
 
 
 def tokenize_inputs(cfg: TokenizeConfig) -> list[tuple[str, str]]:

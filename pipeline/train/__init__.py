@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 from ar_slicing.errors import ArSliceError
 from ar_slicing.machinery.io import build_meta, is_complete
-from pipeline.config import Command, say, skip_complete
+from pipeline.config import Command, say
 from pipeline.train.config import (  # noqa: F401  (re-exported)
     _RESUMABLE_CHANGES,
     ARCHITECTURES,
@@ -94,9 +94,10 @@ def validate(cfg: TrainConfig) -> None:
 
 def train(cfg: TrainConfig) -> dict:
     """Train one model as `cfg` says; returns the summary written to `<out>/meta.json`."""
-    from ar_slicing.machinery.plan import StagePlan, identity, open_stage
+    from ar_slicing.machinery.plan import StagePlan, identity
     from models import cpu_kernels
     from models.precision import resolve_device, resolve_dtype, torch_threads
+    from pipeline.stage import run_stage
 
     cpu_kernels.pin()  # (before validate loads torch; refused if it is loaded otherwise)
     validate(cfg)
@@ -113,21 +114,26 @@ def train(cfg: TrainConfig) -> dict:
         },
     )
     out = Path(cfg.out)
-    stage = open_stage(out, plan, overwrite=cfg.overwrite)
-    if stage.complete:
-        return skip_complete(stage, f"train {cfg.arch}")
-    if cfg.prebuilt is not None:  # taken from a folder of prebuilt models: the same model
-        with stage.running(), torch_threads(cfg.threads):
+
+    def work(stage, _) -> dict:
+        with torch_threads(cfg.threads):
             stage.expect(final_files(cfg, out))
+            if cfg.prebuilt is None:
+                return _train(stage, cfg, device, dtype, t0, kernels)
+            # taken from a folder of prebuilt models: the same model
             meta = take_prebuilt(stage, cfg, dtype, t0, lambda steps, inputs: _train_first_steps(
                 stage, cfg, device, dtype, steps, inputs), kernels)  # fmt: skip
         say(f"train {cfg.arch}: taken from {prebuilt_model(cfg)} (the same settings and tokens)")
         return meta
-    # work is a checkpoint the ledger holds
-    keep = stage.running(keep_if=lambda out: bool(stage.ledger.parts))
-    with keep, torch_threads(cfg.threads):
-        stage.expect(final_files(cfg, out))
-        return _train(stage, cfg, device, dtype, t0, kernels)
+
+    return run_stage(
+        f"train {cfg.arch}",
+        out,
+        plan,
+        work,
+        overwrite=cfg.overwrite,
+        work_is_parts=cfg.prebuilt is None,  # (a checkpoint the ledger holds)
+    )
 
 
 def _train(stage, cfg: TrainConfig, device: str, dtype: str, t0: float, kernels: dict) -> dict:

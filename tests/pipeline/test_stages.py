@@ -40,17 +40,21 @@ def summary_settings(cfg):
 
 def run_summary(cfg):
     from ar_slicing.machinery.io import read_json, write_json_atomic
-    from ar_slicing.machinery.plan import StagePlan, identity, open_stage
+    from ar_slicing.machinery.plan import StagePlan, identity
+    from pipeline.stage import Part, run_parts, run_stage
+
+    def scaled(files):
+        tokens = read_json(Path(cfg.tags) / "meta.json")["counts"]["tokens"]
+        write_json_atomic(files[0], {"tokens": tokens * cfg.scale})
+        return {"tokens": tokens}
+
+    def work(stage, _):
+        parts = [Part("summary", (stage.out / "summary.json",))]
+        run_parts(stage, parts, lambda part: scaled(part.files))
+        return stage.finish({"stage": "summary"})
 
     plan = StagePlan("summary", summary_settings(cfg), {"tags": identity(cfg.tags)})
-    stage = open_stage(cfg.out, plan, overwrite=cfg.overwrite)
-    if stage.complete:
-        return stage.skip()
-    with stage.running():
-        tokens = read_json(Path(cfg.tags) / "meta.json")["counts"]["tokens"]
-        write_json_atomic(stage.out / "summary.json", {"tokens": tokens * cfg.scale})
-        stage.record("summary", [stage.out / "summary.json"], tokens=tokens)
-        return stage.finish({"stage": "summary"})
+    return run_stage("summary", cfg.out, plan, work, overwrite=cfg.overwrite)
 
 
 COMMAND = Command(

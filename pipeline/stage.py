@@ -1,0 +1,109 @@
+"""The one way a stage runs (`run_stage`) and does its parts (`run_parts`).
+
+A stage declares its plan (its settings and the identities of its inputs), the function that
+does its work inside its output, and how its skip is worded; `run_stage` does the rest, the same
+for every stage: the plan check and the lock (`ar_slicing.machinery.plan.open_stage`: skip,
+resume, refuse or redo), the one wording of a skip (`pipeline.config.skip_complete`), the checks
+that must pass before the output is made (a failure there leaves nothing behind and the lock
+released), and the output's making, sweeping and removal on an early failure
+(`StageDir.running`):
+
+    return run_stage(
+        "tag", out, plan, lambda stage, checked: _tag_into(stage, cfg, checked),
+        overwrite=cfg.overwrite,
+        prepare=lambda: open_inputs(cfg),        # before OUT is made
+        detail=lambda meta: f"{meta['counts']['tokens']:,} tokens",
+    )
+
+A stage in parts hands them to `run_parts`, which expects their files, does each part the
+ledger does not hold and records it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ar_slicing.machinery.plan import StagePlan, open_stage
+from pipeline.config import skip_complete
+
+T = TypeVar("T")
+
+
+def run_stage(
+    label: str,
+    out: str | Path,
+    plan: StagePlan,
+    work: Callable[[Any, Any], T],
+    *,
+    overwrite: bool,
+    prepare: Callable[[], Any] | None = None,
+    detail: Callable[[dict], str] | str = "",
+    skipped: Callable[[dict], Any] | None = None,
+    quiet: bool = False,
+    reopen_if: Callable[[dict], bool] | None = None,
+    work_is_parts: bool = False,
+    single_file: bool = False,
+    follow_inputs: bool = False,
+) -> T | Any:
+    """Run one stage into `out` under `plan`; `work(stage, prepared)`'s result, or, for an
+    output complete under the same plan, `skipped(meta)` (its meta.json by default).
+
+    `label` names the stage in its messages ("tag", "eval pythia-160m"); `detail(meta)` adds to
+    the skip's line what the complete output holds; `quiet` skips without a line (a library
+    call). `prepare()` runs after the plan check and before OUT is made (loading and checking
+    what the work needs: its failure leaves no output behind), its result handed to `work`.
+    `reopen_if(meta)`: a complete output that is to be extended under the same plan (a partial
+    evaluation asked for more windows) is reopened instead of skipped. `work_is_parts`: a failed
+    run keeps its output only when the ledger holds a finished part (its first files, say a
+    copy of its tokenizer, are no work; otherwise any file but the plan is, `StageDir.running`).
+    `single_file` and `follow_inputs` are `open_stage`'s."""
+    stage = open_stage(
+        Path(out), plan, overwrite=overwrite, follow_inputs=follow_inputs, single_file=single_file
+    )
+    reopen = False
+    if stage.complete:
+        if reopen_if is not None and reopen_if(stage.meta):
+            reopen = True
+        else:
+            if quiet:
+                meta = stage.skip()
+            else:
+                more = detail(stage.meta) if callable(detail) else detail
+                meta = skip_complete(stage, label, more)
+            return skipped(meta) if skipped is not None else meta
+    try:
+        prepared = prepare() if prepare is not None else None
+    except BaseException:
+        stage.release()  # (an existing OUT is locked from the plan check on)
+        raise
+    keep_if = (lambda _: bool(stage.ledger.parts)) if work_is_parts else None
+    with stage.running(keep_if=keep_if):
+        if reopen:
+            stage.reopen()  # incomplete again until its meta.json is rewritten, its parts kept
+        return work(stage, prepared)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part of a stage: its name in the ledger and the files it writes."""
+
+    name: str
+    files: tuple[Path, ...]
+
+
+def run_parts(stage, parts: Sequence[Part], do: Callable[[Part], dict]) -> dict[str, dict]:
+    """Do the `parts` the ledger does not hold, in order: their files are expected before any
+    is written, `do(part)` writes a part's files and returns the facts recorded with it. The
+    facts of every part, by name (recorded now or by an earlier run)."""
+    stage.expect(f for part in parts for f in part.files)
+    facts: dict[str, dict] = {}
+    for part in parts:
+        done = stage.done(part.name)
+        if done is None:
+            done = do(part)
+            stage.record(part.name, part.files, **done)
+        facts[part.name] = done
+    return facts

@@ -1,0 +1,144 @@
+"""The one way a stage runs (`pipeline.stage.run_stage`) and does its parts (`run_parts`): a
+skip in the one wording, checks that fail before the output is made leave nothing behind, a
+partial output reopened when asked for more, and a rerun after a kill doing only the parts left."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from ar_slicing.machinery.io import read_json, write_json_atomic
+from ar_slicing.machinery.ownership import lock_path
+from ar_slicing.machinery.plan import PlanMismatch, StagePlan
+from pipeline.config import SUMMARY_LOGGER
+from pipeline.stage import Part, run_parts, run_stage
+
+
+def plan(scale: int = 1) -> StagePlan:
+    return StagePlan("toy", {"scale": scale}, {"tags": "t" * 64})
+
+
+def make_parts(out, names=("a", "b", "c")) -> list[Part]:
+    return [Part(name, (out / f"{name}.json",)) for name in names]
+
+
+def toy_work(done: list[str], fail_at: str | None = None):
+    """A stage's work: each part writes its file (a failure at `fail_at`, as a kill would),
+    then meta.json with the parts' facts."""
+
+    def do(part: Part) -> dict:
+        if part.name == fail_at:
+            raise KeyboardInterrupt
+        write_json_atomic(part.files[0], {"part": part.name})
+        done.append(part.name)
+        return {"rows": len(done)}
+
+    def work(stage, prepared):
+        facts = run_parts(stage, make_parts(stage.out), do)
+        return stage.finish({"stage": "toy", "facts": facts, "prepared": prepared})
+
+    return work
+
+
+def test_a_complete_output_is_skipped_in_the_one_wording(tmp_path, caplog):
+    out = tmp_path / "toy"
+    done: list[str] = []
+    meta = run_stage("toy", out, plan(), toy_work(done), overwrite=False, prepare=lambda: 7)
+    assert done == ["a", "b", "c"] and meta["prepared"] == 7
+    prepared = []
+    with caplog.at_level(logging.INFO, logger=SUMMARY_LOGGER):
+        again = run_stage(
+            "toy model-x",
+            out,
+            plan(),
+            toy_work(done),
+            overwrite=False,
+            prepare=lambda: prepared.append(1),
+            detail=lambda meta: f"{len(meta['facts'])} parts",
+            skipped=lambda meta: {"skipped": True, "facts": meta["facts"]},
+        )
+    assert again == {"skipped": True, "facts": meta["facts"]}
+    assert done == ["a", "b", "c"] and prepared == []  # no work, and nothing prepared
+    assert caplog.messages == [
+        f"toy model-x: {out} is complete (3 parts); skipped (--overwrite to redo)"
+    ]
+    # other settings are refused, naming them; --overwrite redoes every part
+    with pytest.raises(PlanMismatch, match=r"settings.scale: 1 -> 2"):
+        run_stage("toy", out, plan(2), toy_work(done), overwrite=False)
+    run_stage("toy", out, plan(2), toy_work(done), overwrite=True)
+    assert done == ["a", "b", "c"] * 2
+
+
+def test_a_quiet_skip_says_nothing(tmp_path, caplog):
+    out = tmp_path / "toy"
+    run_stage("toy", out, plan(), toy_work([]), overwrite=False)
+    with caplog.at_level(logging.INFO, logger=SUMMARY_LOGGER):
+        run_stage("toy", out, plan(), toy_work([]), overwrite=False, quiet=True)
+    assert caplog.messages == []
+
+
+def test_checks_that_fail_before_the_work_leave_nothing_and_release_the_lock(tmp_path):
+    out = tmp_path / "toy"
+
+    def bad_model():
+        raise ValueError("the model does not fit")
+
+    with pytest.raises(ValueError, match="does not fit"):
+        run_stage("toy", out, plan(), toy_work([]), overwrite=False, prepare=bad_model)
+    assert not out.exists()
+    # an unfinished output of the same plan: kept as it was, its lock released
+    with pytest.raises(KeyboardInterrupt):
+        run_stage("toy", out, plan(), toy_work([], fail_at="b"), overwrite=False)
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(ValueError, match="does not fit"):
+        run_stage("toy", out, plan(), toy_work([]), overwrite=False, prepare=bad_model)
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert not lock_path(out).exists() or _unlocked(out)
+
+
+def _unlocked(out) -> bool:
+    """Whether another writer can take the output's lock now."""
+    import fcntl
+
+    with open(lock_path(out), "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return True
+
+
+def test_a_rerun_after_a_kill_does_only_the_parts_left(tmp_path):
+    out = tmp_path / "toy"
+    done: list[str] = []
+    with pytest.raises(KeyboardInterrupt):
+        run_stage("toy", out, plan(), toy_work(done, fail_at="c"), overwrite=False)
+    assert done == ["a", "b"] and not (out / "meta.json").exists()
+    meta = run_stage("toy", out, plan(), toy_work(done), overwrite=False)
+    assert done == ["a", "b", "c"]  # a and b were not done again
+    # the facts of the parts done before the kill come back from the ledger
+    assert meta["facts"] == {"a": {"rows": 1}, "b": {"rows": 2}, "c": {"rows": 3}}
+    assert set(read_json(out / "meta.json")["written"]) == {"a.json", "b.json", "c.json"}
+
+
+def test_a_complete_output_asked_for_more_is_reopened_its_parts_kept(tmp_path):
+    out = tmp_path / "toy"
+    done: list[str] = []
+
+    def partial_work(stage, _):
+        facts = run_parts(stage, make_parts(stage.out, ["a"]), lambda p: _write(p, done))
+        return stage.finish({"partial": True, "facts": facts})
+
+    run_stage("toy", out, plan(), partial_work, overwrite=False)
+    more = lambda meta: bool(meta.get("partial"))  # noqa: E731
+    meta = run_stage("toy", out, plan(), toy_work(done), overwrite=False, reopen_if=more)
+    assert done == ["a", "b", "c"]  # part a kept from the partial output
+    assert "partial" not in meta and sorted(meta["facts"]) == ["a", "b", "c"]
+
+
+def _write(part: Part, done: list[str]) -> dict:
+    write_json_atomic(part.files[0], {"part": part.name})
+    done.append(part.name)
+    return {"rows": len(done)}
