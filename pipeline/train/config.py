@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from ar_slicing.machinery.layout import TRAIN_STATE_DIR
 from pipeline.architectures import TRAIN_ARCHITECTURES, described
@@ -26,6 +26,26 @@ _RESUMABLE_CHANGES = {
     "prebuilt",  # (where the same model may be taken from instead: `pipeline.train.prebuilt`)
     "train_here_until",  # (which of its kept checkpoints are trained here when it is taken)
 }
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The one training recipe: AdamW (beta1 0.9, `beta2`, `weight_decay` on matrices only), the
+    rate warmed up linearly over `warmup_steps` and decayed by a cosine to `lr * min_lr_ratio` at
+    `steps`, gradient norms clipped at `grad_clip` (0: never). `arslice train` trains by it with
+    its settings (`TrainConfig.recipe`), the MQAR probe with its own rates and lengths
+    (`pipeline.mqar`), both through `pipeline.train.loop.recipe_steps`."""
+
+    lr: float = 3e-3
+    steps: int = 1000
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+
+
+RECIPE = Recipe()  # (its defaults are `arslice train`'s)
 
 
 @dataclass(frozen=True)
@@ -61,18 +81,20 @@ class TrainConfig:
         default=256, metadata={"help": "training sequence length (tokens per row)"}
     )
     batch_size: int = field(default=16, metadata={"help": "rows per optimizer step"})
-    steps: int = field(default=1000, metadata={"help": "optimizer steps"})
-    lr: float = field(default=3e-3, metadata={"help": "peak learning rate"})
+    steps: int = field(default=RECIPE.steps, metadata={"help": "optimizer steps"})
+    lr: float = field(default=RECIPE.lr, metadata={"help": "peak learning rate"})
     min_lr_ratio: float = field(
-        default=0.1,
+        default=RECIPE.min_lr_ratio,
         metadata={"help": "final learning rate as a fraction of the peak (cosine floor)"},
     )
-    warmup_steps: int = field(default=50, metadata={"help": "linear warmup steps"})
+    warmup_steps: int = field(default=RECIPE.warmup_steps, metadata={"help": "linear warmup steps"})
     weight_decay: float = field(
-        default=0.1, metadata={"help": "AdamW weight decay (matrices only)"}
+        default=RECIPE.weight_decay, metadata={"help": "AdamW weight decay (matrices only)"}
     )
-    beta2: float = field(default=0.95, metadata={"help": "AdamW beta2 (beta1 is 0.9)"})
-    grad_clip: float = field(default=1.0, metadata={"help": "gradient-norm clip (0 disables)"})
+    beta2: float = field(default=RECIPE.beta2, metadata={"help": "AdamW beta2 (beta1 is 0.9)"})
+    grad_clip: float = field(
+        default=RECIPE.grad_clip, metadata={"help": "gradient-norm clip (0 disables)"}
+    )
     seed: int = field(
         default=0, metadata={"help": "seed of the initialisation and the batch order"}
     )
@@ -132,3 +154,8 @@ class TrainConfig:
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
     overwrite: bool = field(default=False, metadata={"help": "retrain even if OUT is complete"})
+
+    @property
+    def recipe(self) -> Recipe:
+        """The run's training recipe (its rates, steps and optimizer settings)."""
+        return Recipe(**{f.name: getattr(self, f.name) for f in fields(Recipe)})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -14,7 +15,7 @@ from ar_slicing.data.store import TokenStore
 from ar_slicing.data.tokenizer import require_same_fingerprint
 from ar_slicing.errors import ArSliceError, BadInput
 from ar_slicing.machinery.layout import TOKENIZER_NAME
-from pipeline.train.config import TrainConfig
+from pipeline.train.config import Recipe, TrainConfig
 from pipeline.train.model import sequence_loss
 from pipeline.train.schedule import BatchOrder, learning_rate, validation_rows
 
@@ -121,29 +122,59 @@ def validation_loss(model, inputs: TrainInputs, starts: np.ndarray, cfg, device,
     return total / n
 
 
-def set_learning_rate(optimizer, step: int, cfg: TrainConfig) -> float:
+def set_learning_rate(optimizer, step: int, recipe: Recipe) -> float:
     """Every parameter group at the schedule's rate for `step` (`learning_rate`); the rate."""
-    lr = learning_rate(step, cfg)
+    lr = learning_rate(step, recipe)
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr
 
 
-def update(model, optimizer, loss, cfg: TrainConfig):
+def update(model, optimizer, loss, recipe: Recipe):
     """One optimizer update from `loss`: gradients, the recipe's clipping of their norm, the
-    step. The norm before clipping (None when `grad_clip` is 0). `arslice train` and the MQAR
-    probe update their models through this one function, so they train by one recipe."""
+    step. The norm before clipping (None when `grad_clip` is 0)."""
     import torch
 
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = (
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        if cfg.grad_clip > 0
+        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+        if recipe.grad_clip > 0
         else None
     )
     optimizer.step()
     return grad_norm
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of `recipe_steps`: its index, its loss (a tensor), the rate it ran at, and the
+    gradient norm before clipping (None without clipping, or when the loss was not finite and
+    no update was made)."""
+
+    step: int
+    loss: object
+    lr: float
+    grad_norm: object = None
+    finite: bool = True
+
+
+def recipe_steps(recipe: Recipe, model, optimizer, steps: Iterable[int], loss_at) -> Iterator[Step]:
+    """The one training loop: for each of `steps`, the schedule's rate, the loss of that step's
+    batch (`loss_at(step)`, a scalar tensor) and the recipe's update; yields each `Step` after
+    its update. A loss that is not finite is yielded without an update (`finite` False) and ends
+    the loop: `arslice train` refuses it, an MQAR run stops there. `arslice train` and the MQAR
+    probe train through this one loop, so they train by one recipe, op for op."""
+    import torch
+
+    for step in steps:
+        lr = set_learning_rate(optimizer, step, recipe)
+        loss = loss_at(step)
+        if not torch.isfinite(loss):
+            yield Step(step, loss, lr, finite=False)
+            return
+        grad_norm = update(model, optimizer, loss, recipe)
+        yield Step(step, loss, lr, grad_norm)
 
 
 def train_steps(
@@ -184,17 +215,23 @@ def train_steps(
         disable=not cfg.progress,
         dynamic_ncols=True,
     )
-    for step in bar:
-        lr = set_learning_rate(optimizer, step, cfg)
+
+    def loss_at(step: int):
         batch = torch.from_numpy(inputs.order.batch(inputs.store.tokens, step)).to(device)
-        loss = sequence_loss(model, batch, autocast_ctx)
-        if not torch.isfinite(loss):
+        return sequence_loss(model, batch, autocast_ctx)
+
+    for done_step in recipe_steps(cfg.recipe, model, optimizer, bar, loss_at):
+        step, loss, lr, grad_norm = (
+            done_step.step,
+            done_step.loss,
+            done_step.lr,
+            done_step.grad_norm,
+        )
+        if not done_step.finite:
             raise ArSliceError(
                 f"train {cfg.arch}: loss became {loss.item()} at step {step}; lower --lr "
                 f"(now {cfg.lr}) or raise --warmup-steps"
             )
-        grad_norm = update(model, optimizer, loss, cfg)
-
         value = loss.item()
         ema = progress.train_loss_ema
         progress.train_loss_ema = value if ema is None else 0.95 * ema + 0.05 * value

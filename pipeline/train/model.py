@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 from ar_slicing.errors import ArSliceError
-from pipeline.train.config import TrainConfig
+from pipeline.train.config import Recipe, TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def count_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def make_optimizer(model, cfg: TrainConfig):
+def make_optimizer(model, recipe: Recipe):
     """AdamW with weight decay on matrices (dim >= 2) only, as nanoGPT's configure_optimizers,
     and never on parameters a mixer marks `_no_weight_decay` (H3's SSM parameters, as upstream)."""
     import torch
@@ -118,10 +118,10 @@ def make_optimizer(model, cfg: TrainConfig):
     decay = [p for p in model.parameters() if p.requires_grad and decays(p)]
     no_decay = [p for p in model.parameters() if p.requires_grad and not decays(p)]
     groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": decay, "weight_decay": recipe.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, cfg.beta2), eps=1e-8)
+    return torch.optim.AdamW(groups, lr=recipe.lr, betas=(0.9, recipe.beta2), eps=1e-8)
 
 
 def sequence_loss(model, batch, autocast_ctx):

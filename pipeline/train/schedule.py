@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pipeline.train.config import TrainConfig
+from pipeline.train.config import Recipe
 
 if TYPE_CHECKING:
     import numpy as np
@@ -69,7 +69,7 @@ class BatchOrder:
         )
 
 
-def learning_rate(step: int, cfg: TrainConfig) -> float:
+def learning_rate(step: int, cfg: Recipe) -> float:
     """Linear warmup from lr/warmup to lr over `warmup_steps`, then cosine decay to lr*min_lr_ratio."""
     if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
