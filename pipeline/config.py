@@ -122,16 +122,6 @@ def say(text: str) -> None:
     logging.getLogger(SUMMARY_LOGGER).info(text)
 
 
-def skip_complete(stage, label: str, detail: str = "") -> dict:
-    """Skip a stage whose output is complete under its plan (`StageDir.skip`) and say so, in the
-    one wording every stage uses: "<label>: <out> is complete (<detail>); skipped (--overwrite
-    to redo)". The output's meta.json."""
-    meta = stage.skip()
-    more = f" ({detail})" if detail else ""
-    say(f"{label}: {stage.out} is complete{more}; skipped (--overwrite to redo)")
-    return meta
-
-
 class _Stdout(logging.Handler):
     """The message alone, to whatever sys.stdout is at the time (pytest's capture included)."""
 

@@ -26,7 +26,6 @@ by `ar_slicing.algorithms.counts.tasks`; `--only-bigrams-of` counts only the eva
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,8 +40,6 @@ from pipeline.config import (
 )
 from pipeline.stage import run_stage
 from pipeline.wiring import COUNTS, STORES, Run, Table, Wiring
-
-log = logging.getLogger(__name__)
 
 # 32 M tokens (~220 MB per map worker at most): fewer, fuller partials leave the reduce less
 # to merge
@@ -223,10 +220,6 @@ def count_stores(
             summary(meta)
         return meta
 
-    def skipped(meta: dict) -> dict:
-        log.debug("%s is complete (%s pairs); --overwrite to redo", out, meta.get("total_pairs"))
-        return meta
-
     return run_stage(
         label or "count",
         out,
@@ -235,7 +228,6 @@ def count_stores(
         overwrite=overwrite,
         prepare=make_executor or (lambda: executor),
         detail=lambda meta: f"{meta['total_pairs']:,} pairs",
-        skipped=skipped,
         quiet=label is None,
     )
 

@@ -3,7 +3,7 @@
 A stage declares its plan (its settings and the identities of its inputs), the function that
 does its work inside its output, and how its skip is worded; `run_stage` does the rest, the same
 for every stage: the plan check and the lock (`ar_slicing.machinery.plan.open_stage`: skip,
-resume, refuse or redo), the one wording of a skip (`pipeline.config.skip_complete`), the checks
+resume, refuse or redo), the one wording of a skip (`skip_complete`), the checks
 that must pass before the output is made (a failure there leaves nothing behind and the lock
 released), and the output's making, sweeping and removal on an early failure
 (`StageDir.running`):
@@ -21,13 +21,16 @@ ledger does not hold and records it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from ar_slicing.machinery.plan import StagePlan, open_stage
-from pipeline.config import skip_complete
+from pipeline.config import say
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -52,8 +55,7 @@ def run_stage(
     output complete under the same plan, `skipped(meta)` (its meta.json by default).
 
     `label` names the stage in its messages ("tag", "eval pythia-160m"); `detail(meta)` adds to
-    the skip's line what the complete output holds; `quiet` skips without a line (a library
-    call). `prepare()` runs after the plan check and before OUT is made (loading and checking
+    the skip's line what the complete output holds; `quiet` only logs it (a library call). `prepare()` runs after the plan check and before OUT is made (loading and checking
     what the work needs: its failure leaves no output behind), its result handed to `work`.
     `reopen_if(meta)`: a complete output that is to be extended under the same plan (a partial
     evaluation asked for more windows) is reopened instead of skipped. `work_is_parts`: a failed
@@ -68,11 +70,8 @@ def run_stage(
         if reopen_if is not None and reopen_if(stage.meta):
             reopen = True
         else:
-            if quiet:
-                meta = stage.skip()
-            else:
-                more = detail(stage.meta) if callable(detail) else detail
-                meta = skip_complete(stage, label, more)
+            more = detail(stage.meta) if callable(detail) else detail
+            meta = skip_complete(stage, label, more, quiet=quiet)
             return skipped(meta) if skipped is not None else meta
     try:
         prepared = prepare() if prepare is not None else None
@@ -84,6 +83,20 @@ def run_stage(
         if reopen:
             stage.reopen()  # incomplete again until its meta.json is rewritten, its parts kept
         return work(stage, prepared)
+
+
+def skip_complete(stage, label: str, detail: str = "", quiet: bool = False) -> dict:
+    """Skip a stage whose output is complete under its plan (`StageDir.skip`) and say so, in the
+    one wording every stage uses: "<label>: <out> is complete (<detail>); skipped (--overwrite
+    to redo)" (`quiet`: only logged). The output's meta.json."""
+    meta = stage.skip()
+    more = f" ({detail})" if detail else ""
+    line = f"{label}: {stage.out} is complete{more}; skipped (--overwrite to redo)"
+    if quiet:
+        log.debug(line)
+    else:
+        say(line)
+    return meta
 
 
 @dataclass(frozen=True)

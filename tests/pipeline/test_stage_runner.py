@@ -70,12 +70,14 @@ def test_a_complete_output_is_skipped_in_the_one_wording(tmp_path, caplog):
     assert done == ["a", "b", "c"] * 2
 
 
-def test_a_quiet_skip_says_nothing(tmp_path, caplog):
+def test_a_quiet_skip_only_logs_the_same_line(tmp_path, caplog):
     out = tmp_path / "toy"
     run_stage("toy", out, plan(), toy_work([]), overwrite=False)
-    with caplog.at_level(logging.INFO, logger=SUMMARY_LOGGER):
+    with caplog.at_level(logging.DEBUG):
         run_stage("toy", out, plan(), toy_work([]), overwrite=False, quiet=True)
-    assert caplog.messages == []
+    said = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
+    line = f"toy: {out} is complete; skipped (--overwrite to redo)"
+    assert said == [("pipeline.stage", logging.DEBUG, line)]  # not the summary logger's
 
 
 def test_checks_that_fail_before_the_work_leave_nothing_and_release_the_lock(tmp_path):
