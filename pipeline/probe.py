@@ -29,6 +29,7 @@ import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ar_slicing.analysis.probes import ProbeSizes
 from ar_slicing.errors import ArSliceError, BadInput
@@ -42,6 +43,9 @@ from ar_slicing.machinery.layout import (
 from pipeline.config import Command, say
 from pipeline.stage import Part, run_parts
 from pipeline.wiring import LOSSES, MODELS, PROBES, TAGS, Fanned, Run, Table, Wiring
+
+if TYPE_CHECKING:
+    from models.checkpoints.registry import ModelSpec
 
 _DEFAULT = ProbeSizes()
 # the keys of an eval table a probe of the same model takes (how the model is loaded and run)
@@ -91,6 +95,13 @@ class ProbeConfig:
     )
     overwrite: bool = field(default=False, metadata={"help": "redo a complete output directory"})
 
+    @functools.cached_property
+    def spec(self) -> ModelSpec:
+        """`model` parsed, once (raises ArSliceError naming it when it is not a model spec)."""
+        from models.checkpoints.registry import ModelSpec
+
+        return ModelSpec.parse(self.model)
+
     @property
     def sizes(self) -> ProbeSizes:
         return ProbeSizes(
@@ -102,10 +113,9 @@ class ProbeConfig:
 
 
 def validate_probe(cfg: ProbeConfig) -> None:
-    from models.checkpoints.registry import ModelSpec
     from pipeline.eval.forward import resolve_batch_size
 
-    ModelSpec.parse(cfg.model)
+    _ = cfg.spec  # (parsed once: a string that is no model spec is refused here, naming it)
     for flag, value, least in (
         ("--induction-length", cfg.induction_length, 2),
         ("--induction-sequences", cfg.induction_sequences, 1),
@@ -140,9 +150,7 @@ def probe_settings(cfg: ProbeConfig) -> dict:
 
 
 def probe_inputs(cfg: ProbeConfig) -> list[tuple[str, ...]]:
-    from models.checkpoints.registry import ModelSpec
-
-    model = ModelSpec.parse(cfg.model).path
+    model = cfg.spec.path
     return [
         ("--tags", cfg.tags, "dir"),
         ("--losses", cfg.losses, "dir"),
@@ -212,13 +220,12 @@ def token_losses(tags: Path, losses: Path):
 def run_probe(cfg: ProbeConfig) -> dict:
     """Probe `cfg.model`; write the probes' files and meta.json to `cfg.out`."""
     from ar_slicing.machinery.plan import StagePlan, identity
-    from models.checkpoints.registry import ModelSpec
     from pipeline.eval.inputs import open_tags
     from pipeline.stage import run_stage
 
     t0 = time.time()
     validate_probe(cfg)
-    spec = ModelSpec.parse(cfg.model)
+    spec = cfg.spec
     out = Path(cfg.out)
     name = cfg.name or spec.default_name
     tags = open_tags(cfg.tags)
@@ -330,7 +337,7 @@ def _load(cfg: ProbeConfig, name: str, tags, settings: dict, prefix: int | None)
     from models import load_model
 
     loaded = load_model(
-        cfg.model,
+        cfg.spec,
         device=settings["device"],
         model_config=cfg.model_config,
         trust_remote_code=cfg.trust_remote_code,

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from models.kernels import KERNEL_CHOICES
 from pipeline.config import executor_option, ray_address_option
+
+if TYPE_CHECKING:
+    from models.checkpoints.registry import ModelSpec
 
 # On CPU a few windows per batch amortise per-op overhead; more only grows memory.
 CPU_TOKENS_PER_BATCH = 8192
@@ -170,3 +175,10 @@ class EvalConfig:
         default=0,
         metadata={"help": "Ray actors (0 = one per GPU of the cluster; one per CPU without GPUs)"},
     )
+
+    @functools.cached_property
+    def spec(self) -> ModelSpec:
+        """`model` parsed, once (raises ArSliceError naming it when it is not a model spec)."""
+        from models.checkpoints.registry import ModelSpec
+
+        return ModelSpec.parse(self.model)

@@ -115,7 +115,7 @@ class ChunkEvaluator:
             from models import load_model
 
             loaded = load_model(
-                cfg.model,
+                cfg.spec,
                 device=device,
                 fast_path=cfg.fast_path,
                 model_config=cfg.model_config,

@@ -37,9 +37,7 @@ log = logging.getLogger(__name__)
 
 
 def validate_eval(cfg: EvalConfig) -> None:
-    from models.checkpoints.registry import ModelSpec
-
-    ModelSpec.parse(cfg.model)
+    _ = cfg.spec  # (parsed once: a string that is no model spec is refused here, naming it)
     if cfg.chunk_windows < 1:
         raise ArSliceError(f"--chunk-windows {cfg.chunk_windows}: must be at least 1")
     if cfg.max_windows is not None and cfg.max_windows < 1:
@@ -112,9 +110,7 @@ def native_training_point(spec: str) -> dict | None:
 def eval_inputs(cfg: EvalConfig) -> list[tuple[str, str]]:
     """What the evaluation reads: the tags, the store (when given), the checkpoint when it is a
     local one, and its model config."""
-    from models.checkpoints.registry import ModelSpec
-
-    model = ModelSpec.parse(cfg.model).path
+    model = cfg.spec.path
     return [
         ("--tags", cfg.tags, "dir"),
         *([("--tokens", cfg.tokens, "dir")] if cfg.tokens else []),
@@ -295,7 +291,7 @@ def _resolve(cfg, name, tags, windows, selected, executor, device, dtype, t0) ->
     from models import load_model
 
     loaded = load_model(
-        cfg.model,
+        cfg.spec,
         device=device if executor is None else "cpu",
         fast_path=cfg.fast_path,
         model_config=cfg.model_config,
@@ -322,12 +318,11 @@ def run_eval(cfg: EvalConfig) -> dict:
     """Evaluate `cfg.model` on the windows of `cfg.tags`; write losses and meta.json to `cfg.out`."""
     from ar_slicing.algorithms.windows import window_subset
     from ar_slicing.machinery.plan import StagePlan, identity
-    from models.checkpoints.registry import ModelSpec
     from pipeline.stage import run_stage
 
     t0 = time.time()
     validate_eval(cfg)
-    spec = ModelSpec.parse(cfg.model)
+    spec = cfg.spec
     out = Path(cfg.out)
     name = cfg.name or spec.default_name
     if cfg.checkpoint_of is not None and checkpoint_point(cfg) is None:

@@ -70,9 +70,8 @@ def losses_entry(name: str, out: Path, meta: dict) -> dict:
 def eval_hub_names(cfg, where: str) -> list[tuple[str, str, str]]:
     """The model an evaluation would fetch from the hub."""
     from ar_slicing.machinery import hub
-    from models.checkpoints.registry import ModelSpec
 
-    spec = ModelSpec.parse(cfg.model)
+    spec = cfg.spec
     if spec.reads_hub and hub.is_hub_name(spec.written):
         return [(f"model {cfg.model} ({where})", spec.written, "model")]
     return []
