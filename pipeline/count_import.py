@@ -54,17 +54,8 @@ def import_counts(
     """Published counts (Parquet files of id0, id1, count) -> a counts directory, checked."""
     import time
 
-    from ar_slicing.algorithms.counts.imported import find_duplicate, import_part, plan_import_tasks
-    from ar_slicing.algorithms.counts.partials import bucket_sizes
-    from ar_slicing.algorithms.counts.tasks import (
-        make_work_dir,
-        plan_reduce_tasks,
-        run_map,
-        run_reduce,
-    )
     from ar_slicing.data.tokenizer import describe, load_tokenizer
     from ar_slicing.machinery.executor import LocalExecutor
-    from ar_slicing.machinery.io import build_meta, sha256_file
     from ar_slicing.machinery.plan import StagePlan, file_identity
     from pipeline.stage import run_stage
 
@@ -76,69 +67,82 @@ def import_counts(
         settings=import_settings(unit, info["fingerprint"]),
         inputs={"import": [{"path": str(Path(p).resolve()), **file_identity(p)} for p in paths]},
     )
-
-    def count(stage, pool) -> dict:
-        out = stage.out
-        vocab_size = int(info["vocab_size"])
-        shift = 16 if vocab_size <= 1 << 16 else 32
-        sources = [
-            {
-                "path": str(Path(p).resolve()),
-                "bytes": Path(p).stat().st_size,
-                "sha256": sha256_file(p),
-            }
-            for p in paths
-        ]
-        work = make_work_dir(out)
-        stage.expect([out / BIGRAMS_NAME])
-        tasks = plan_import_tasks(paths, work, vocab_size, shift)
-        run_map(pool, tasks, import_part, progress, stage=stage)
-        reduce_tasks = plan_reduce_tasks(work, [t.out for t in tasks], shift, stage=stage)
-        results: dict = {}
-        distinct, total_pairs = run_reduce(
-            pool, reduce_tasks, out / BIGRAMS_NAME, progress, results, stage=stage
-        )
-        entries = sum(int(bucket_sizes(t.out).sum()) for t in tasks)
-        if entries != distinct:  # the reduce added up a pair that two tasks listed
-            (out / BIGRAMS_NAME).unlink(missing_ok=True)
-            sizes = sum(bucket_sizes(t.out) for t in tasks)
-            bad = next(
-                (
-                    t
-                    for t in reduce_tasks
-                    if t.out in results
-                    and results[t.out]["distinct"] < sizes[t.b_lo : t.b_hi].sum()
-                ),
-                None,
-            )
-            where = find_duplicate(tasks, bad.b_lo, bad.b_hi, shift) if bad else "pairs repeat"
-            shutil.rmtree(work, ignore_errors=True)
-            raise BadInput(f"--import: {where}; published counts must list each pair once")
-        wall = time.time() - t0
-        meta = build_meta(
-            "count",
-            config=config or {"import": list(map(str, paths)), "unit": unit},
-            inputs={"import": sources, "tokenizer": info},
-            counts={"files": len(paths), "import_tasks": len(tasks), "rows": entries},
-            wall_time_s=wall,
-            throughput={"rows_per_s": entries / max(wall, 1e-9)},
-            fingerprint=info["fingerprint"],
-            total_pairs=total_pairs,
-            distinct_bigrams=distinct,
-            unit=unit,
-            imported={"format": "id0, id1, count", "files": sources, "tokenizer": info["name"]},
-            sources=sources,
-        )
-        meta = stage.finish(meta)
-        shutil.rmtree(work, ignore_errors=True)
-        return meta
-
     return run_stage(
         "count",
         out,
         plan,
-        count,
+        lambda stage, pool: _import_into(stage, pool, paths, info, unit, config, progress, t0),
         overwrite=overwrite,
         prepare=lambda: executor or LocalExecutor(workers),
         quiet=True,
     )
+
+
+def _import_into(stage, pool, paths, info, unit, config, progress, t0) -> dict:
+    """Map the files into partials, reduce them into bigrams.parquet (refusing a pair listed
+    twice) and write meta.json."""
+    import time
+
+    from ar_slicing.algorithms.counts.imported import find_duplicate, import_part, plan_import_tasks
+    from ar_slicing.algorithms.counts.partials import bucket_sizes
+    from ar_slicing.algorithms.counts.tasks import (
+        make_work_dir,
+        plan_reduce_tasks,
+        run_map,
+        run_reduce,
+    )
+    from ar_slicing.machinery.io import build_meta, sha256_file
+
+    out = stage.out
+    vocab_size = int(info["vocab_size"])
+    shift = 16 if vocab_size <= 1 << 16 else 32
+    sources = [
+        {
+            "path": str(Path(p).resolve()),
+            "bytes": Path(p).stat().st_size,
+            "sha256": sha256_file(p),
+        }
+        for p in paths
+    ]
+    work = make_work_dir(out)
+    stage.expect([out / BIGRAMS_NAME])
+    tasks = plan_import_tasks(paths, work, vocab_size, shift)
+    run_map(pool, tasks, import_part, progress, stage=stage)
+    reduce_tasks = plan_reduce_tasks(work, [t.out for t in tasks], shift, stage=stage)
+    results: dict = {}
+    distinct, total_pairs = run_reduce(
+        pool, reduce_tasks, out / BIGRAMS_NAME, progress, results, stage=stage
+    )
+    entries = sum(int(bucket_sizes(t.out).sum()) for t in tasks)
+    if entries != distinct:  # the reduce added up a pair that two tasks listed
+        (out / BIGRAMS_NAME).unlink(missing_ok=True)
+        sizes = sum(bucket_sizes(t.out) for t in tasks)
+        bad = next(
+            (
+                t
+                for t in reduce_tasks
+                if t.out in results and results[t.out]["distinct"] < sizes[t.b_lo : t.b_hi].sum()
+            ),
+            None,
+        )
+        where = find_duplicate(tasks, bad.b_lo, bad.b_hi, shift) if bad else "pairs repeat"
+        shutil.rmtree(work, ignore_errors=True)
+        raise BadInput(f"--import: {where}; published counts must list each pair once")
+    wall = time.time() - t0
+    meta = build_meta(
+        "count",
+        config=config or {"import": list(map(str, paths)), "unit": unit},
+        inputs={"import": sources, "tokenizer": info},
+        counts={"files": len(paths), "import_tasks": len(tasks), "rows": entries},
+        wall_time_s=wall,
+        throughput={"rows_per_s": entries / max(wall, 1e-9)},
+        fingerprint=info["fingerprint"],
+        total_pairs=total_pairs,
+        distinct_bigrams=distinct,
+        unit=unit,
+        imported={"format": "id0, id1, count", "files": sources, "tokenizer": info["name"]},
+        sources=sources,
+    )
+    meta = stage.finish(meta)
+    shutil.rmtree(work, ignore_errors=True)
+    return meta
