@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -38,7 +39,22 @@ from typing import TYPE_CHECKING, Any
 from ar_slicing.errors import ArSliceError
 
 if TYPE_CHECKING:
+    from models.checkpoints.registry import ModelSpec
     from pipeline.wiring import Wiring
+
+
+class ReadsModel:
+    """A command's config that reads one model, named by its `model` spec: `spec` is the spec
+    parsed once, which its checks, inputs, plan and loader all take."""
+
+    model: str
+
+    @functools.cached_property
+    def spec(self) -> ModelSpec:
+        """`model` parsed (raises ArSliceError naming it when it is not a model spec)."""
+        from models.checkpoints.registry import ModelSpec
+
+        return ModelSpec.parse(self.model)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,6 @@ import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ar_slicing.analysis.probes import ProbeSizes
 from ar_slicing.errors import ArSliceError, BadInput
@@ -40,12 +39,9 @@ from ar_slicing.machinery.layout import (
     TAG_PART_GLOB,
     require_complete,
 )
-from pipeline.config import Command, say
+from pipeline.config import Command, ReadsModel, say
 from pipeline.stage import Part, run_parts
 from pipeline.wiring import LOSSES, MODELS, PROBES, TAGS, Fanned, Run, Table, Wiring
-
-if TYPE_CHECKING:
-    from models.checkpoints.registry import ModelSpec
 
 _DEFAULT = ProbeSizes()
 # the keys of an eval table a probe of the same model takes (how the model is loaded and run)
@@ -53,7 +49,7 @@ EVAL_KEYS = ("model", "device", "dtype", "model_config", "trust_remote_code")
 
 
 @dataclass(frozen=True)
-class ProbeConfig:
+class ProbeConfig(ReadsModel):
     model: str = field(metadata={"help": "model spec, as `arslice eval --model` takes it"})
     tags: str = field(metadata={"help": "tag directory written by `arslice tag`"})
     losses: str = field(
@@ -94,13 +90,6 @@ class ProbeConfig:
         default=False, metadata={"help": "run the model's own code (as `arslice eval`)"}
     )
     overwrite: bool = field(default=False, metadata={"help": "redo a complete output directory"})
-
-    @functools.cached_property
-    def spec(self) -> ModelSpec:
-        """`model` parsed, once (raises ArSliceError naming it when it is not a model spec)."""
-        from models.checkpoints.registry import ModelSpec
-
-        return ModelSpec.parse(self.model)
 
     @property
     def sizes(self) -> ProbeSizes:

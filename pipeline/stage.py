@@ -55,8 +55,9 @@ def run_stage(
     output complete under the same plan, `skipped(meta)` (its meta.json by default).
 
     `label` names the stage in its messages ("tag", "eval pythia-160m"); `detail(meta)` adds to
-    the skip's line what the complete output holds; `quiet` only logs it (a library call). `prepare()` runs after the plan check and before OUT is made (loading and checking
-    what the work needs: its failure leaves no output behind), its result handed to `work`.
+    the skip's line what the complete output holds; `quiet` only logs it (a library call).
+    `prepare()` runs after the plan check and before OUT is made (loading and checking what the
+    work needs: its failure leaves no output behind), its result handed to `work`.
     `reopen_if(meta)`: a complete output that is to be extended under the same plan (a partial
     evaluation asked for more windows) is reopened instead of skipped. `work_is_parts`: a failed
     run keeps its output only when the ledger holds a finished part (its first files, say a

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from models.kernels import KERNEL_CHOICES
-from pipeline.config import executor_option, ray_address_option
-
-if TYPE_CHECKING:
-    from models.checkpoints.registry import ModelSpec
+from pipeline.config import ReadsModel, executor_option, ray_address_option
 
 # On CPU a few windows per batch amortise per-op overhead; more only grows memory.
 CPU_TOKENS_PER_BATCH = 8192
@@ -35,7 +30,7 @@ def _model_config_help() -> str:
 
 
 @dataclass(frozen=True)
-class EvalConfig:
+class EvalConfig(ReadsModel):
     model: str = field(metadata={"help": _model_help})
     tags: str = field(metadata={"help": "tag directory written by `arslice tag` (windows.parquet)"})
     out: str = field(metadata={"help": "output directory for losses-*.parquet and meta.json"})
@@ -175,10 +170,3 @@ class EvalConfig:
         default=0,
         metadata={"help": "Ray actors (0 = one per GPU of the cluster; one per CPU without GPUs)"},
     )
-
-    @functools.cached_property
-    def spec(self) -> ModelSpec:
-        """`model` parsed, once (raises ArSliceError naming it when it is not a model spec)."""
-        from models.checkpoints.registry import ModelSpec
-
-        return ModelSpec.parse(self.model)
