@@ -110,6 +110,7 @@ from ar_slicing.machinery.layout import (
     MQAR_MD_NAME,
     meta_path,
 )
+from ar_slicing.machinery.plan.stage_parts import Part, StageParts
 from pipeline.architectures import MQAR_ARCHITECTURES, MQAR_DEFAULT, described
 from pipeline.config import Command, say
 
@@ -715,18 +716,28 @@ def _run_sweep(stage, cfg: MqarConfig) -> dict:
     cells_dir.mkdir(parents=True, exist_ok=True)
     groups = [(a, d, t) for a in cfg.archs for d in cfg.d_models for t in cfg.seq_lens]
     groups.sort(key=lambda g: -g[1] * g[2])  # biggest first: the pool ends evenly
-    kept = {g: _kept_cells(stage, cfg, *g) for g in groups}
-    runs = [cell_name(*g, lr, r) for g in groups for lr, r in cell_runs(cfg, g[1])]
-    finals = (MQAR_CSV_NAME, MQAR_MD_NAME, MQAR_FIGURE)
-    stage.expect([*(cells_dir / name for name in runs), *(out / name for name in finals)])
-    reused = sum(len(k) for k in kept.values())
+    parts = StageParts(
+        stage,
+        [
+            Part(name, (cells_dir / name,), g)
+            for g in groups
+            for name in (cell_name(*g, lr, r) for lr, r in cell_runs(cfg, g[1]))
+        ],
+    )
+    kept = {g: {} for g in groups}  # the cells of each group the ledger holds, with their facts
+    for part in parts.all:
+        if part.name in parts.facts:
+            kept[part.task][part.name] = parts.facts[part.name]
+    stage.expect(out / name for name in (MQAR_CSV_NAME, MQAR_MD_NAME, MQAR_FIGURE))
+    reused = len(parts.facts)
     bar = tqdm(total=len(groups), desc="mqar", unit="cell", disable=not cfg.progress)
+    by_name = {part.name: part for part in parts.all}
 
     def finished(group, cells: list[dict]) -> list[dict]:
-        for cell in cells:  # (recorded here, by the driver, once the worker wrote its file)
-            name = cell_name(*group, cell["lr"], cell.get("restart", 0))
-            if name not in kept[group]:
-                stage.record(name, [cells_dir / name], **cell_facts(cell))
+        names = [cell_name(*group, cell["lr"], cell.get("restart", 0)) for cell in cells]
+        new = [(by_name[n], cell) for n, cell in zip(names, cells) if n not in kept[group]]
+        for _ in parts.record_each(new, cell_facts):  # (by the driver, once a worker wrote it)
+            pass
         bar.update(1)
         return cells
 
@@ -764,12 +775,6 @@ def _run_sweep(stage, cfg: MqarConfig) -> dict:
     say(rows_markdown(rows).rstrip("\n"))
     say(f"mqar: {len(rows)} cells, {len(cells)} training runs, {wall:.0f} s -> {out}")
     return meta
-
-
-def _kept_cells(stage, cfg: MqarConfig, arch: str, d_model: int, seq_len: int) -> dict:
-    """The cells of one (arch, d_model, seq_len) the ledger holds, by name, with their facts."""
-    names = (cell_name(arch, d_model, seq_len, lr, r) for lr, r in cell_runs(cfg, d_model))
-    return {n: facts for n in names if (facts := stage.done(n)) is not None}
 
 
 # ---- for the report -------------------------------------------------------------------------------

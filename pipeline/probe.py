@@ -296,9 +296,11 @@ def _probe(stage, cfg: ProbeConfig, name: str, tags, losses: Path, losses_meta: 
         early, late = icl_positions(tags.window)
         return {"tokens": per_token.height, "early": early, "late": late}
 
-    does = {"induction": induction, "recall": recall, "position": position}
-    parts = [Part(name, tuple(out / f for f in files)) for name, files in PROBE_FILES.items()]
-    facts = run_parts(stage, parts, lambda part: does[part.name](part.files))
+    parts = [
+        Part(part, tuple(out / f for f in PROBE_FILES[part]), do)
+        for part, do in (("induction", induction), ("recall", recall), ("position", position))
+    ]
+    facts = run_parts(stage, parts, lambda part: part.task(part.files))
     meta = stage.finish(
         _meta(cfg, name, tags, losses, losses_meta, prefix, facts, loaded, vocab, seqs, t0)
     )

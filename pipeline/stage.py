@@ -15,19 +15,20 @@ released), and the output's making, sweeping and removal on an early failure
         detail=lambda meta: f"{meta['counts']['tokens']:,} tokens",
     )
 
-A stage in parts hands them to `run_parts`, which expects their files, does each part the
-ledger does not hold and records it.
+A stage in parts hands them to `run_parts` (or, to report on them as they finish, to
+`StageParts`), which expects their files, does each part the ledger does not hold, here or in
+worker processes, and records it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from ar_slicing.machinery.plan import StagePlan, open_stage
+from ar_slicing.machinery.plan.stage_parts import Part, StageParts
 from pipeline.config import say
 
 log = logging.getLogger(__name__)
@@ -100,24 +101,12 @@ def skip_complete(stage, label: str, detail: str = "", quiet: bool = False) -> d
     return meta
 
 
-@dataclass(frozen=True)
-class Part:
-    """One part of a stage: its name in the ledger and the files it writes."""
-
-    name: str
-    files: tuple[Path, ...]
-
-
 def run_parts(stage, parts: Sequence[Part], do: Callable[[Part], dict]) -> dict[str, dict]:
-    """Do the `parts` the ledger does not hold, in order: their files are expected before any
-    is written, `do(part)` writes a part's files and returns the facts recorded with it. The
-    facts of every part, by name (recorded now or by an earlier run)."""
-    stage.expect(f for part in parts for f in part.files)
-    facts: dict[str, dict] = {}
-    for part in parts:
-        done = stage.done(part.name)
-        if done is None:
-            done = do(part)
-            stage.record(part.name, part.files, **done)
-        facts[part.name] = done
-    return facts
+    """Do here, in order, the `parts` the ledger does not hold (`StageParts`; parts done in
+    worker processes go through `StageParts.run`): their files are expected before any is
+    written, `do(part)` writes a part's files and returns the facts recorded with it. The facts
+    of every part, by name, in order (recorded now or by an earlier run)."""
+    parts = StageParts(stage, parts)
+    for _ in parts.record_each((part, do(part)) for part in parts.todo):
+        pass
+    return parts.in_order()

@@ -32,6 +32,7 @@ import numpy as np
 from ar_slicing.errors import ArSliceError
 from ar_slicing.machinery.io import read_json
 from ar_slicing.machinery.layout import META_NAME, TAG_PART
+from ar_slicing.machinery.plan.stage_parts import Part, StageParts
 from pipeline.config import Command, say
 from pipeline.wiring import COUNTS, STORES, TAGS, Wiring
 
@@ -493,22 +494,19 @@ def _tag_into(
         tasks = part_tasks(
             cfg, len(windows["window_id"]), tokens_path, counts_path, str(out.resolve())
         )
-        stage.expect([out / WINDOWS_NAME, *(t.path for t in tasks)])
-        write_window_table(out / WINDOWS_NAME, store.n_tokens, cfg.window)
+        stage.expect([out / WINDOWS_NAME])
         # a part is kept when the ledger records it whole, with the counts it had
-        results = {t.index: stage.done(t.path.name) for t in tasks}
-        results = {k: r for k, r in results.items() if r is not None}
-        todo = [t for t in tasks if t.index not in results]
-        done = [t for t in tasks if t.index in results]
+        parts = StageParts(stage, [Part(t.path.name, (t.path,), t) for t in tasks])
+        write_window_table(out / WINDOWS_NAME, store.n_tokens, cfg.window)
         n_targets = int(windows["n_targets"].sum(dtype=np.int64))
-        workers = min(cfg.workers or default_workers(), max(1, len(todo)))
+        workers = min(cfg.workers or default_workers(), max(1, len(parts.todo)))
         log.info(
             "tagging %d targets in %d windows of %d: %d parts (%d already done), %d workers",
             n_targets,
             len(windows["window_id"]),
             cfg.window,
             len(tasks),
-            len(done),
+            len(parts.facts),
             workers,
         )
         span_counts, span_times = {"span_order": cfg.span_order, "by_order": {}}, {}
@@ -518,20 +516,20 @@ def _tag_into(
             say(f"tag: counting the span n-grams (orders 3..{cfg.span_order + 1}) in training")
             span_workers = min(cfg.workers or default_workers(), len(tasks))
             span_counts, span_times = _count_span_ngrams(cfg, tasks, training, span_workers)
-        work_s = _tag_parts(stage, todo, results, workers, n_targets)
+        work_s = _tag_parts(parts, workers, n_targets)
     finally:
         for key in keys:
             _OPEN.pop(key, None)
         _BUFFERS.clear()
         _SPANS.clear()
 
-    summary, by_subset = _totals(results, [None, *docs.subset_names])
+    summary, by_subset = _totals(parts.facts, [None, *docs.subset_names])
     if summary["tokens"] != n_targets:
         raise ArSliceError(
             f"{out}: parts hold {summary['tokens']} rows, windows {n_targets}; rerun"
         )
     wall = time.time() - t0
-    tagged = sum(results[t.index]["rows"] for t in todo)
+    tagged = sum(parts.facts[part.name]["rows"] for part in parts.todo)
     meta = build_meta(
         "tag",
         config=cfg,
@@ -552,7 +550,7 @@ def _tag_into(
         },
         wall_time_s=wall,
         throughput={"tokens_per_s": tagged / work_s if work_s > 0 else 0.0, **span_times},
-        skipped={"parts_already_complete": len(done)},
+        skipped={"parts_already_complete": len(tasks) - len(parts.todo)},
         tokens=tokens_path,
         counts_dir=counts_path,
         fingerprint=store.fingerprint,
@@ -568,19 +566,17 @@ def _tag_into(
     return meta
 
 
-def _tag_parts(stage, todo: list[PartTask], results: dict, workers: int, n_targets: int) -> float:
-    """Tag the parts not done yet (`workers` processes), each recorded in the stage's ledger and
-    in `results` as it finishes; the seconds it took."""
+def _tag_parts(parts: StageParts, workers: int, n_targets: int) -> float:
+    """Tag the parts not done yet (`workers` processes), each recorded in the stage's ledger as
+    it finishes; the seconds it took."""
     from tqdm import tqdm
 
     from ar_slicing.machinery.executor import LocalExecutor
 
     t0 = time.time()
     with tqdm(total=n_targets, unit="tok", unit_scale=True, desc="tag", disable=None) as bar:
-        bar.update(sum(r["rows"] for r in results.values()))
-        for task, result in LocalExecutor(workers).map_unordered(tag_part, todo):
-            stage.record(task.path.name, [task.path], **result)
-            results[task.index] = result
+        bar.update(sum(r["rows"] for r in parts.facts.values()))
+        for _, result in parts.run(tag_part, LocalExecutor(workers)):
             bar.update(result["rows"])
     return time.time() - t0
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from ar_slicing.errors import ArSliceError
 from ar_slicing.machinery.io import build_meta
+from ar_slicing.machinery.plan.stage_parts import Part, StageParts
 from models.kernels import paths_taken
 from models.precision import resolve_device, resolve_dtype, resolve_on_cluster, weights_dtype
 from pipeline.config import Command, say
@@ -375,19 +376,21 @@ def _evaluate(stage, run: EvalRun) -> dict:
     chunks = chunk_bounds(run.n_windows, run.cfg.chunk_windows)
     runs = [window_runs(run.windows[i0:i1]) for i0, i1 in chunks]
     subset = run.cfg.window_subset is not None
-    parts = [chunk_part(i0, i1, subset) for i0, i1 in chunks]
     chunk_rows = [sum(int(tags.n_targets[w0:w1].sum()) for w0, w1 in r) for r in runs]
-    todo = stage.todo(range(len(chunks)), parts.__getitem__)
+    parts = StageParts(
+        stage,
+        [
+            Part(chunk_part(i0, i1, subset), (chunk_path(out, c),), (c, runs[c]))
+            for c, (i0, i1) in enumerate(chunks)
+        ],
+    )
+    todo = [part.task[0] for part in parts.todo]
     if len(chunks) > len(todo):
         log.info(
             "resuming %s: %d of %d chunks already done", out, len(chunks) - len(todo), len(chunks)
         )
-    tasks = [(c, runs[c]) for c in todo]
-    stage.expect(chunk_path(out, c) for c in todo)
     windows_done = run.n_windows - sum(chunks[c][1] - chunks[c][0] for c in todo)
-    totals = _run_chunks(
-        stage, run, tasks, parts, chunks, sum(chunk_rows[c] for c in todo), windows_done
-    )
+    totals = _run_chunks(parts, run, chunks, sum(chunk_rows[c] for c in todo), windows_done)
     meta = stage.finish(_eval_meta(stage, run, chunks, todo, totals))
     rate = f"{totals['tokens_per_s']:,.0f} tokens/s" if todo else "all chunks reused"
     say(
@@ -409,12 +412,14 @@ def chunk_part(i0: int, i1: int, subset: bool = False) -> str:
     return f"{'subset ' if subset else ''}windows {i0}-{i1}"
 
 
-def _run_chunks(stage, run: EvalRun, tasks, parts, chunks, rows: int, windows_done: int) -> dict:
-    """Evaluate `tasks` ((chunk, its runs of windows)) here or on the Ray actors, recording each
-    chunk in the ledger (as `parts[chunk]`) as its file arrives; returns the totals meta.json
-    records."""
+def _run_chunks(parts: StageParts, run: EvalRun, chunks, rows: int, windows_done: int) -> dict:
+    """Evaluate the chunks left (`parts.todo`, each task (chunk, its runs of windows)) here or
+    on the Ray actors, recording each chunk in the ledger as its file arrives; returns the totals
+    meta.json records."""
     from tqdm import tqdm
 
+    tasks = [part.task for part in parts.todo]
+    part_of = {part.task[0]: part for part in parts.todo}
     scored = read = backoffs = 0
     batch_size, t_compute, warmup_s = run.batch_size, 0.0, 0.0
     kernels: dict = {}  # {fused op: the paths it took}, over every evaluator
@@ -431,9 +436,10 @@ def _run_chunks(stage, run: EvalRun, tasks, parts, chunks, rows: int, windows_do
             n_actors=run.cfg.ray_actors or None,
             num_gpus=1 if run.device == "cuda" else 0,  # one GPU per actor; none on CPUs
         )
+    finished = ((part_of[c], result) for (c, _runs), result in results)
     try:
-        for (c, _runs), result in results:
-            stage.record(parts[c], [chunk_path(stage.out, c)], rows=result["rows"])
+        for part, result in parts.record_each(finished, lambda r: {"rows": r["rows"]}):
+            c = part.task[0]
             if run.executor is not None:
                 bar.update(result["rows"])
             read += result["read"]

@@ -5,12 +5,16 @@ partial output reopened when asked for more, and a rerun after a kill doing only
 from __future__ import annotations
 
 import logging
+import os
+import time
+from pathlib import Path
 
 import pytest
 
 from ar_slicing.machinery.io import read_json, write_json_atomic
 from ar_slicing.machinery.ownership import lock_path
 from ar_slicing.machinery.plan import PlanMismatch, StagePlan
+from ar_slicing.machinery.plan.stage_parts import StageParts
 from pipeline.config import SUMMARY_LOGGER
 from pipeline.stage import Part, run_parts, run_stage
 
@@ -144,3 +148,66 @@ def _write(part: Part, done: list[str]) -> dict:
     write_json_atomic(part.files[0], {"part": part.name})
     done.append(part.name)
     return {"rows": len(done)}
+
+
+def write_square(n: int, path: str, run: int) -> dict:
+    """A worker's part (module level: worker processes import it): n² to `path`; n == 0 fails
+    after the others are done, as a worker whose input is bad would."""
+    if n == 0:
+        time.sleep(1.0)
+        raise ValueError("no part 0")
+    write_json_atomic(Path(path), {"square": n * n})
+    return {"square": n * n, "run": run, "pid": os.getpid()}
+
+
+def square_task(task: tuple[int, str, int]) -> dict:
+    return write_square(*task)
+
+
+def test_parts_done_by_worker_processes_are_recorded_by_the_driver_and_resumed(tmp_path):
+    from ar_slicing.machinery.executor import LocalExecutor
+
+    out = tmp_path / "toy"
+
+    def work(numbers, run, seen):
+        def do(stage, _):
+            paths = {n: stage.out / f"{n}.json" for n in numbers}
+            parts = StageParts(
+                stage, [Part(f"n{n}", (p,), (n, str(p), run)) for n, p in paths.items()]
+            )
+            seen.append(sorted(parts.facts))
+            for part, facts in parts.run(square_task, LocalExecutor(2)):
+                assert stage.done(part.name) == facts  # recorded before it is handed on
+            return stage.finish({"facts": parts.in_order()})
+
+        return do
+
+    seen: list = []
+    with pytest.raises(ValueError, match="no part 0"):
+        run_stage("toy", out, plan(), work([1, 2, 3, 0], 1, seen), overwrite=False)
+    assert not (out / "meta.json").exists()
+    meta = run_stage("toy", out, plan(), work([1, 2, 3, 4], 2, seen), overwrite=False)
+    assert seen == [[], ["n1", "n2", "n3"]]  # the parts done before the failure are kept
+    facts = meta["facts"]
+    assert list(facts) == ["n1", "n2", "n3", "n4"]  # in the parts' order
+    assert [f["square"] for f in facts.values()] == [1, 4, 9, 16]
+    assert [f["run"] for f in facts.values()] == [1, 1, 1, 2]  # only the part left is done
+    assert os.getpid() not in {f["pid"] for f in facts.values()}  # by worker processes
+    assert set(read_json(out / "meta.json")["written"]) == {"1.json", "2.json", "3.json", "4.json"}
+
+
+def test_record_each_keeps_the_facts_asked_for(tmp_path):
+    out = tmp_path / "toy"
+
+    def run(stage, _):
+        parts = StageParts(stage, make_parts(stage.out, ["a", "b"]))
+        results = ((part, {"rows": 3, "seconds": 0.5}) for part in parts.todo)
+        for part in parts.todo:
+            write_json_atomic(part.files[0], {})
+        passed = list(parts.record_each(results, lambda r: {"rows": r["rows"]}))
+        assert [r for _, r in passed] == [{"rows": 3, "seconds": 0.5}] * 2  # yielded whole
+        return stage.finish({"facts": parts.in_order()})
+
+    meta = run_stage("toy", out, plan(), run, overwrite=False)
+    assert meta["facts"] == {"a": {"rows": 3}, "b": {"rows": 3}}
+    assert read_json(out / "meta.json")["ledger"]["a"]["facts"] == {"rows": 3}

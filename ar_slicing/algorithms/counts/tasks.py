@@ -24,6 +24,7 @@ from ar_slicing.machinery.layout import (
     COUNT_WORK_DIR,
     TOKENS_NAME,
 )
+from ar_slicing.machinery.plan.stage_parts import Part, StageParts
 
 log = logging.getLogger(__name__)
 
@@ -82,23 +83,27 @@ def run_map(executor, tasks: list, count, progress: bool, *, stage) -> int:
     """`count` every task whose partial the ledger does not hold. Returns how many it held."""
     from tqdm import tqdm
 
-    todo = stage.todo(tasks, lambda t: work_part(t.out))
+    parts = StageParts(stage, task_parts(tasks))
     total_tokens = sum(t.n_pairs for t in tasks)
-    resumed = len(tasks) - len(todo)
+    resumed = len(parts.facts)
     if resumed:
         log.info("resuming: %d of %d shards already counted", resumed, len(tasks))
     with tqdm(
         total=total_tokens,
-        initial=total_tokens - sum(t.n_pairs for t in todo),
+        initial=total_tokens - sum(part.task.n_pairs for part in parts.todo),
         unit="tok",
         unit_scale=True,
         desc="count: map",
         disable=not progress,
     ) as bar:
-        for task, result in executor.map_unordered(count, todo):
-            stage.record(work_part(task.out), [task.out], **result)
-            bar.update(task.n_pairs)
+        for part, _ in parts.run(count, executor):
+            bar.update(part.task.n_pairs)
     return resumed
+
+
+def task_parts(tasks: list) -> list[Part]:
+    """The ledger's parts of `tasks`, each task's one work file (`task.out`)."""
+    return [Part(work_part(task.out), (Path(task.out),), task) for task in tasks]
 
 
 def run_reduce(
@@ -109,10 +114,16 @@ def run_reduce(
     `results`, a dict, gets each range's result by its output path."""
     from tqdm import tqdm
 
-    pending = stage.todo(tasks, lambda t: work_part(t.out))
-    finished = {t.out for t in tasks} - {t.out for t in pending}
+    parts = StageParts(stage, task_parts(tasks))
+    finished = {part.task.out for part in parts.all if part.name in parts.facts}
     if results is not None:
-        results.update({t.out: stage.done(work_part(t.out)) for t in tasks if t.out in finished})
+        results.update(
+            {
+                part.task.out: parts.facts[part.name]
+                for part in parts.all
+                if part.name in parts.facts
+            }
+        )
 
     def reduced_in_order(bar):
         next_index = 0
@@ -124,11 +135,10 @@ def run_reduce(
                 yield tasks[next_index - 1].out
 
         yield from ready()
-        for task, result in executor.map_unordered(reduce.reduce_range, pending):
-            stage.record(work_part(task.out), [task.out], **result)
+        for part, result in parts.run(reduce.reduce_range, executor):
             if results is not None:
-                results[task.out] = result
-            finished.add(task.out)
+                results[part.task.out] = result
+            finished.add(part.task.out)
             bar.update(1)
             yield from ready()
         yield from ready()
