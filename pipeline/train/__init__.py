@@ -203,7 +203,7 @@ def _start(cfg: TrainConfig, inputs, device: str):
     torch.manual_seed(cfg.seed)
     model_cfg = model_config_for(cfg, inputs.store.vocab_size)
     model = build_model(model_cfg, device)
-    return model_cfg, model, make_optimizer(model, cfg)
+    return model_cfg, model, make_optimizer(model, cfg.recipe)
 
 
 def _train_first_steps(

@@ -220,22 +220,16 @@ def train_steps(
         batch = torch.from_numpy(inputs.order.batch(inputs.store.tokens, step)).to(device)
         return sequence_loss(model, batch, autocast_ctx)
 
-    for done_step in recipe_steps(cfg.recipe, model, optimizer, bar, loss_at):
-        step, loss, lr, grad_norm = (
-            done_step.step,
-            done_step.loss,
-            done_step.lr,
-            done_step.grad_norm,
-        )
-        if not done_step.finite:
+    for step in recipe_steps(cfg.recipe, model, optimizer, bar, loss_at):
+        if not step.finite:
             raise ArSliceError(
-                f"train {cfg.arch}: loss became {loss.item()} at step {step}; lower --lr "
-                f"(now {cfg.lr}) or raise --warmup-steps"
+                f"train {cfg.arch}: loss became {step.loss.item()} at step {step.step}; lower "
+                f"--lr (now {cfg.lr}) or raise --warmup-steps"
             )
-        value = loss.item()
+        value = step.loss.item()
         ema = progress.train_loss_ema
         progress.train_loss_ema = value if ema is None else 0.95 * ema + 0.05 * value
-        done = progress.step = step + 1
+        done = progress.step = step.step + 1
         if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
             progress.last_val = validation_loss(model, inputs, starts, cfg, device, autocast_ctx)
             progress.history.append(
@@ -244,8 +238,10 @@ def train_steps(
                     "tokens": done * tokens_per_step,
                     "train_loss": round(progress.train_loss_ema, 5),
                     "val_loss": None if progress.last_val is None else round(progress.last_val, 5),
-                    "lr": lr,
-                    "grad_norm": None if grad_norm is None else round(float(grad_norm), 4),
+                    "lr": step.lr,
+                    "grad_norm": None
+                    if step.grad_norm is None
+                    else round(float(step.grad_norm), 4),
                 }
             )
         _show(bar, progress, (done - start_step) * tokens_per_step, time.time() - t_loop)

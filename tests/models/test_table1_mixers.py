@@ -129,7 +129,7 @@ def test_new_mixers_train_and_keep_their_losses_through_native(mixer, tmp_path):
     cfg = TrainConfig(arch=mixer, tokens="-", out="-", d_model=32, n_layers=2, seq_len=32, lr=1e-2)
     torch.manual_seed(0)
     model = LanguageModel(model_config_for(cfg, vocab_size=24))
-    optimizer = make_optimizer(model, cfg)
+    optimizer = make_optimizer(model, cfg.recipe)
     g = torch.Generator().manual_seed(0)
     half = torch.randint(0, 24, (8, 16), generator=g)
     batch = torch.cat([half, half, half[:, :1]], 1)  # the second half repeats the first
@@ -154,7 +154,7 @@ def test_h3_ssm_parameters_are_not_decayed():
 
     cfg = TrainConfig(arch="h3", tokens="-", out="-", d_model=16, n_layers=1, seq_len=16)
     model = LanguageModel(model_config_for(cfg, vocab_size=20))
-    decayed, kept = (g["params"] for g in make_optimizer(model, cfg).param_groups)
+    decayed, kept = (g["params"] for g in make_optimizer(model, cfg.recipe).param_groups)
     names = {id(p): n for n, p in model.named_parameters()}
     no_decay = {names[id(p)].split("sequence_mixer.")[-1] for p in kept if id(p) in names}
     # as upstream's OptimModule.register: log_dt, B, inv_A_real, A_imag and the shift's B
