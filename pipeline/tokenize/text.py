@@ -6,6 +6,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from ar_slicing.data.encoders import select_encoder
 from ar_slicing.data.readers import ReadStats
@@ -36,9 +41,7 @@ log = logging.getLogger(__name__)
 
 def encode_store(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict:
     """Tokenize text sources into the store `stage.out` (see the package docstring)."""
-    from tqdm import tqdm
-
-    from ar_slicing.machinery.executor import default_workers, get_executor
+    from ar_slicing.machinery.executor import get_executor
 
     out = stage.out
     encoder, encoder_why = select_encoder(tok, cfg.encoder)
@@ -46,76 +49,14 @@ def encode_store(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict
     dtype = dtype_for_vocab(info["vocab_size"])
     tokenizer_json = tok.to_str(pretty=True)
     executor = get_executor(cfg.executor, cfg.workers or None, address=cfg.ray_address)
-    workers = executor.workers
     parts_dir = out / STORE_WORK_DIR
     parts_dir.mkdir(exist_ok=True)
     tokenizer_path = parts_dir / TOKENIZER_NAME
     write_bytes_atomic(tokenizer_path, tokenizer_json.encode())
 
     stats = ReadStats()
-    docs = read_documents(cfg, stats)
-    threads = max(1, default_workers() // workers) if workers > 1 else default_workers()
-    if cfg.executor != "local":
-        threads = 1  # one task per CPU of the cluster
-    progress = tqdm(desc="tokenize", unit=" docs", mininterval=1.0, dynamic_ncols=True)
-    totals = {"docs": 0, "tokens": 0, "shards": 0, "resumed": 0}
-
-    def account(counts: dict) -> None:
-        totals["docs"] += counts["docs"]
-        totals["tokens"] += counts["tokens"]
-        totals["shards"] += 1
-        progress.update(counts["docs"])
-        elapsed = max(time.time() - t0, 1e-9)
-        progress.set_postfix(
-            tokens=f"{totals['tokens']:,}",
-            tok_s=f"{totals['tokens'] / elapsed:,.0f}",
-            refresh=False,
-        )
-
-    def tasks() -> Iterator[ShardTask]:
-        for index, batch in shard_documents(docs, cfg.shard_docs, int(cfg.shard_mb * 1e6)):
-            done = stage.done(shard_part(index))
-            if done is not None:
-                totals["resumed"] += 1
-                account(done)
-                continue
-            yield ShardTask(
-                index=index,
-                texts=[d.text for d in batch],
-                sources=[d.source for d in batch],
-                subsets=[d.subset for d in batch],
-                tokenizer_path=str(tokenizer_path),
-                parts_dir=str(parts_dir),
-                dtype=dtype.str,
-                eos_id=int(info["eos_id"]),
-                threads=threads,
-                encoder=encoder.name,
-            )
-
-    cached_encoder(str(tokenizer_path), encoder.name)
-    preload_pyarrow_pandas()
-    try:
-        if cfg.shard_by_file:
-            from pipeline.tokenize.by_file import encode_by_file
-
-            totals["resumed"] = encode_by_file(
-                stage,
-                cfg,
-                executor,
-                parts_dir,
-                tokenizer_path,
-                dtype,
-                int(info["eos_id"]),
-                stats,
-                account,
-                encoder.name,
-            )
-        else:
-            for task, counts in executor.map_unordered(encode_shard, tasks()):
-                stage.record(shard_part(task.index), part_paths(parts_dir, task.index), **counts)
-                account(counts)
-    finally:
-        progress.close()
+    shards = Shards(stage, cfg, executor, parts_dir, tokenizer_path, dtype, info, encoder.name)
+    totals = shards.encode(stats, t0)
     if totals["docs"] == 0:
         raise BadInput(
             f"tokenize: no documents in {', '.join(cfg.source)} ({stats.describe_empty()}); "
@@ -182,6 +123,105 @@ def encode_store(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict
     }
     _print_summary(summary)
     return summary
+
+
+@dataclass
+class Shards:
+    """The documents encoded shard by shard into the store's work folder `parts_dir`, on
+    `executor`'s workers, each shard recorded in the stage's ledger as it returns (a resumed run
+    reads the documents again and skips the shards the ledger holds)."""
+
+    stage: Any
+    cfg: TokenizeConfig
+    executor: Any
+    parts_dir: Path
+    tokenizer_path: Path
+    dtype: np.dtype
+    info: dict
+    encoder: str
+
+    def encode(self, stats: ReadStats, t0: float) -> dict:
+        """Encode every shard not done yet; the totals (docs, tokens, shards, resumed)."""
+        from tqdm import tqdm
+
+        progress = tqdm(desc="tokenize", unit=" docs", mininterval=1.0, dynamic_ncols=True)
+        totals = {"docs": 0, "tokens": 0, "shards": 0, "resumed": 0}
+
+        def account(counts: dict) -> None:
+            totals["docs"] += counts["docs"]
+            totals["tokens"] += counts["tokens"]
+            totals["shards"] += 1
+            progress.update(counts["docs"])
+            elapsed = max(time.time() - t0, 1e-9)
+            progress.set_postfix(
+                tokens=f"{totals['tokens']:,}",
+                tok_s=f"{totals['tokens'] / elapsed:,.0f}",
+                refresh=False,
+            )
+
+        cached_encoder(str(self.tokenizer_path), self.encoder)
+        preload_pyarrow_pandas()
+        try:
+            if self.cfg.shard_by_file:
+                totals["resumed"] = self._by_file(stats, account)
+            else:
+                for task, counts in self.executor.map_unordered(
+                    encode_shard, self._tasks(stats, totals, account)
+                ):
+                    part = part_paths(self.parts_dir, task.index)
+                    self.stage.record(shard_part(task.index), part, **counts)
+                    account(counts)
+        finally:
+            progress.close()
+        return totals
+
+    def _threads(self) -> int:
+        """Threads per encoding task: the machine's cores shared among local workers."""
+        from ar_slicing.machinery.executor import default_workers
+
+        if self.cfg.executor != "local":
+            return 1  # one task per CPU of the cluster
+        workers = self.executor.workers
+        return max(1, default_workers() // workers) if workers > 1 else default_workers()
+
+    def _tasks(self, stats: ReadStats, totals: dict, account) -> Iterator[ShardTask]:
+        """The shards of the documents, those the ledger holds accounted for and left out."""
+        cfg, threads = self.cfg, self._threads()
+        docs = read_documents(cfg, stats)
+        for index, batch in shard_documents(docs, cfg.shard_docs, int(cfg.shard_mb * 1e6)):
+            done = self.stage.done(shard_part(index))
+            if done is not None:
+                totals["resumed"] += 1
+                account(done)
+                continue
+            yield ShardTask(
+                index=index,
+                texts=[d.text for d in batch],
+                sources=[d.source for d in batch],
+                subsets=[d.subset for d in batch],
+                tokenizer_path=str(self.tokenizer_path),
+                parts_dir=str(self.parts_dir),
+                dtype=self.dtype.str,
+                eos_id=int(self.info["eos_id"]),
+                threads=threads,
+                encoder=self.encoder,
+            )
+
+    def _by_file(self, stats: ReadStats, account) -> int:
+        from pipeline.tokenize.by_file import encode_by_file
+
+        return encode_by_file(
+            self.stage,
+            self.cfg,
+            self.executor,
+            self.parts_dir,
+            self.tokenizer_path,
+            self.dtype,
+            int(self.info["eos_id"]),
+            stats,
+            account,
+            self.encoder,
+        )
 
 
 def _print_summary(s: dict) -> None:

@@ -112,33 +112,13 @@ def verify_tags(
     scan_tokens: bool,
 ) -> tuple[dict, dict | None]:
     """Check the tag directory; returns (its meta, its window table or None)."""
-    import pyarrow.parquet as pq
-    from tqdm import tqdm
-
     from ar_slicing.algorithms.tags import tags_schema
-    from ar_slicing.algorithms.windows import read_window_table, window_table
     from ar_slicing.machinery.io import read_json
 
     meta = read_json(meta_path(path))
-    window = int(meta["window"])
-    try:
-        windows = read_window_table(path / WINDOWS_NAME)
-    except Exception as e:
-        checks.fail(f"{path / WINDOWS_NAME}: unreadable ({e})")
+    windows = _window_table(path, int(meta["window"]), val_meta, checks)
+    if windows is None:
         return meta, None
-    if val_meta is not None:
-        n_tokens = int(val_meta["n_tokens"])
-        want = window_table(n_tokens, window)
-        same = all(np.array_equal(np.asarray(windows[k]), want[k]) for k in want)
-        checks.check(
-            same,
-            f"{path / WINDOWS_NAME}: the windows of a {n_tokens:,}-token stream, L={window}",
-            "not the window table of the run's validation store (tags from another run?)",
-        )
-        if not same:
-            return meta, None
-    starts = np.asarray(windows["start"], dtype=np.int64)
-    n_targets = np.asarray(windows["n_targets"], dtype=np.int64)
     parts = sorted(path.glob(TAG_PART_GLOB))
     listed = meta.get("parts")
     if listed is not None:
@@ -149,116 +129,162 @@ def verify_tags(
         )
     if not _parts_whole(parts, checks, tags_schema()):
         return meta, windows  # (the window table is sound: the losses are still checked)
-
-    tokens = counts = None
-    if scan_tokens and val_dir is not None and val_meta is not None:
-        dtype = np.dtype(val_meta["dtype"]).newbyteorder("<")
-        tokens = np.memmap(val_dir / TOKENS_NAME, dtype=dtype, mode="r")
-    if scan_tokens and counts_dir is not None:
-        from ar_slicing.algorithms.counts import BigramCounts
-
-        counts = BigramCounts.open(counts_dir)
-    threshold = int(meta["threshold"])
-    mismatches: dict[str, int] = {
-        "token": 0,
-        "prev": 0,
-        "train_count": 0,
-        "is_ar_hit": 0,
-        "prev_pos": 0,
-        "is_repeat and prev_pos (the latest earlier occurrence, from the stream)": 0,
-        "match_len and span_train_count (null, bigram count at 1, below pos)": 0,
-        "match_len (recomputed from the stream)": 0,
-    }
-    doc_offsets = None
-    if tokens is not None and meta.get("reset_at_doc_boundary"):
-        doc_offsets = pq.read_table(val_dir / DOCS_NAME, columns=["offset"])
-        doc_offsets = doc_offsets.column("offset").to_numpy().astype(np.int64)
-    columns = ["window_id", "pos", "token", "prev", "train_count", "is_repeat", "is_ar_hit"]
-    columns += ["prev_pos", "match_len", "span_train_count"]
-
-    def batches():
-        for part in tqdm(parts, desc="verify tags", unit="part", leave=False):
-            for b in pq.ParquetFile(part).iter_batches(batch_size=BATCH_ROWS, columns=columns):
-                wid = b.column(0).to_numpy()
-                pos = b.column(1).to_numpy()
-                yield wid, pos
-                token = b.column(2).to_numpy().astype(np.int64)
-                prev = b.column(3).to_numpy().astype(np.int64)
-                train_count = b.column(4).to_numpy()
-                rep = b.column(5).to_numpy(zero_copy_only=False)
-                hit = b.column(6).to_numpy(zero_copy_only=False)
-                mismatches["is_ar_hit"] += int(np.sum(hit != (rep & (train_count <= threshold))))
-                # A repeat names an earlier position of the same window holding the same bigram;
-                # a non-repeat names none.
-                has_prev = ~b.column(7).is_null().to_numpy(zero_copy_only=False)
-                prev_pos = b.column(7).fill_null(0).to_numpy().astype(np.int64)
-                mismatches["prev_pos"] += int(np.sum(has_prev != rep))
-                mismatches["prev_pos"] += int(
-                    np.sum(has_prev & ((prev_pos < 1) | (prev_pos >= pos)))
-                )
-                # copy lengths: >= 1 exactly for repeats and shorter than the context; a span
-                # count exactly for repeats, the bigram's count for a copy of one bigram
-                match_len = b.column(8).to_numpy().astype(np.int64)
-                has_span = ~b.column(9).is_null().to_numpy(zero_copy_only=False)
-                span = b.column(9).fill_null(0).to_numpy()
-                bad = ((match_len > 0) != rep) | (match_len >= pos) | (has_span != rep)
-                bad |= (match_len == 1) & (span != train_count)
-                mismatches[
-                    "match_len and span_train_count (null, bigram count at 1, below pos)"
-                ] += int(np.sum(bad))
-                if tokens is not None:
-                    lo, hi = int(wid.min()), int(wid.max()) + 1
-                    want = expected_match_len(
-                        tokens, starts, n_targets, lo, hi, window, doc_offsets
-                    )
-                    offsets = np.concatenate([[0], np.cumsum(n_targets[lo:hi])])
-                    in_range = (pos >= 1) & (pos <= n_targets[wid])
-                    idx = offsets[wid[in_range] - lo] + pos[in_range] - 1
-                    mismatches["match_len (recomputed from the stream)"] += int(
-                        np.sum(want[idx] != match_len[in_range])
-                    )
-                if tokens is not None:
-                    i = starts[wid] + pos  # stream index of each target; keys were checked
-                    mismatches["token"] += int(np.sum(tokens[i] != token))
-                    mismatches["prev"] += int(np.sum(tokens[i - 1] != prev))
-                    sel = has_prev & (prev_pos >= 1) & (prev_pos < pos)
-                    j = (starts[wid] + prev_pos)[sel]
-                    mismatches["prev_pos"] += int(
-                        np.sum((tokens[j] != token[sel]) | (tokens[j - 1] != prev[sel]))
-                    )
-                    # every repeat found, none invented, and prev_pos the latest occurrence
-                    lo, hi = int(wid.min()), int(wid.max()) + 1
-                    want = expected_prev_pos(tokens, starts, n_targets, lo, hi, doc_offsets)
-                    in_range = (wid >= lo) & (pos >= 1) & (pos <= n_targets[wid])
-                    flat = np.concatenate(want) if want else np.zeros(0, np.int64)
-                    offsets = np.concatenate([[0], np.cumsum(n_targets[lo:hi])])
-                    idx = offsets[wid[in_range] - lo] + pos[in_range] - 1
-                    got = np.where(has_prev, prev_pos, 0)[in_range]
-                    key = "is_repeat and prev_pos (the latest earlier occurrence, from the stream)"
-                    mismatches[key] += int(np.sum(flat[idx] != got))
-                if counts is not None:
-                    mismatches["train_count"] += int(
-                        np.sum(counts.lookup(prev, token) != train_count)
-                    )
-
+    rows = TagRows(meta, windows, *_sources(meta, val_meta, val_dir, counts_dir, scan_tokens))
+    n_targets = rows.n_targets
     try:
-        rows, problem = _covering_keys(batches(), n_targets, window)
+        n_rows, problem = _covering_keys(rows.checked(parts), n_targets, rows.window)
     except IndexError as e:
-        rows, problem = 0, f"a key points outside the validation stream ({e})"
+        n_rows, problem = 0, f"a key points outside the validation stream ({e})"
     expected = int(n_targets.sum())
-    if problem is None and rows != expected:
-        problem = f"{rows:,} rows for {expected:,} targets"
+    if problem is None and n_rows != expected:
+        problem = f"{n_rows:,} rows for {expected:,} targets"
     checks.check(
         problem is None, f"{path}: tag rows cover every target exactly once ({expected:,})", problem
     )
     if problem is None:
-        for name, n in mismatches.items():
-            if name in ("token", "prev") and tokens is None:
-                continue
-            if name == "train_count" and counts is None:
-                continue
+        for name, n in rows.mismatches.items():
             checks.check(n == 0, f"{path}: {name} of every row as defined", f"{n:,} rows differ")
     return meta, windows
+
+
+def _window_table(path: Path, window: int, val_meta: dict | None, checks: Checks) -> dict | None:
+    """The tag folder's window table, or None when it is unreadable or not the windows of the
+    run's validation store (each said as a FAIL)."""
+    from ar_slicing.algorithms.windows import read_window_table, window_table
+
+    try:
+        windows = read_window_table(path / WINDOWS_NAME)
+    except Exception as e:
+        checks.fail(f"{path / WINDOWS_NAME}: unreadable ({e})")
+        return None
+    if val_meta is not None:
+        n_tokens = int(val_meta["n_tokens"])
+        want = window_table(n_tokens, window)
+        same = all(np.array_equal(np.asarray(windows[k]), want[k]) for k in want)
+        checks.check(
+            same,
+            f"{path / WINDOWS_NAME}: the windows of a {n_tokens:,}-token stream, L={window}",
+            "not the window table of the run's validation store (tags from another run?)",
+        )
+        if not same:
+            return None
+    return windows
+
+
+def _sources(meta: dict, val_meta, val_dir, counts_dir, scan_tokens: bool) -> tuple:
+    """What the rows are checked against beyond their own columns: (the validation stream, its
+    documents' offsets where windows reset at them, the bigram counts), each None when not
+    scanned or not there."""
+    import pyarrow.parquet as pq
+
+    tokens = counts = doc_offsets = None
+    if scan_tokens and val_dir is not None and val_meta is not None:
+        dtype = np.dtype(val_meta["dtype"]).newbyteorder("<")
+        tokens = np.memmap(val_dir / TOKENS_NAME, dtype=dtype, mode="r")
+        if meta.get("reset_at_doc_boundary"):
+            doc_offsets = pq.read_table(val_dir / DOCS_NAME, columns=["offset"])
+            doc_offsets = doc_offsets.column("offset").to_numpy().astype(np.int64)
+    if scan_tokens and counts_dir is not None:
+        from ar_slicing.algorithms.counts import BigramCounts
+
+        counts = BigramCounts.open(counts_dir)
+    return tokens, doc_offsets, counts
+
+
+_COLUMNS = ["window_id", "pos", "token", "prev", "train_count", "is_repeat", "is_ar_hit"]
+_COLUMNS += ["prev_pos", "match_len", "span_train_count"]
+_SPANS = "match_len and span_train_count (null, bigram count at 1, below pos)"
+_LATEST = "is_repeat and prev_pos (the latest earlier occurrence, from the stream)"
+_STREAM_LEN = "match_len (recomputed from the stream)"
+
+
+class TagRows:
+    """The tag rows checked batch by batch against their definition: from their own columns
+    (`_by_definition`), the validation stream (`_from_stream`) and the bigram counts; the rows
+    that differ are counted per rule in `mismatches` (only the rules there is something to
+    check them against)."""
+
+    def __init__(self, meta: dict, windows: dict, tokens, doc_offsets, counts):
+        self.window = int(meta["window"])
+        self.threshold = int(meta["threshold"])
+        self.starts = np.asarray(windows["start"], dtype=np.int64)
+        self.n_targets = np.asarray(windows["n_targets"], dtype=np.int64)
+        self.tokens, self.doc_offsets, self.counts = tokens, doc_offsets, counts
+        rules = ["is_ar_hit", "prev_pos", _SPANS]
+        if tokens is not None:
+            rules = ["token", "prev", *rules, _LATEST, _STREAM_LEN]
+        if counts is not None:
+            rules.append("train_count")
+        order = ["token", "prev", "train_count", "is_ar_hit", "prev_pos", _LATEST, _SPANS]
+        self.mismatches = {rule: 0 for rule in [*order, _STREAM_LEN] if rule in rules}
+
+    def checked(self, parts: list[Path]):
+        """Each batch's keys (window_id, pos), for the caller to check first; the batch's rows
+        are then checked when the caller asks for the next."""
+        import pyarrow.parquet as pq
+        from tqdm import tqdm
+
+        for part in tqdm(parts, desc="verify tags", unit="part", leave=False):
+            for b in pq.ParquetFile(part).iter_batches(batch_size=BATCH_ROWS, columns=_COLUMNS):
+                row = {name: b.column(k) for k, name in enumerate(_COLUMNS)}
+                wid, pos = row["window_id"].to_numpy(), row["pos"].to_numpy()
+                yield wid, pos
+                self._check(wid, pos, row)
+
+    def _check(self, wid, pos, row: dict) -> None:
+        token = row["token"].to_numpy().astype(np.int64)
+        prev = row["prev"].to_numpy().astype(np.int64)
+        train_count = row["train_count"].to_numpy()
+        rep = row["is_repeat"].to_numpy(zero_copy_only=False)
+        has_prev = ~row["prev_pos"].is_null().to_numpy(zero_copy_only=False)
+        prev_pos = row["prev_pos"].fill_null(0).to_numpy().astype(np.int64)
+        match_len = row["match_len"].to_numpy().astype(np.int64)
+        self._by_definition(pos, row, train_count, rep, has_prev, prev_pos, match_len)
+        if self.tokens is not None:
+            self._from_stream(wid, pos, token, prev, has_prev, prev_pos, match_len)
+        if self.counts is not None:
+            self.mismatches["train_count"] += int(
+                np.sum(self.counts.lookup(prev, token) != train_count)
+            )
+
+    def _by_definition(self, pos, row, train_count, rep, has_prev, prev_pos, match_len) -> None:
+        hit = row["is_ar_hit"].to_numpy(zero_copy_only=False)
+        self.mismatches["is_ar_hit"] += int(np.sum(hit != (rep & (train_count <= self.threshold))))
+        # A repeat names an earlier position of the same window holding the same bigram; a
+        # non-repeat names none.
+        self.mismatches["prev_pos"] += int(np.sum(has_prev != rep))
+        self.mismatches["prev_pos"] += int(np.sum(has_prev & ((prev_pos < 1) | (prev_pos >= pos))))
+        # copy lengths: >= 1 exactly for repeats and shorter than the context; a span count
+        # exactly for repeats, the bigram's count for a copy of one bigram
+        has_span = ~row["span_train_count"].is_null().to_numpy(zero_copy_only=False)
+        span = row["span_train_count"].fill_null(0).to_numpy()
+        bad = ((match_len > 0) != rep) | (match_len >= pos) | (has_span != rep)
+        bad |= (match_len == 1) & (span != train_count)
+        self.mismatches[_SPANS] += int(np.sum(bad))
+
+    def _from_stream(self, wid, pos, token, prev, has_prev, prev_pos, match_len) -> None:
+        tokens, starts, n_targets = self.tokens, self.starts, self.n_targets
+        lo, hi = int(wid.min()), int(wid.max()) + 1
+        want = expected_match_len(tokens, starts, n_targets, lo, hi, self.window, self.doc_offsets)
+        offsets = np.concatenate([[0], np.cumsum(n_targets[lo:hi])])
+        in_range = (pos >= 1) & (pos <= n_targets[wid])
+        idx = offsets[wid[in_range] - lo] + pos[in_range] - 1
+        self.mismatches[_STREAM_LEN] += int(np.sum(want[idx] != match_len[in_range]))
+        i = starts[wid] + pos  # stream index of each target; keys were checked
+        self.mismatches["token"] += int(np.sum(tokens[i] != token))
+        self.mismatches["prev"] += int(np.sum(tokens[i - 1] != prev))
+        sel = has_prev & (prev_pos >= 1) & (prev_pos < pos)
+        j = (starts[wid] + prev_pos)[sel]
+        self.mismatches["prev_pos"] += int(
+            np.sum((tokens[j] != token[sel]) | (tokens[j - 1] != prev[sel]))
+        )
+        # every repeat found, none invented, and prev_pos the latest occurrence
+        want = expected_prev_pos(tokens, starts, n_targets, lo, hi, self.doc_offsets)
+        in_range = (wid >= lo) & (pos >= 1) & (pos <= n_targets[wid])
+        flat = np.concatenate(want) if want else np.zeros(0, np.int64)
+        idx = offsets[wid[in_range] - lo] + pos[in_range] - 1
+        got = np.where(has_prev, prev_pos, 0)[in_range]
+        self.mismatches[_LATEST] += int(np.sum(flat[idx] != got))
 
 
 def verify_losses(path: Path, windows: dict, window: int, checks: Checks) -> dict:
