@@ -18,9 +18,9 @@ results may arrive in any order:
 
 Memory does not grow with the corpus: a map task holds one shard, a reduce task a bounded number
 of partial entries, and the driver only file names and Parquet footers. An interrupted run
-resumes from its finished shards and ranges under `--out/.work`. The tasks are planned and run
-by `ar_slicing.algorithms.counts.tasks`; `--only-bigrams-of` counts only the evaluated stores' bigrams
-(`ar_slicing.algorithms.counts.restricted`), and `--import` reads published counts instead
+resumes from its finished shards and ranges under `--out/.work`. The tasks are planned by
+`ar_slicing.algorithms.counts.tasks` and run by `pipeline.count_work`; `--only-bigrams-of` counts
+only the evaluated stores' bigrams (`ar_slicing.algorithms.counts.restricted`), and `--import` reads published counts instead
 (`pipeline.count_import`).
 """
 
@@ -244,9 +244,10 @@ def _count(
 
     from ar_slicing.algorithms.counts.kernels import warm_kernels
     from ar_slicing.algorithms.counts.keys import key_shift_for
-    from ar_slicing.algorithms.counts.tasks import count_full, make_work_dir, stream_pairs
+    from ar_slicing.algorithms.counts.tasks import stream_pairs
     from ar_slicing.machinery.executor import LocalExecutor
     from ar_slicing.machinery.io import build_meta
+    from pipeline.count_work import count_full, count_restricted_stores, make_work_dir
 
     out = stage.out
     shift = max(key_shift_for(s.dtype) for s in stores + evaluated)
@@ -261,7 +262,7 @@ def _count(
     args = (stage, stores, work, row, shard_tokens, shift, executor, progress)
     restriction = {}
     if evaluated:
-        from ar_slicing.algorithms.counts.restricted import count_restricted_stores, restriction_of
+        from ar_slicing.algorithms.counts.restricted import restriction_of
 
         restriction = {"only_bigrams_of": [restriction_of(s) for s in evaluated]}
         done = count_restricted_stores(*args, evaluated=evaluated, groups=workers)

@@ -85,13 +85,13 @@ def _import_into(stage, pool, paths, info, unit, config, progress, t0) -> dict:
 
     from ar_slicing.algorithms.counts.imported import find_duplicate, import_part, plan_import_tasks
     from ar_slicing.algorithms.counts.partials import bucket_sizes
-    from ar_slicing.algorithms.counts.tasks import (
+    from ar_slicing.machinery.io import build_meta, sha256_file
+    from pipeline.count_work import (
         make_work_dir,
         plan_reduce_tasks,
         run_map,
         run_reduce,
     )
-    from ar_slicing.machinery.io import build_meta, sha256_file
 
     out = stage.out
     vocab_size = int(info["vocab_size"])
