@@ -25,7 +25,7 @@ from pipeline.runner.config_file import dumps_toml, torch_dir
 from tests import REPO
 
 DEMO = REPO / "pipeline" / "configs" / "demo.toml"
-ARCHS = ["base_conv", "hyena", "rwkv", "transformer_pp"]
+ARCHS = ["base_conv", "h3", "hyena", "long_conv", "rwkv", "transformer_pp"]
 # the demo's two more runs of the Transformer++ recipe, from seeds 1 and 2
 SEED_RUNS = ["transformer_pp-seed1", "transformer_pp-seed2"]
 MODELS = sorted(ARCHS + SEED_RUNS)
@@ -33,8 +33,13 @@ GLOB = ["nn/*.py", "nn/modules/*.py"]  # 36 of the demo's 1,265 torch files, 1.2
 SPLIT = 0.1  # of 36 files: 6 for validation (the demo's 3% would leave 2 small ones)
 KEPT = [5, 10, 20]  # checkpoints kept before the last of 30 steps, as the demo keeps several
 # one model keeps one more point in its own table, as the demo's Transformer++ keeps step 1600;
-# its other seeds keep the two points around it, as the demo's keep 800 and 1600
-OWN_KEPT = {"transformer_pp": [5, 10, 15, 20]} | {name: [10, 15] for name in SEED_RUNS}
+# its other seeds keep the two points around it, as the demo's keep 800 and 1600; H3 and Long
+# Conv keep only the early points, as the demo's keep 200 to 800 and not 3200
+OWN_KEPT = (
+    {"transformer_pp": [5, 10, 15, 20]}
+    | {name: [10, 15] for name in SEED_RUNS}
+    | {name: [5, 10] for name in ("h3", "long_conv")}
+)
 
 
 def kept(arch: str) -> list[int]:
@@ -58,7 +63,7 @@ def reduced_demo_config(root: Path) -> Path:
     }
     for arch, steps in OWN_KEPT.items():
         cfg["train"]["models"][arch].update(keep_checkpoints=steps)
-        del cfg["train"]["models"][arch]["train_here_until"]
+        cfg["train"]["models"][arch].pop("train_here_until", None)
     cfg["report"].update(bootstrap=20)
     path = root / "demo-small.toml"
     path.write_text(dumps_toml(cfg))
@@ -112,7 +117,7 @@ def test_make_all_runs_the_whole_analysis(tmp_path):
     assert tags.num_rows == val.n_tokens - 1
     assert read_json(run / "tags/meta.json")["window"] == 64
 
-    # the four architectures trained on the same tokens in the same order; the other seeds'
+    # the six architectures trained on the same tokens in the same order; the other seeds'
     # runs on the same tokens in orders of their own
     models = read_json(run / "models/meta.json")["models"]
     assert sorted(models) == MODELS

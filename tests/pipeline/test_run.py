@@ -277,15 +277,17 @@ def test_the_sweep_trains_each_demo_model_at_three_rates_and_nothing_else_differ
         paths.update({k: getattr(chosen, k) for k in own - {"models"}})
         assert all(replace(c, lr=chosen.lr, **paths) == chosen for c in runs.values())
         assert chosen.lr in runs
-    # both attention recipes, at the same size
+    # both attention recipes, at the same size, and every other row of the paper's Table 1
     assert {c.arch for c in swept.values()} == {
         "attention",
         "transformer_pp",
         "base_conv",
         "hyena",
         "rwkv",
+        "h3",
+        "long_conv",
     }
-    assert len(swept) == 15
+    assert len(swept) == 21
 
 
 @pytest.mark.parametrize(
