@@ -724,20 +724,18 @@ def _run_sweep(stage, cfg: MqarConfig) -> dict:
             for name in (cell_name(*g, lr, r) for lr, r in cell_runs(cfg, g[1]))
         ],
     )
-    kept = {g: {} for g in groups}  # the cells of each group the ledger holds, with their facts
-    for part in parts.all:
-        if part.name in parts.facts:
-            kept[part.task][part.name] = parts.facts[part.name]
+    runs = {g: [part for part in parts.all if part.task == g] for g in groups}  # in cell_runs order
+    kept = {g: parts.held(runs[g]) for g in groups}  # the cells the ledger holds, with their facts
     stage.expect(out / name for name in (MQAR_CSV_NAME, MQAR_MD_NAME, MQAR_FIGURE))
     reused = len(parts.facts)
     bar = tqdm(total=len(groups), desc="mqar", unit="cell", disable=not cfg.progress)
-    by_name = {part.name: part for part in parts.all}
 
     def finished(group, cells: list[dict]) -> list[dict]:
-        names = [cell_name(*group, cell["lr"], cell.get("restart", 0)) for cell in cells]
-        new = [(by_name[n], cell) for n, cell in zip(names, cells) if n not in kept[group]]
-        for _ in parts.record_each(new, cell_facts):  # (by the driver, once a worker wrote it)
-            pass
+        # run_group gives the group's runs in cell_runs order, up to the one that solved it
+        new = [
+            (part, cell) for part, cell in zip(runs[group], cells) if part.name not in kept[group]
+        ]
+        parts.record_all(new, cell_facts)  # (by the driver, once a worker wrote it)
         bar.update(1)
         return cells
 

@@ -107,6 +107,5 @@ def run_parts(stage, parts: Sequence[Part], do: Callable[[Part], dict]) -> dict[
     written, `do(part)` writes a part's files and returns the facts recorded with it. The facts
     of every part, by name, in order (recorded now or by an earlier run)."""
     parts = StageParts(stage, parts)
-    for _ in parts.record_each((part, do(part)) for part in parts.todo):
-        pass
+    parts.record_all((part, do(part)) for part in parts.todo)
     return parts.in_order()

@@ -419,7 +419,6 @@ def _run_chunks(parts: StageParts, run: EvalRun, chunks, rows: int, windows_done
     from tqdm import tqdm
 
     tasks = [part.task for part in parts.todo]
-    part_of = {part.task[0]: part for part in parts.todo}
     scored = read = backoffs = 0
     batch_size, t_compute, warmup_s = run.batch_size, 0.0, 0.0
     kernels: dict = {}  # {fused op: the paths it took}, over every evaluator
@@ -436,9 +435,10 @@ def _run_chunks(parts: StageParts, run: EvalRun, chunks, rows: int, windows_done
             n_actors=run.cfg.ray_actors or None,
             num_gpus=1 if run.device == "cuda" else 0,  # one GPU per actor; none on CPUs
         )
-    finished = ((part_of[c], result) for (c, _runs), result in results)
     try:
-        for part, result in parts.record_each(finished, lambda r: {"rows": r["rows"]}):
+        for part, result in parts.record_each(
+            parts.of_tasks(results), lambda r: {"rows": r["rows"]}
+        ):
             c = part.task[0]
             if run.executor is not None:
                 bar.update(result["rows"])

@@ -211,3 +211,33 @@ def test_record_each_keeps_the_facts_asked_for(tmp_path):
     meta = run_stage("toy", out, plan(), run, overwrite=False)
     assert meta["facts"] == {"a": {"rows": 3}, "b": {"rows": 3}}
     assert read_json(out / "meta.json")["ledger"]["a"]["facts"] == {"rows": 3}
+
+
+def test_results_given_back_by_task_are_matched_to_their_parts_and_held_facts_kept(tmp_path):
+    out = tmp_path / "toy"
+
+    def first(stage, _):
+        parts = StageParts(stage, make_parts(stage.out, ["a"]))
+        write_json_atomic(parts.todo[0].files[0], {})
+        parts.record_all([(parts.todo[0], {"rows": 1})])
+        raise RuntimeError("killed after part a")
+
+    with pytest.raises(RuntimeError):
+        run_stage("toy", out, plan(), first, overwrite=False)
+
+    def second(stage, _):
+        # b and c have equal tasks: a part is found by its task object, not by its value
+        names = ["a", "b", "c"]
+        parts = StageParts(stage, [Part(n, (stage.out / f"{n}.json",), [n != "a"]) for n in names])
+        assert parts.held(parts.all) == {"a": {"rows": 1}}
+        assert [part.name for part in parts.todo] == ["b", "c"]
+        given_back = [(part.task, {"rows": i}) for i, part in reversed(list(enumerate(parts.todo)))]
+        for part in parts.todo:
+            write_json_atomic(part.files[0], {})
+        matched = [(part.name, r) for part, r in parts.of_tasks(given_back)]
+        assert matched == [("c", {"rows": 1}), ("b", {"rows": 0})]
+        parts.record_all(parts.of_tasks(given_back))
+        return stage.finish({"facts": parts.in_order()})
+
+    meta = run_stage("toy", out, plan(), second, overwrite=False)
+    assert meta["facts"] == {"a": {"rows": 1}, "b": {"rows": 0}, "c": {"rows": 1}}

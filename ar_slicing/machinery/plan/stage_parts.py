@@ -7,6 +7,9 @@ way the parts left are done, here or in worker processes, each recorded as it fi
         bar.update(facts["rows"])
     parts.facts                                          # every part's facts, by name
 
+Parts whose results come from a loop of the stage's own are recorded by `record_each` (as they
+come) or `record_all`; `of_tasks` maps the (task, result) pairs that loop gives back to parts.
+
 Only the process holding the stage's lock records (`StageDir.record`); workers only do parts.
 """
 
@@ -51,9 +54,16 @@ class StageParts:
         order. Each part is recorded as it finishes and then yielded with its facts."""
         if executor is None:
             return self.record_each((part, do(part.task)) for part in self.todo)
-        part_of = {id(part.task): part for part in self.todo}  # (the executor yields the task)
         finished = executor.map_unordered(do, [part.task for part in self.todo])
-        return self.record_each((part_of[id(task)], facts) for task, facts in finished)
+        return self.record_each(self.of_tasks(finished))
+
+    def of_tasks(self, finished: Iterable[tuple[Any, Any]]) -> Iterator[tuple[Part, Any]]:
+        """(part, result) for each (task, result) of `finished`, the part whose task it is: the
+        parts left are handed out as their `task` objects (to a pool, the actors, an evaluator
+        of the stage's own), and those give back the same objects with their results."""
+        part_of = {id(part.task): part for part in self.todo}
+        for task, result in finished:
+            yield part_of[id(task)], result
 
     def record_each(
         self,
@@ -68,6 +78,20 @@ class StageParts:
             self.stage.record(part.name, part.files, **kept)
             self.facts[part.name] = kept
             yield part, result
+
+    def record_all(
+        self,
+        finished: Iterable[tuple[Part, Any]],
+        facts: Callable[[Any], dict] | None = None,
+    ) -> None:
+        """Record every part of `finished` (as `record_each`, to the end)."""
+        for _ in self.record_each(finished, facts):
+            pass
+
+    def held(self, parts: Iterable[Part]) -> dict[str, dict]:
+        """The facts of those of `parts` the ledger holds (or that were recorded since), by
+        name."""
+        return {part.name: self.facts[part.name] for part in parts if part.name in self.facts}
 
     def in_order(self) -> dict[str, dict]:
         """Every part's facts by name, in the parts' order (once `run` is exhausted)."""
