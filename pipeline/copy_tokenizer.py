@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ar_slicing.errors import BadInput
 from ar_slicing.machinery.io import atomic_path, build_meta
-from pipeline.config import Command, say
+from pipeline.config import Command
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ def copy_pretrained_tokenizer(cfg: CopyTokenizerConfig) -> dict:
     """Copy the tokenizer `cfg.pretrained` to `cfg.out` (same name and fingerprint: skipped)."""
     from ar_slicing.data.tokenizer import describe, load_tokenizer
     from ar_slicing.machinery.plan import StagePlan
-    from pipeline.stage import run_stage
+    from pipeline.stage import Finished, run_stage
 
     tok = load_tokenizer(cfg.pretrained)
     info = describe(tok, cfg.pretrained)
@@ -36,7 +36,7 @@ def copy_pretrained_tokenizer(cfg: CopyTokenizerConfig) -> dict:
     )
     out = Path(cfg.out)
 
-    def copy(stage, _) -> dict:
+    def copy(stage, _) -> Finished:
         with atomic_path(out) as tmp:
             tok.save(str(tmp))
         meta = build_meta(
@@ -47,9 +47,11 @@ def copy_pretrained_tokenizer(cfg: CopyTokenizerConfig) -> dict:
             wall_time_s=0,
             **info,
         )
-        stage.finish(meta)
-        say(f"tokenizer: copied {cfg.pretrained} ({info['vocab_size']} tokens) to {out}")
-        return {"tokenizer": str(out), **info}
+        return Finished(
+            meta,
+            [f"tokenizer: copied {cfg.pretrained} ({info['vocab_size']} tokens) to {out}"],
+            {"tokenizer": str(out), **info},
+        )
 
     return run_stage(
         "tokenizer",

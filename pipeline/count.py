@@ -38,7 +38,7 @@ from pipeline.config import (
     ray_address_option,
     say,
 )
-from pipeline.stage import run_stage
+from pipeline.stage import Finished, run_stage
 from pipeline.wiring import COUNTS, STORES, Run, Table, Wiring
 
 # 32 M tokens (~220 MB per map worker at most): fewer, fuller partials leave the reduce less
@@ -190,7 +190,7 @@ def count_stores(
     finished reduce ranges) under `out/.work` are reused by a rerun with the same inputs and
     settings. `make_executor()`: the executor, made only when there is counting to do (else
     `executor`, else local processes). `label`: a complete output's skip is said under it (else
-    only logged); `summary(meta)` is called when a count ends.
+    only logged); `summary(meta)`: the line said when a count ends.
     """
     import time
 
@@ -202,7 +202,7 @@ def count_stores(
     stores = open_stores(store_paths)
     evaluated = open_evaluated(only_bigrams_of, stores)
 
-    def count(stage, executor) -> dict:
+    def count(stage, executor) -> Finished:
         meta = _count(
             stage,
             stores,
@@ -216,9 +216,7 @@ def count_stores(
             progress,
             t0,
         )
-        if summary is not None:
-            summary(meta)
-        return meta
+        return Finished(meta, [summary(meta)] if summary is not None else [])
 
     return run_stage(
         label or "count",
@@ -291,7 +289,7 @@ def _count(
         **restriction,
         **done.get("meta", {}),
     )
-    return stage.finish(meta)  # (which drops the work folder)
+    return meta  # (finishing drops the work folder)
 
 
 # ---- the command -------------------------------------------------------------------------------
@@ -345,7 +343,7 @@ def run_count(cfg: CountConfig) -> dict:
         def make_executor():
             return get_executor(cfg.executor, cfg.workers or None, address=cfg.ray_address)
 
-    def summary(meta: dict) -> None:
+    def summary(meta: dict) -> str:
         rate = meta.get("throughput", {}).get("tokens_per_s")
         only = (
             f", only those of {len(meta['only_bigrams_of'])} evaluated store(s) "
@@ -354,7 +352,7 @@ def run_count(cfg: CountConfig) -> dict:
             if meta.get("only_bigrams_of")
             else ""
         )
-        say(
+        return (
             f"count: {meta['total_pairs']:,} pairs, {meta['distinct_bigrams']:,} distinct bigrams "
             f"(unit {meta['unit']}) from {len(meta['sources'])} store(s){only} -> {cfg.out}"
             + (f" ({meta['wall_time_s']:.1f} s, {rate / 1e6:.1f} M tokens/s)" if rate else "")

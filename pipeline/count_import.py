@@ -15,6 +15,7 @@ from pathlib import Path
 from ar_slicing.algorithms.counts.keys import parse_unit
 from ar_slicing.errors import BadInput
 from ar_slicing.machinery.layout import BIGRAMS_NAME
+from pipeline.stage import Finished
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +79,9 @@ def import_counts(
     )
 
 
-def _import_into(stage, pool, paths, info, unit, config, progress, t0) -> dict:
+def _import_into(stage, pool, paths, info, unit, config, progress, t0) -> Finished:
     """Map the files into partials, reduce them into bigrams.parquet (refusing a pair listed
-    twice) and write meta.json."""
+    twice); the facts meta.json records."""
     import time
 
     from ar_slicing.algorithms.counts.imported import find_duplicate, import_part, plan_import_tasks
@@ -143,6 +144,4 @@ def _import_into(stage, pool, paths, info, unit, config, progress, t0) -> dict:
         imported={"format": "id0, id1, count", "files": sources, "tokenizer": info["name"]},
         sources=sources,
     )
-    meta = stage.finish(meta)
-    shutil.rmtree(work, ignore_errors=True)
-    return meta
+    return Finished(meta)  # (finishing drops the work folder)

@@ -112,7 +112,8 @@ from ar_slicing.machinery.layout import (
 )
 from ar_slicing.machinery.plan.stage_parts import Part, StageParts
 from pipeline.architectures import MQAR_ARCHITECTURES, MQAR_DEFAULT, described
-from pipeline.config import Command, say
+from pipeline.config import Command
+from pipeline.stage import Finished
 
 log = logging.getLogger(__name__)
 
@@ -703,7 +704,7 @@ def run_mqar(cfg: MqarConfig) -> dict:
     )
 
 
-def _run_sweep(stage, cfg: MqarConfig) -> dict:
+def _run_sweep(stage, cfg: MqarConfig) -> Finished:
     from multiprocessing import get_context
 
     from tqdm.auto import tqdm
@@ -769,10 +770,13 @@ def _run_sweep(stage, cfg: MqarConfig) -> dict:
         wall_time_s=wall,
         rows=rows,
     )
-    meta = stage.finish(meta)
-    say(rows_markdown(rows).rstrip("\n"))
-    say(f"mqar: {len(rows)} cells, {len(cells)} training runs, {wall:.0f} s -> {out}")
-    return meta
+    return Finished(
+        meta,
+        [
+            rows_markdown(rows).rstrip("\n"),
+            f"mqar: {len(rows)} cells, {len(cells)} training runs, {wall:.0f} s -> {out}",
+        ],
+    )
 
 
 # ---- for the report -------------------------------------------------------------------------------

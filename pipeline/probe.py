@@ -39,8 +39,8 @@ from ar_slicing.machinery.layout import (
     TAG_PART_GLOB,
     require_complete,
 )
-from pipeline.config import Command, ReadsModel, say
-from pipeline.stage import Part, run_parts
+from pipeline.config import Command, ReadsModel
+from pipeline.stage import Finished, Part, run_parts
 from pipeline.wiring import LOSSES, MODELS, PROBES, TAGS, Fanned, Run, Table, Wiring
 
 _DEFAULT = ProbeSizes()
@@ -244,7 +244,9 @@ def run_probe(cfg: ProbeConfig) -> dict:
     )
 
 
-def _probe(stage, cfg: ProbeConfig, name: str, tags, losses: Path, losses_meta: dict, model, t0):
+def _probe(
+    stage, cfg: ProbeConfig, name: str, tags, losses: Path, losses_meta: dict, model, t0
+) -> Finished:
     from ar_slicing.analysis.probes import (
         icl_positions,
         icl_score,
@@ -301,19 +303,17 @@ def _probe(stage, cfg: ProbeConfig, name: str, tags, losses: Path, losses_meta: 
         for part, do in (("induction", induction), ("recall", recall), ("position", position))
     ]
     facts = run_parts(stage, parts, lambda part: part.task(part.files))
-    meta = stage.finish(
-        _meta(cfg, name, tags, losses, losses_meta, prefix, facts, loaded, vocab, seqs, t0)
-    )
+    meta = _meta(cfg, name, tags, losses, losses_meta, prefix, facts, loaded, vocab, seqs, t0)
     ind, recall = facts["induction"], facts["recall"]
     interval = (
         f" [{ind['score_lo']:.3f}, {ind['score_hi']:.3f}]" if ind["score_lo"] is not None else ""
     )
-    say(
+    line = (
         f"probe {name}: induction score {ind['score']:.3f} nats{interval}, recall accuracy by k "
         + ", ".join(f"{k}: {a:.2f}" for k, a in zip(recall["k"], recall["accuracy"]))
         + f" -> {out} ({meta['wall_time_s']:.1f} s)"
     )
-    return {"out": str(out), "name": name, "induction_score": ind["score"]}
+    return Finished(meta, [line], {"out": str(out), "name": name, "induction_score": ind["score"]})
 
 
 def _one_row(summary: dict):

@@ -5,8 +5,10 @@ does its work inside its output, and how its skip is worded; `run_stage` does th
 for every stage: the plan check and the lock (`ar_slicing.machinery.plan.open_stage`: skip,
 resume, refuse or redo), the one wording of a skip (`skip_complete`), the checks
 that must pass before the output is made (a failure there leaves nothing behind and the lock
-released), and the output's making, sweeping and removal on an early failure
-(`StageDir.running`):
+released), the output's making, sweeping and removal on an early failure
+(`StageDir.running`), and its finishing: the work ends with a `Finished` (the facts meta.json
+records, the summary lines, the caller's result), the runner writes meta.json and says the
+lines, so no stage writes its own:
 
     return run_stage(
         "tag", out, plan, lambda stage, checked: _tag_into(stage, cfg, checked),
@@ -23,9 +25,10 @@ worker processes, and records it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from ar_slicing.machinery.plan import StagePlan, open_stage
 from ar_slicing.machinery.plan.stage_parts import Part, StageParts
@@ -33,14 +36,23 @@ from pipeline.config import say
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
+
+@dataclass(frozen=True)
+class Finished:
+    """What a stage's work ends with, for `run_stage` to finish: the facts its meta.json records
+    (`meta`; the runner adds the plan), the summary lines said once it is written, and what the
+    stage's caller gets (`result`; the finished meta.json's content when None)."""
+
+    meta: Mapping[str, Any]
+    lines: Sequence[str] = ()
+    result: Any = None
 
 
 def run_stage(
     label: str,
     out: str | Path,
     plan: StagePlan,
-    work: Callable[[Any, Any], T],
+    work: Callable[[Any, Any], Finished],
     *,
     overwrite: bool,
     prepare: Callable[[], Any] | None = None,
@@ -51,9 +63,11 @@ def run_stage(
     work_is_parts: bool = False,
     single_file: bool = False,
     follow_inputs: bool = False,
-) -> T | Any:
-    """Run one stage into `out` under `plan`; `work(stage, prepared)`'s result, or, for an
-    output complete under the same plan, `skipped(meta)` (its meta.json by default).
+) -> Any:
+    """Run one stage into `out` under `plan`: `work(stage, prepared)` does the work inside the
+    output and ends with what to finish it with (`Finished`): the runner writes its meta.json,
+    says its summary lines and returns its result. For an output complete under the same plan,
+    `skipped(meta)` (its meta.json by default).
 
     `label` names the stage in its messages ("tag", "eval pythia-160m"); `detail(meta)` adds to
     the skip's line what the complete output holds; `quiet` only logs it (a library call).
@@ -84,7 +98,13 @@ def run_stage(
     with stage.running(keep_if=keep_if):
         if reopen:
             stage.reopen()  # incomplete again until its meta.json is rewritten, its parts kept
-        return work(stage, prepared)
+        done = work(stage, prepared)
+        if not isinstance(done, Finished):
+            raise TypeError(f"the work of stage {label!r} must end with a Finished, not {done!r}")
+        meta = stage.finish(done.meta)
+        for line in done.lines:
+            say(line)
+        return meta if done.result is None else done.result
 
 
 def skip_complete(stage, label: str, detail: str = "", quiet: bool = False) -> dict:

@@ -34,6 +34,7 @@ from ar_slicing.machinery.io import read_json
 from ar_slicing.machinery.layout import META_NAME, TAG_PART
 from ar_slicing.machinery.plan.stage_parts import Part, StageParts
 from pipeline.config import Command, say
+from pipeline.stage import Finished
 from pipeline.wiring import COUNTS, STORES, TAGS, Wiring
 
 log = logging.getLogger(__name__)
@@ -465,7 +466,7 @@ def _count_span_ngrams(cfg: TagConfig, parts: list[PartTask], training, workers:
 
 def _tag_into(
     stage, cfg: TagConfig, store, counts_meta: dict, training, warnings: list[str], t0: float
-):
+) -> Finished:
     from ar_slicing.algorithms.counts import BigramCounts
     from ar_slicing.algorithms.tags import DocTable, warm
     from ar_slicing.algorithms.windows import window_table, write_window_table
@@ -559,11 +560,8 @@ def _tag_into(
         parts=[t.path.name for t in tasks],
         warnings=warnings,
     )
-    meta = stage.finish(meta)
-    _print_summary(out, summary, by_subset, cfg, wall)
-    for line in warnings:
-        say(f"tag: warning: {line}")
-    return meta
+    lines = _summary_lines(out, summary, by_subset, cfg, wall)
+    return Finished(meta, lines + [f"tag: warning: {line}" for line in warnings])
 
 
 def _tag_parts(parts: StageParts, workers: int, n_targets: int) -> float:
@@ -602,22 +600,23 @@ def _pct(part: int, whole: int) -> str:
     return f"{100.0 * part / whole:.2f}%" if whole else "n/a"
 
 
-def _print_summary(
+def _summary_lines(
     out: Path, summary: dict, by_subset: list[dict], cfg: TagConfig, wall: float
-) -> None:
+) -> list[str]:
     n = summary["tokens"]
-    say(
+    lines = [
         f"tag: {n:,} tokens in windows of {cfg.window}: {_pct(summary['repeats'], n)} repeats, "
         f"{_pct(summary['ar_hits'], n)} AR hits (train count <= {cfg.threshold}; the paper found "
         f"6.4% on the Pile) -> {out} ({wall:.1f} s)"
-    )
+    ]
     if len(by_subset) > 1:
         width = max(len(str(s["subset"])) for s in by_subset)
-        for s in by_subset:
-            say(
-                f"  {str(s['subset']).ljust(width)}  {s['tokens']:>14,} tokens  "
-                f"{_pct(s['repeats'], s['tokens']):>7} repeats  {_pct(s['ar_hits'], s['tokens']):>7} AR hits"
-            )
+        lines += [
+            f"  {str(s['subset']).ljust(width)}  {s['tokens']:>14,} tokens  "
+            f"{_pct(s['repeats'], s['tokens']):>7} repeats  {_pct(s['ar_hits'], s['tokens']):>7} AR hits"
+            for s in by_subset
+        ]
+    return lines
 
 
 COMMAND = Command(

@@ -24,9 +24,9 @@ from pipeline.config import (
     normalize_glob,
     on_bad_record_option,
     read_documents,
-    say,
     text_field_option,
 )
+from pipeline.stage import Finished
 from pipeline.wiring import TOKENIZER, Fanned, Run, Table, Wiring, per_store
 
 EOS_TOKEN = "<|endoftext|>"
@@ -134,7 +134,7 @@ def run_train_tokenizer(cfg: TrainTokenizerConfig) -> dict:
     )
 
 
-def _train(stage, cfg: TrainTokenizerConfig) -> dict:
+def _train(stage, cfg: TrainTokenizerConfig) -> Finished:
     from ar_slicing.data.tokenizer import fingerprint
     from ar_slicing.machinery.io import build_meta
 
@@ -162,25 +162,23 @@ def _train(stage, cfg: TrainTokenizerConfig) -> dict:
         "empty": stats.empty,
         "wall_time_s": time.time() - t0,
     }
-    stage.finish(
-        build_meta(
-            "train-tokenizer",
-            config=cfg,
-            inputs=stage.plan["inputs"],
-            counts=stats.as_counts(),
-            wall_time_s=summary["wall_time_s"],
-            skipped={"bad_records": stats.bad_records, "empty": stats.empty},
-            fingerprint=summary["fingerprint"],
-            vocab_size=summary["vocab_size"],
-            eos_id=summary["eos_id"],
-        )
+    meta = build_meta(
+        "train-tokenizer",
+        config=cfg,
+        inputs=stage.plan["inputs"],
+        counts=stats.as_counts(),
+        wall_time_s=summary["wall_time_s"],
+        skipped={"bad_records": stats.bad_records, "empty": stats.empty},
+        fingerprint=summary["fingerprint"],
+        vocab_size=summary["vocab_size"],
+        eos_id=summary["eos_id"],
     )
-    say(
+    line = (
         f"train-tokenizer: vocabulary {summary['vocab_size']} from {stats.documents:,} docs "
         f"({stats.bytes / 1e6:.1f} MB) -> {out} (fingerprint {summary['fingerprint'][:12]}) "
         f"in {summary['wall_time_s']:.1f}s"
     )
-    return summary
+    return Finished(meta, [line], summary)
 
 
 # ---- in a pipeline config: [tokenizer] ---------------------------------------------------------

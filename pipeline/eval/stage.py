@@ -32,6 +32,7 @@ from pipeline.eval.inputs import (
 )
 from pipeline.eval.output import ChunkEvaluator, chunk_path
 from pipeline.eval.wiring import defaults, eval_hub_names, evaluated_models, losses_entry
+from pipeline.stage import Finished
 from pipeline.wiring import LOSSES, MODELS, TAGS, Wiring
 
 log = logging.getLogger(__name__)
@@ -369,8 +370,8 @@ def run_eval(cfg: EvalConfig) -> dict:
     )
 
 
-def _evaluate(stage, run: EvalRun) -> dict:
-    """Compute the chunks the ledger does not hold, record each, and write meta.json."""
+def _evaluate(stage, run: EvalRun) -> Finished:
+    """Compute the chunks the ledger does not hold, recording each; what meta.json records."""
     out, tags = stage.out, run.tags
     # chunk c holds the evaluated windows run.windows[i0:i1], as runs of consecutive windows
     chunks = chunk_bounds(run.n_windows, run.cfg.chunk_windows)
@@ -391,18 +392,14 @@ def _evaluate(stage, run: EvalRun) -> dict:
         )
     windows_done = run.n_windows - sum(chunks[c][1] - chunks[c][0] for c in todo)
     totals = _run_chunks(parts, run, chunks, sum(chunk_rows[c] for c in todo), windows_done)
-    meta = stage.finish(_eval_meta(stage, run, chunks, todo, totals))
+    meta = _eval_meta(stage, run, chunks, todo, totals)
     rate = f"{totals['tokens_per_s']:,.0f} tokens/s" if todo else "all chunks reused"
-    say(
+    line = (
         f"eval {run.name}: {meta['tokens']:,} losses over {run.n_windows:,} windows"
         f"{' (partial)' if run.partial else ''} -> {out} ({rate}, {meta['wall_time_s']:.1f} s)"
     )
-    return {
-        "out": str(out),
-        "name": run.name,
-        "tokens": meta["tokens"],
-        "tokens_per_s": totals["tokens_per_s"],
-    }
+    result = {"out": str(out), "name": run.name, "tokens": meta["tokens"]}
+    return Finished(meta, [line], {**result, "tokens_per_s": totals["tokens_per_s"]})
 
 
 def chunk_part(i0: int, i1: int, subset: bool = False) -> str:

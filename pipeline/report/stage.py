@@ -48,6 +48,7 @@ from pipeline.report.tables import (
     table1_text,
     write_csv,
 )
+from pipeline.stage import Finished
 from pipeline.wiring import LOSSES, PROBES, REPORT, TAGS, Wiring
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ REPORT_FILES = (
 )
 
 
-def _write_report(stage, cfg, con, checked, info, reference, t0, mqar=None) -> dict:
+def _write_report(stage, cfg, con, checked, info, reference, t0, mqar=None) -> Finished:
     from ar_slicing.analysis.sql import load_query, run_named_query
     from ar_slicing.analysis.table1 import compute_table1
 
@@ -265,10 +266,7 @@ def _write_report(stage, cfg, con, checked, info, reference, t0, mqar=None) -> d
         reference=reference,
         scored_windows=checked.scored_windows,
     )
-    meta = stage.finish(meta)
-    say(console_summary(text, t1, context, cfg))
-    say(str(out / REPORT_HTML_NAME))
-    return meta
+    return Finished(meta, [console_summary(text, t1, context, cfg), str(out / REPORT_HTML_NAME)])
 
 
 def _copy_length(con, cfg, out) -> dict:

@@ -14,7 +14,8 @@ from ar_slicing.data.store import docs_schema, dtype_for_vocab
 from ar_slicing.errors import ArSliceError, BadInput
 from ar_slicing.machinery.io import atomic_path, build_meta
 from ar_slicing.machinery.layout import DOCS_NAME, TOKENIZER_NAME, TOKENS_NAME
-from pipeline.config import config_to_dict, say
+from pipeline.config import config_to_dict
+from pipeline.stage import Finished
 from pipeline.tokenize.config import _DOCS_BATCH, _IMPORT_CHUNK, TokenizeConfig
 from pipeline.tokenize.shards import load_tokenizer_info, source_identity
 
@@ -84,7 +85,7 @@ def _resolve_import_source(spec: str, source_format: str | None) -> _ImportSourc
     return _ImportSource(path, source_format)
 
 
-def import_store(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict:
+def import_store(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> Finished:
     """Copy pre-tokenized streams into the store `stage.out`, unchanged; documents from the
     idx or from the EOS ids."""
     from tqdm import tqdm
@@ -160,7 +161,6 @@ def import_store(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict
         n_docs=n_docs,
         eos_appended=False,
     )
-    stage.finish(meta)
     summary = {
         "out": str(out),
         "skipped": False,
@@ -171,11 +171,11 @@ def import_store(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict
         "wall_time_s": wall,
         "tokens_per_s": stream_pos / max(wall, 1e-9),
     }
-    say(
+    line = (
         f"tokenize: imported {summary['n_tokens']:,} tokens in {summary['n_docs']:,} docs "
         f"({dtype.name}, stream kept as is) -> {out} in {wall:.1f}s"
     )
-    return summary
+    return Finished(meta, [line], summary)
 
 
 def _write_import_docs(path: Path, documents) -> int:

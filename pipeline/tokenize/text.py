@@ -22,7 +22,8 @@ from ar_slicing.machinery.io import (
     write_bytes_atomic,
 )
 from ar_slicing.machinery.layout import DOCS_NAME, STORE_WORK_DIR, TOKENIZER_NAME, TOKENS_NAME
-from pipeline.config import config_to_dict, read_documents, say
+from pipeline.config import config_to_dict, read_documents
+from pipeline.stage import Finished
 from pipeline.tokenize.config import TokenizeConfig
 from pipeline.tokenize.shards import (
     ShardTask,
@@ -39,7 +40,7 @@ from pipeline.tokenize.shards import (
 log = logging.getLogger(__name__)
 
 
-def encode_store(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict:
+def encode_store(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> Finished:
     """Tokenize text sources into the store `stage.out` (see the package docstring)."""
     from ar_slicing.machinery.executor import get_executor
 
@@ -104,7 +105,6 @@ def encode_store(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict
         eos_appended=True,
         bad_record_examples=stats.bad_examples,
     )
-    stage.finish(meta)  # (which drops the shards)
     summary = {
         "out": str(out),
         "skipped": False,
@@ -121,8 +121,7 @@ def encode_store(stage, cfg: TokenizeConfig, tok, info: dict, t0: float) -> dict
         "wall_time_s": wall,
         "tokens_per_s": n_tokens / max(wall, 1e-9),
     }
-    _print_summary(summary)
-    return summary
+    return Finished(meta, [_summary_line(summary)], summary)  # (finishing drops the shards)
 
 
 @dataclass
@@ -224,11 +223,11 @@ class Shards:
         )
 
 
-def _print_summary(s: dict) -> None:
+def _summary_line(s: dict) -> str:
     skipped = ", ".join(
         f"{s[k]} {k.replace('_', ' ')}" for k in ("bad_records", "empty") if s.get(k)
     )
-    say(
+    return (
         f"tokenize: {s['n_docs']:,} docs, {s['n_tokens']:,} tokens ({s['dtype']}) -> {s['out']} "
         f"in {s['wall_time_s']:.1f}s ({s['tokens_per_s']:,.0f} tokens/s)"
         + (f"; skipped {skipped}" if skipped else "")

@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING
 
 from ar_slicing.errors import ArSliceError
 from ar_slicing.machinery.io import build_meta, is_complete
-from pipeline.config import Command, say
+from pipeline.config import Command
+from pipeline.stage import Finished
 from pipeline.train.config import (  # noqa: F401  (re-exported)
     _RESUMABLE_CHANGES,
     ARCHITECTURES,
@@ -56,7 +57,7 @@ from pipeline.train.model import (  # noqa: F401  (re-exported)
     parse_model_options,
     sequence_loss,
 )
-from pipeline.train.prebuilt import check_prebuilt_settings, prebuilt_model, take_prebuilt
+from pipeline.train.prebuilt import check_prebuilt_settings, take_prebuilt
 from pipeline.train.schedule import (  # noqa: F401  (re-exported)
     BatchOrder,
     learning_rate,
@@ -115,16 +116,14 @@ def train(cfg: TrainConfig) -> dict:
     )
     out = Path(cfg.out)
 
-    def work(stage, _) -> dict:
+    def work(stage, _) -> Finished:
         with torch_threads(cfg.threads):
             stage.expect(final_files(cfg, out))
             if cfg.prebuilt is None:
                 return _train(stage, cfg, device, dtype, t0, kernels)
             # taken from a folder of prebuilt models: the same model
-            meta = take_prebuilt(stage, cfg, dtype, t0, lambda steps, inputs: _train_first_steps(
+            return take_prebuilt(stage, cfg, dtype, t0, lambda steps, inputs: _train_first_steps(
                 stage, cfg, device, dtype, steps, inputs), kernels)  # fmt: skip
-        say(f"train {cfg.arch}: taken from {prebuilt_model(cfg)} (the same settings and tokens)")
-        return meta
 
     return run_stage(
         f"train {cfg.arch}",
@@ -136,7 +135,7 @@ def train(cfg: TrainConfig) -> dict:
     )
 
 
-def _train(stage, cfg: TrainConfig, device: str, dtype: str, t0: float, kernels: dict) -> dict:
+def _train(stage, cfg: TrainConfig, device: str, dtype: str, t0: float, kernels: dict) -> Finished:
     """Build the model (resumed from the ledger's latest checkpoint), run the steps left, save
     the model and write meta.json."""
     from models.checkpoints.native import save_native
@@ -179,21 +178,19 @@ def _train(stage, cfg: TrainConfig, device: str, dtype: str, t0: float, kernels:
     )
     trained_tokens = (cfg.steps - start_step) * cfg.batch_size * cfg.seq_len
     meta = _train_meta(cfg, inputs, model_cfg, n_params, progress, start_step, device, dtype)
-    meta = stage.finish(
-        {
-            **meta,
-            "cpu_kernels": kernels,
-            "wall_time_s": round(time.time() - t0, 3),
-            "throughput": {"train_tokens_per_s": trained_tokens / max(t_loop, 1e-9)},
-        }
-    )  # (which drops the checkpoints)
+    meta = {
+        **meta,
+        "cpu_kernels": kernels,
+        "wall_time_s": round(time.time() - t0, 3),
+        "throughput": {"train_tokens_per_s": trained_tokens / max(t_loop, 1e-9)},
+    }
     val_text = "n/a" if progress.last_val is None else f"{progress.last_val:.3f}"
-    say(
+    line = (
         f"train {cfg.arch}: {n_params / 1e6:.2f}M params, {meta['tokens_seen']:,} tokens "
         f"({meta['epochs']:.2f} epochs), train loss {progress.train_loss_ema:.3f}, val loss "
         f"{val_text}, {meta['wall_time_s']:.0f} s -> {out}"
     )
-    return meta
+    return Finished(meta, [line])  # (finishing drops the checkpoints)
 
 
 def _start(cfg: TrainConfig, inputs, device: str):

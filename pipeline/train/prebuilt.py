@@ -51,6 +51,7 @@ from ar_slicing.machinery.layout import (
     kept_checkpoint,
 )
 from pipeline.config import config_to_dict, say
+from pipeline.stage import Finished
 from pipeline.train.config import TrainConfig
 
 # what the README and the refusals tell a person who wants the models trained here
@@ -278,7 +279,7 @@ def _copy(src: Path, dst: Path) -> None:
 
 def take_prebuilt(
     stage, cfg: TrainConfig, dtype: str, t0: float, train_first, kernels: dict
-) -> dict:
+) -> Finished:
     """Put the prebuilt model asked for into the stage's output (its plan is the one asked for):
     the model, its tokenizer and its kept checkpoints, each recorded in the ledger as training
     records them, then meta.json; refused (nothing written) when it was made otherwise. The kept
@@ -337,7 +338,8 @@ def take_prebuilt(
         },
         "wall_time_s": round(time.time() - t0, 3),
     }
-    return stage.finish(meta)
+    taken = f"train {cfg.arch}: taken from {folder} (the same settings and tokens)"
+    return Finished(meta, [taken])
 
 
 def held_as_asked(cfg: TrainConfig) -> bool:

@@ -16,7 +16,7 @@ from ar_slicing.machinery.ownership import lock_path
 from ar_slicing.machinery.plan import PlanMismatch, StagePlan
 from ar_slicing.machinery.plan.stage_parts import StageParts
 from pipeline.config import SUMMARY_LOGGER
-from pipeline.stage import Part, run_parts, run_stage
+from pipeline.stage import Finished, Part, run_parts, run_stage
 
 
 def plan(scale: int = 1) -> StagePlan:
@@ -40,7 +40,7 @@ def toy_work(done: list[str], fail_at: str | None = None):
 
     def work(stage, prepared):
         facts = run_parts(stage, make_parts(stage.out), do)
-        return stage.finish({"stage": "toy", "facts": facts, "prepared": prepared})
+        return Finished({"stage": "toy", "facts": facts, "prepared": prepared})
 
     return work
 
@@ -135,7 +135,7 @@ def test_a_complete_output_asked_for_more_is_reopened_its_parts_kept(tmp_path):
 
     def partial_work(stage, _):
         facts = run_parts(stage, make_parts(stage.out, ["a"]), lambda p: _write(p, done))
-        return stage.finish({"partial": True, "facts": facts})
+        return Finished({"partial": True, "facts": facts})
 
     run_stage("toy", out, plan(), partial_work, overwrite=False)
     more = lambda meta: bool(meta.get("partial"))  # noqa: E731
@@ -178,7 +178,7 @@ def test_parts_done_by_worker_processes_are_recorded_by_the_driver_and_resumed(t
             seen.append(sorted(parts.facts))
             for part, facts in parts.run(square_task, LocalExecutor(2)):
                 assert stage.done(part.name) == facts  # recorded before it is handed on
-            return stage.finish({"facts": parts.in_order()})
+            return Finished({"facts": parts.in_order()})
 
         return do
 
@@ -206,7 +206,7 @@ def test_record_each_keeps_the_facts_asked_for(tmp_path):
             write_json_atomic(part.files[0], {})
         passed = list(parts.record_each(results, lambda r: {"rows": r["rows"]}))
         assert [r for _, r in passed] == [{"rows": 3, "seconds": 0.5}] * 2  # yielded whole
-        return stage.finish({"facts": parts.in_order()})
+        return Finished({"facts": parts.in_order()})
 
     meta = run_stage("toy", out, plan(), run, overwrite=False)
     assert meta["facts"] == {"a": {"rows": 3}, "b": {"rows": 3}}
@@ -237,7 +237,47 @@ def test_results_given_back_by_task_are_matched_to_their_parts_and_held_facts_ke
         matched = [(part.name, r) for part, r in parts.of_tasks(given_back)]
         assert matched == [("c", {"rows": 1}), ("b", {"rows": 0})]
         parts.record_all(parts.of_tasks(given_back))
-        return stage.finish({"facts": parts.in_order()})
+        return Finished({"facts": parts.in_order()})
 
     meta = run_stage("toy", out, plan(), second, overwrite=False)
     assert meta["facts"] == {"a": {"rows": 1}, "b": {"rows": 0}, "c": {"rows": 1}}
+
+
+def test_the_runner_writes_meta_json_then_says_the_summary_and_returns_the_result(tmp_path, caplog):
+    out = tmp_path / "toy"
+    seen = []
+
+    class Seeing(logging.Handler):  # meta.json is on disk when each line is said
+        def emit(self, record):
+            seen.append((record.getMessage(), (out / "meta.json").is_file()))
+
+    def work(stage, _):
+        run_parts(
+            stage,
+            make_parts(stage.out, ["a"]),
+            lambda part: write_json_atomic(part.files[0], {}) or {},
+        )
+        assert not (out / "meta.json").exists()  # (the runner finishes, not the work)
+        return Finished({"stage": "toy", "rows": 3}, ["toy: 3 rows", "  by subset"], {"rows": 3})
+
+    handler = Seeing()
+    logging.getLogger(SUMMARY_LOGGER).addHandler(handler)
+    try:
+        with caplog.at_level(logging.INFO, logger=SUMMARY_LOGGER):
+            result = run_stage("toy", out, plan(), work, overwrite=False)
+    finally:
+        logging.getLogger(SUMMARY_LOGGER).removeHandler(handler)
+    assert result == {"rows": 3}
+    assert seen == [("toy: 3 rows", True), ("  by subset", True)]
+    meta = read_json(out / "meta.json")
+    assert meta["rows"] == 3 and meta["plan"]["stage"] == "toy" and "a" in meta["ledger"]
+    # without a result, the caller gets the finished meta.json
+    again = run_stage("toy", out, plan(2), lambda s, _: Finished({"rows": 4}), overwrite=True)
+    assert again == read_json(out / "meta.json") and again["rows"] == 4
+
+
+def test_work_that_does_not_end_with_finished_is_refused_and_writes_no_meta(tmp_path):
+    out = tmp_path / "toy"
+    with pytest.raises(TypeError, match="must end with a Finished"):
+        run_stage("toy", out, plan(), lambda stage, _: {"rows": 1}, overwrite=False)
+    assert not (out / "meta.json").exists()

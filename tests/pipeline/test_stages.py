@@ -41,7 +41,7 @@ def summary_settings(cfg):
 def run_summary(cfg):
     from ar_slicing.machinery.io import read_json, write_json_atomic
     from ar_slicing.machinery.plan import StagePlan, identity
-    from pipeline.stage import Part, run_parts, run_stage
+    from pipeline.stage import Finished, Part, run_parts, run_stage
 
     def scaled(files):
         tokens = read_json(Path(cfg.tags) / "meta.json")["counts"]["tokens"]
@@ -51,7 +51,7 @@ def run_summary(cfg):
     def work(stage, _):
         parts = [Part("summary", (stage.out / "summary.json",))]
         run_parts(stage, parts, lambda part: scaled(part.files))
-        return stage.finish({"stage": "summary"})
+        return Finished({"stage": "summary"})
 
     plan = StagePlan("summary", summary_settings(cfg), {"tags": identity(cfg.tags)})
     return run_stage("summary", cfg.out, plan, work, overwrite=cfg.overwrite)
