@@ -83,17 +83,29 @@ def main() -> None:
         local_ex = LocalExecutor(args.workers)
         # warm both (numba kernels loaded, Ray workers started) on a small run first
         count_stores(
-            [store], out / "warm-local", executor=local_ex, shard_tokens=1 << 20, progress=False
+            [store],
+            out / "warm-local",
+            make_executor=lambda: local_ex,
+            shard_tokens=1 << 20,
+            progress=False,
         )
         count_stores(
-            [store], out / "warm-ray", executor=ray_ex, shard_tokens=1 << 20, progress=False
+            [store],
+            out / "warm-ray",
+            make_executor=lambda: ray_ex,
+            shard_tokens=1 << 20,
+            progress=False,
         )
         rounds = {"local": [], "ray": []}
         for r in range(2):  # alternate, so drift on a shared machine hits both
             for name, ex in (("local", local_ex), ("ray", ray_ex)):
                 target = out / f"{name}-{r}"
                 rounds[name].append(
-                    timed(lambda t=target, e=ex: count_stores([store], t, executor=e, **kw))
+                    timed(
+                        lambda t=target, e=ex: count_stores(
+                            [store], t, make_executor=lambda: e, **kw
+                        )
+                    )
                 )
         same = (out / "local-0" / "bigrams.parquet").read_bytes() == (
             out / "ray-0" / "bigrams.parquet"

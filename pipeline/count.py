@@ -176,7 +176,6 @@ def count_stores(
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     overwrite: bool = False,
     config: dict | None = None,
-    executor=None,
     progress: bool = True,
     only_bigrams_of=None,
     make_executor=None,
@@ -188,8 +187,8 @@ def count_stores(
     With `only_bigrams_of` (store paths), only the bigrams occurring in those stores are
     counted (`ar_slicing.algorithms.counts.restricted`). Resumable: partials of finished shards (and
     finished reduce ranges) under `out/.work` are reused by a rerun with the same inputs and
-    settings. `make_executor()`: the executor, made only when there is counting to do (else
-    `executor`, else local processes). `label`: a complete output's skip is said under it (else
+    settings. `make_executor()`: the executor, made only when there is counting to do (a
+    Ray cluster is not started for a count that is skipped); local processes by default. `label`: a complete output's skip is said under it (else
     only logged); `summary(meta)`: the line said when a count ends.
     """
     import time
@@ -224,7 +223,7 @@ def count_stores(
         count_plan(stores, unit, shard_tokens, evaluated),
         count,
         overwrite=overwrite,
-        prepare=make_executor or (lambda: executor),
+        prepare=make_executor,
         detail=lambda meta: f"{meta['total_pairs']:,} pairs",
         quiet=label is None,
     )

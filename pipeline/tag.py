@@ -464,6 +464,36 @@ def _count_span_ngrams(cfg: TagConfig, parts: list[PartTask], training, workers:
     }, {"span_collect_s": t_collect, "span_count_s": time.time() - t1}
 
 
+@contextmanager
+def _shared_with_workers(store, docs, counts, tokens_path: str, counts_path: str):
+    """Worker processes forked inside inherit the opened store, documents and counts
+    (copy-on-write) instead of rebuilding the counts' lookup table each; under "spawn" they
+    open their own. Dropped, with the kernels' buffers, on the way out."""
+    keys = (f"store:{tokens_path}", f"docs:{tokens_path}", f"counts:{counts_path}")
+    _OPEN.update(zip(keys, (store, docs, counts)))
+    try:
+        yield
+    finally:
+        for key in keys:
+            _OPEN.pop(key, None)
+        _BUFFERS.clear()
+        _SPANS.clear()
+
+
+def _inputs_record(store, tokens_path: str, counts_path: str, counts_meta: dict) -> dict:
+    """What meta.json records of the tagged store and the counts."""
+    keys = ("total_pairs", "distinct_bigrams", "unit")
+    return {
+        "tokens": {
+            "path": tokens_path,
+            "n_tokens": store.n_tokens,
+            "n_docs": store.n_docs,
+            "git_hash": store.meta.get("git_hash"),
+        },
+        "counts": {"path": counts_path, **{k: counts_meta.get(k) for k in keys}},
+    }
+
+
 def _tag_into(
     stage, cfg: TagConfig, store, counts_meta: dict, training, warnings: list[str], t0: float
 ) -> Finished:
@@ -484,13 +514,7 @@ def _tag_into(
         counts = opening.result()
     tokens_path = str(Path(cfg.tokens).resolve())
     counts_path = str(Path(cfg.counts).resolve())
-    counts_summary = {k: counts_meta.get(k) for k in ("total_pairs", "distinct_bigrams", "unit")}
-
-    # Worker processes forked from here inherit these (copy-on-write) instead of rebuilding the
-    # counts' lookup table each; under "spawn" they open their own.
-    keys = (f"store:{tokens_path}", f"docs:{tokens_path}", f"counts:{counts_path}")
-    _OPEN.update(zip(keys, (store, docs, counts)))
-    try:
+    with _shared_with_workers(store, docs, counts, tokens_path, counts_path):
         windows = window_table(store.n_tokens, cfg.window)
         tasks = part_tasks(
             cfg, len(windows["window_id"]), tokens_path, counts_path, str(out.resolve())
@@ -518,11 +542,6 @@ def _tag_into(
             span_workers = min(cfg.workers or default_workers(), len(tasks))
             span_counts, span_times = _count_span_ngrams(cfg, tasks, training, span_workers)
         work_s = _tag_parts(parts, workers, n_targets)
-    finally:
-        for key in keys:
-            _OPEN.pop(key, None)
-        _BUFFERS.clear()
-        _SPANS.clear()
 
     summary, by_subset = _totals(parts.facts, [None, *docs.subset_names])
     if summary["tokens"] != n_targets:
@@ -534,15 +553,7 @@ def _tag_into(
     meta = build_meta(
         "tag",
         config=cfg,
-        inputs={
-            "tokens": {
-                "path": tokens_path,
-                "n_tokens": store.n_tokens,
-                "n_docs": store.n_docs,
-                "git_hash": store.meta.get("git_hash"),
-            },
-            "counts": {"path": counts_path, **counts_summary},
-        },
+        inputs=_inputs_record(store, tokens_path, counts_path, counts_meta),
         counts={
             **summary,
             "windows": len(windows["window_id"]),

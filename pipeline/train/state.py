@@ -264,7 +264,7 @@ def final_files(cfg: TrainConfig, out: Path) -> list[Path]:
 
 def missing_kept(stage, cfg: TrainConfig) -> list[int]:
     """The steps of `keep_checkpoints` the ledger does not hold whole."""
-    return stage.todo(kept_steps(cfg), kept_part)
+    return [step for step in kept_steps(cfg) if stage.done(kept_part(step)) is None]
 
 
 def resume(stage, model, optimizer, device: str):

@@ -384,7 +384,9 @@ def test_resume_after_interrupted_run_reuses_finished_shards(tmp_path):
     store = store_at(tmp_path / "s", docs, vocab_size=501, eos=500)
     out = tmp_path / "c"
     with pytest.raises(KeyboardInterrupt):
-        count_stores([store.path], out, shard_tokens=200, executor=StopAfter(4), progress=False)
+        count_stores(
+            [store.path], out, shard_tokens=200, make_executor=lambda: StopAfter(4), progress=False
+        )
     partials = sorted((out / ".work" / "partials").iterdir())
     assert len(partials) == 4 and not (out / "meta.json").exists()
     meta = count_stores([store.path], out, shard_tokens=200, progress=False)
@@ -397,7 +399,9 @@ def test_resume_after_interrupted_run_reuses_finished_shards(tmp_path):
     # a rerun with other settings is refused, naming them; --overwrite discards the partials
     out2 = tmp_path / "c2"
     with pytest.raises(KeyboardInterrupt):
-        count_stores([store.path], out2, shard_tokens=200, executor=StopAfter(3), progress=False)
+        count_stores(
+            [store.path], out2, shard_tokens=200, make_executor=lambda: StopAfter(3), progress=False
+        )
     with pytest.raises(
         ArSliceError, match='shard_tokens: 200 -> 300(?s:.*)unit: "stream" -> "row:50"'
     ):

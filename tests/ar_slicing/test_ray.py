@@ -265,7 +265,7 @@ def test_count_retries_killed_map_and_reduce_tasks(cluster, train_stores, tmp_pa
     kw = dict(unit="row:101", shard_tokens=20000, progress=False)
     count_stores(train_stores, tmp_path / "local", workers=1, **kw)
     killing = KillingExecutor(RayExecutor(1), tmp_path)  # one worker: same reduce ranges as local
-    count_stores(train_stores, tmp_path / "ray", executor=killing, **kw)
+    count_stores(train_stores, tmp_path / "ray", make_executor=lambda: killing, **kw)
     assert (tmp_path / "count_shard.killed").exists()
     assert (tmp_path / "reduce_range.killed").exists()
     same_bytes(tmp_path / "local", tmp_path / "ray", ["bigrams.parquet"])
@@ -299,11 +299,10 @@ def test_count_rerun_on_ray_skips_finished_shards(cluster, train_stores, tmp_pat
     n = local["counts"]["shards"]
     assert n >= 8
     with pytest.raises(BadInput, match="unreadable shard"):
-        count_stores(
-            train_stores, tmp_path / "ray", executor=FailingOnLastShard(RayExecutor(1)), **kw
-        )
+        failing = FailingOnLastShard(RayExecutor(1))
+        count_stores(train_stores, tmp_path / "ray", make_executor=lambda: failing, **kw)
     assert not (tmp_path / "ray" / "meta.json").exists()
-    again = count_stores(train_stores, tmp_path / "ray", executor=RayExecutor(1), **kw)
+    again = count_stores(train_stores, tmp_path / "ray", make_executor=lambda: RayExecutor(1), **kw)
     # the last shard was submitted after all but the 2 tasks in flight had finished
     assert again["counts"]["shards_resumed"] >= n - 3
     same_bytes(tmp_path / "local", tmp_path / "ray", ["bigrams.parquet"])

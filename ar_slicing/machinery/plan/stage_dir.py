@@ -297,10 +297,6 @@ class StageDir:
         """The facts recorded with `part` when it is done (recorded, its files whole), else None."""
         return self.ledger.done(part)
 
-    def todo(self, parts: Iterable, name: Callable[[Any], str] = str) -> list:
-        """Those of `parts` that are not done (`name(part)` is its name in the ledger)."""
-        return [p for p in parts if self.done(name(p)) is None]
-
     def expect(self, files: Iterable[str | os.PathLike]) -> None:
         """Say, before writing them (or handing them to workers), which files under final names
         the stage is about to write: from then on they are its own, whether or not a kill
