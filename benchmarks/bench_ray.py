@@ -82,20 +82,11 @@ def main() -> None:
         ray_ex = RayExecutor(args.workers)
         local_ex = LocalExecutor(args.workers)
         # warm both (numba kernels loaded, Ray workers started) on a small run first
-        count_stores(
-            [store],
-            out / "warm-local",
-            make_executor=lambda: local_ex,
-            shard_tokens=1 << 20,
-            progress=False,
-        )
-        count_stores(
-            [store],
-            out / "warm-ray",
-            make_executor=lambda: ray_ex,
-            shard_tokens=1 << 20,
-            progress=False,
-        )
+        for name, ex in (("local", local_ex), ("ray", ray_ex)):
+            warm = out / f"warm-{name}"
+            count_stores(
+                [store], warm, make_executor=lambda e=ex: e, shard_tokens=1 << 20, progress=False
+            )
         rounds = {"local": [], "ray": []}
         for r in range(2):  # alternate, so drift on a shared machine hits both
             for name, ex in (("local", local_ex), ("ray", ray_ex)):
