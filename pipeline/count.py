@@ -36,7 +36,6 @@ from pipeline.config import (
     config_to_dict,
     executor_option,
     ray_address_option,
-    say,
 )
 from pipeline.stage import Finished, run_stage
 from pipeline.wiring import COUNTS, STORES, Run, Table, Wiring
@@ -379,7 +378,7 @@ def _run_import(cfg: CountConfig) -> dict:
     executor = None
     if cfg.executor != "local":
         executor = get_executor(cfg.executor, cfg.workers or None, address=cfg.ray_address)
-    meta = import_counts(
+    return import_counts(
         list(cfg.import_parquet),
         cfg.out,
         tokenizer=cfg.tokenizer,
@@ -388,12 +387,12 @@ def _run_import(cfg: CountConfig) -> dict:
         overwrite=cfg.overwrite,
         config=config_to_dict(cfg),
         executor=executor,
+        label="count",
+        summary=lambda meta: (
+            f"count: {meta['total_pairs']:,} pairs, {meta['distinct_bigrams']:,} distinct bigrams "
+            f"(unit {meta['unit']}) imported from {len(meta['sources'])} file(s) -> {cfg.out}"
+        ),
     )
-    say(
-        f"count: {meta['total_pairs']:,} pairs, {meta['distinct_bigrams']:,} distinct bigrams "
-        f"(unit {meta['unit']}) imported from {len(meta['sources'])} file(s) -> {cfg.out}"
-    )
-    return meta
 
 
 def _defaults(run: Run, table: Table) -> dict:

@@ -51,8 +51,12 @@ def import_counts(
     config: dict | None = None,
     executor=None,
     progress: bool = True,
+    label: str | None = None,
+    summary=None,
 ) -> dict:
-    """Published counts (Parquet files of id0, id1, count) -> a counts directory, checked."""
+    """Published counts (Parquet files of id0, id1, count) -> a counts directory, checked.
+    `label`: a complete output's skip is said under it (else only logged); `summary(meta)`: the
+    line said when an import ends (as `pipeline.count.count_stores` takes them)."""
     import time
 
     from ar_slicing.data.tokenizer import describe, load_tokenizer
@@ -72,16 +76,19 @@ def import_counts(
         "count",
         out,
         plan,
-        lambda stage, pool: _import_into(stage, pool, paths, info, unit, config, progress, t0),
+        lambda stage, pool: _import_into(
+            stage, pool, paths, info, unit, config, progress, t0, summary
+        ),
         overwrite=overwrite,
         prepare=lambda: executor or LocalExecutor(workers),
-        quiet=True,
+        detail=lambda meta: f"{meta['total_pairs']:,} pairs",
+        quiet=label is None,
     )
 
 
-def _import_into(stage, pool, paths, info, unit, config, progress, t0) -> Finished:
+def _import_into(stage, pool, paths, info, unit, config, progress, t0, summary) -> Finished:
     """Map the files into partials, reduce them into bigrams.parquet (refusing a pair listed
-    twice); the facts meta.json records."""
+    twice); the facts meta.json records and the summary line."""
     import time
 
     from ar_slicing.algorithms.counts.imported import find_duplicate, import_part, plan_import_tasks
@@ -144,4 +151,5 @@ def _import_into(stage, pool, paths, info, unit, config, progress, t0) -> Finish
         imported={"format": "id0, id1, count", "files": sources, "tokenizer": info["name"]},
         sources=sources,
     )
-    return Finished(meta)  # (finishing drops the work folder)
+    lines = [summary(meta)] if summary is not None else []
+    return Finished(meta, lines)  # (finishing drops the work folder)

@@ -115,6 +115,11 @@ def test_cli_import(tmp_path, bpe_tokenizer_path, capsys):
         in capsys.readouterr().out
     )
     assert rows_of(tmp_path / "c") == [(1, 2, 1), (5, 1, 2), (5, 6, 3)]
+    # a rerun says the count is complete, in the words of every stage, and imports nothing
+    assert main([*args, "--unit", "row:2048"]) == 0
+    out = capsys.readouterr().out
+    assert f"count: {tmp_path / 'c'} is complete (6 pairs); skipped (--overwrite to redo)" in out
+    assert "imported from" not in out
     assert main([*args[:-1], str(tmp_path / "d")]) == 2  # no --unit: the unit must be stated
     assert "--unit" in capsys.readouterr().err
 
