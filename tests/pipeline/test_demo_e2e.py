@@ -25,7 +25,7 @@ from pipeline.runner.config_file import dumps_toml, torch_dir
 from tests import REPO
 
 DEMO = REPO / "pipeline" / "configs" / "demo.toml"
-ARCHS = ["base_conv", "h3", "hyena", "long_conv", "rwkv", "transformer_pp"]
+ARCHS = ["base_conv", "h3", "hyena", "long_conv", "retnet", "rwkv", "transformer_pp"]
 # the demo's two more runs of the Transformer++ recipe, from seeds 1 and 2
 SEED_RUNS = ["transformer_pp-seed1", "transformer_pp-seed2"]
 MODELS = sorted(ARCHS + SEED_RUNS)
@@ -33,12 +33,12 @@ GLOB = ["nn/*.py", "nn/modules/*.py"]  # 36 of the demo's 1,265 torch files, 1.2
 SPLIT = 0.1  # of 36 files: 6 for validation (the demo's 3% would leave 2 small ones)
 KEPT = [5, 10, 20]  # checkpoints kept before the last of 30 steps, as the demo keeps several
 # one model keeps one more point in its own table, as the demo's Transformer++ keeps step 1600;
-# its other seeds keep the two points around it, as the demo's keep 800 and 1600; H3 and Long
-# Conv keep only the early points, as the demo's keep 200 to 800 and not 3200
+# its other seeds keep the two points around it, as the demo's keep 800 and 1600; H3, Long
+# Conv and RetNet keep only the early points, as the demo's keep 200 to 800 and not 3200
 OWN_KEPT = (
     {"transformer_pp": [5, 10, 15, 20]}
     | {name: [10, 15] for name in SEED_RUNS}
-    | {name: [5, 10] for name in ("h3", "long_conv")}
+    | {name: [5, 10] for name in ("h3", "long_conv", "retnet")}
 )
 
 

@@ -165,7 +165,7 @@ DEMOS = {
 
 
 # the paper's other Table 1 rows, which only the torch demo trains
-PAPER_ROWS_TOO = {"demo.toml": ["h3", "long_conv"]}
+PAPER_ROWS_TOO = {"demo.toml": ["h3", "long_conv", "retnet"]}
 
 
 @pytest.mark.parametrize("config", DEMOS)
@@ -292,8 +292,9 @@ def test_the_sweep_trains_each_demo_model_at_three_rates_and_nothing_else_differ
         "rwkv",
         "h3",
         "long_conv",
+        "retnet",
     }
-    assert len(swept) == 21
+    assert len(swept) == 24
 
 
 @pytest.mark.parametrize(
