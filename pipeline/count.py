@@ -193,6 +193,7 @@ def count_stores(
     import time
 
     from ar_slicing.algorithms.counts.keys import parse_unit
+    from pipeline.count_work import count_finished, pairs_detail
 
     t0 = time.time()
     row = parse_unit(unit)
@@ -214,7 +215,7 @@ def count_stores(
             progress,
             t0,
         )
-        return Finished(meta, [summary(meta)] if summary is not None else [])
+        return count_finished(meta, summary)
 
     return run_stage(
         label or "count",
@@ -223,7 +224,7 @@ def count_stores(
         count,
         overwrite=overwrite,
         prepare=make_executor,
-        detail=lambda meta: f"{meta['total_pairs']:,} pairs",
+        detail=pairs_detail,
         quiet=label is None,
     )
 

@@ -15,7 +15,6 @@ from pathlib import Path
 from ar_slicing.algorithms.counts.keys import parse_unit
 from ar_slicing.errors import BadInput
 from ar_slicing.machinery.layout import BIGRAMS_NAME
-from pipeline.stage import Finished
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +61,7 @@ def import_counts(
     from ar_slicing.data.tokenizer import describe, load_tokenizer
     from ar_slicing.machinery.executor import LocalExecutor
     from ar_slicing.machinery.plan import StagePlan, file_identity
+    from pipeline.count_work import count_finished, pairs_detail
     from pipeline.stage import run_stage
 
     t0 = time.time()
@@ -73,22 +73,22 @@ def import_counts(
         inputs={"import": [{"path": str(Path(p).resolve()), **file_identity(p)} for p in paths]},
     )
     return run_stage(
-        "count",
+        label or "count",
         out,
         plan,
-        lambda stage, pool: _import_into(
-            stage, pool, paths, info, unit, config, progress, t0, summary
+        lambda stage, pool: count_finished(
+            _import_into(stage, pool, paths, info, unit, config, progress, t0), summary
         ),
         overwrite=overwrite,
         prepare=lambda: executor or LocalExecutor(workers),
-        detail=lambda meta: f"{meta['total_pairs']:,} pairs",
+        detail=pairs_detail,
         quiet=label is None,
     )
 
 
-def _import_into(stage, pool, paths, info, unit, config, progress, t0, summary) -> Finished:
+def _import_into(stage, pool, paths, info, unit, config, progress, t0) -> dict:
     """Map the files into partials, reduce them into bigrams.parquet (refusing a pair listed
-    twice); the facts meta.json records and the summary line."""
+    twice); the facts meta.json records (finishing drops the work folder)."""
     import time
 
     from ar_slicing.algorithms.counts.imported import find_duplicate, import_part, plan_import_tasks
@@ -151,5 +151,4 @@ def _import_into(stage, pool, paths, info, unit, config, progress, t0, summary) 
         imported={"format": "id0, id1, count", "files": sources, "tokenizer": info["name"]},
         sources=sources,
     )
-    lines = [summary(meta)] if summary is not None else []
-    return Finished(meta, lines)  # (finishing drops the work folder)
+    return meta

@@ -31,10 +31,22 @@ from ar_slicing.machinery.layout import (
     COUNT_WORK_DIR,
 )
 from ar_slicing.machinery.plan.stage_parts import Part, StageParts
+from pipeline.stage import Finished
 
 log = logging.getLogger(__name__)
 
 REDUCED_PART = "r{:05d}.parquet"  # in COUNT_REDUCED_DIR: the Parquet part of reduce range j
+
+
+def pairs_detail(meta: dict) -> str:
+    """What a complete count (or import) holds, for the line that says it is skipped."""
+    return f"{meta['total_pairs']:,} pairs"
+
+
+def count_finished(meta: dict, summary) -> Finished:
+    """A count's (or an import's) end, for the runner: the facts its meta.json records and, when
+    the caller gave `summary(meta)`, that line."""
+    return Finished(meta, [summary(meta)] if summary is not None else [])
 
 
 def make_work_dir(out: Path) -> Path:
