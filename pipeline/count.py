@@ -351,11 +351,8 @@ def run_count(cfg: CountConfig) -> dict:
             if meta.get("only_bigrams_of")
             else ""
         )
-        return (
-            f"count: {meta['total_pairs']:,} pairs, {meta['distinct_bigrams']:,} distinct bigrams "
-            f"(unit {meta['unit']}) from {len(meta['sources'])} store(s){only} -> {cfg.out}"
-            + (f" ({meta['wall_time_s']:.1f} s, {rate / 1e6:.1f} M tokens/s)" if rate else "")
-        )
+        timing = f" ({meta['wall_time_s']:.1f} s, {rate / 1e6:.1f} M tokens/s)" if rate else ""
+        return f"{_totals(meta)} from {len(meta['sources'])} store(s){only} -> {cfg.out}{timing}"
 
     return count_stores(
         list(cfg.tokens),
@@ -390,9 +387,16 @@ def _run_import(cfg: CountConfig) -> dict:
         executor=executor,
         label="count",
         summary=lambda meta: (
-            f"count: {meta['total_pairs']:,} pairs, {meta['distinct_bigrams']:,} distinct bigrams "
-            f"(unit {meta['unit']}) imported from {len(meta['sources'])} file(s) -> {cfg.out}"
+            f"{_totals(meta)} imported from {len(meta['sources'])} file(s) -> {cfg.out}"
         ),
+    )
+
+
+def _totals(meta: dict) -> str:
+    """The head of a count's (or an import's) summary line: what its bigrams.parquet holds."""
+    return (
+        f"count: {meta['total_pairs']:,} pairs, {meta['distinct_bigrams']:,} distinct bigrams "
+        f"(unit {meta['unit']})"
     )
 
 
